@@ -36,7 +36,7 @@ import torch
 
 from .layout import PagedKVCache, check_page_size
 from .params import DashParams
-from . import paged
+from . import paged, recorder
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -71,15 +71,8 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
     seq_lens: ``[n]`` int32 KV lengths after the extend; head_cls: ``[Hkv, D]``.
     Returns ``out [T, Hq, D]`` in ``q.dtype`` (rows of padded requests are zero).
     """
-    _check_query(q, cache, head_cls, block_table, seq_lens)
-    if cu_seqlens_q.shape != (seq_lens.shape[0] + 1,):
-        raise ValueError(f"cu_seqlens_q must be [n + 1] = [{seq_lens.shape[0] + 1}], got {tuple(cu_seqlens_q.shape)}")
-    out = _out(out, q)
-    if k is not None:
-        cache_dash_prefill(k, v, cache, slot_mapping, params, head_cls=head_cls)
-    else:
-        _check_cache(cache, params)
-    return paged.paged_dash_torch(q, cache, block_table, cu_seqlens_q, seq_lens, head_cls, params, out)
+    return _paged_dash("prefill", q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls,
+                       params, out)
 
 
 def paged_dash_decode(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
@@ -92,9 +85,23 @@ def paged_dash_decode(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[to
     ``[n, max_pages]`` int32; seq_lens: ``[n]`` int32 including the new token (0 marks a padded
     row, whose output is zero); slot_mapping: ``[n]`` int64. Returns ``[n, Hq, D]`` in ``q.dtype``.
     """
-    n = q.shape[0]
-    cu = torch.arange(n + 1, dtype=torch.int32, device=q.device)
-    return paged_dash_prefill(q, k, v, cache, block_table, cu, seq_lens, slot_mapping, head_cls, params, out=out)
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return _paged_dash("decode", q, k, v, cache, block_table, cu, seq_lens, slot_mapping, head_cls, params, out)
+
+
+def _paged_dash(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params, out):
+    """Validate, record (``DASH_RECORD_DIR``), write the new K/V, then attend."""
+    _check_query(q, cache, head_cls, block_table, seq_lens)
+    if cu_seqlens_q.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(f"cu_seqlens_q must be [n + 1] = [{seq_lens.shape[0] + 1}], got {tuple(cu_seqlens_q.shape)}")
+    out = _out(out, q)
+    recorder.record(op, q=q, cache=cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+                    slot_mapping=slot_mapping, params=params)
+    if k is not None:
+        cache_dash_prefill(k, v, cache, slot_mapping, params, head_cls=head_cls)
+    else:
+        _check_cache(cache, params)
+    return paged.paged_dash_torch(q, cache, block_table, cu_seqlens_q, seq_lens, head_cls, params, out)
 
 
 def _out(out: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
