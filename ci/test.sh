@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Set up every test environment from scratch (or reuse it) and run all CPU test levels.
+# Exits non-zero when any level fails. Environments go to $DASH_VENV_DIR (default: .venvs/ in the repo).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venvs=${DASH_VENV_DIR:-$root/.venvs}
+export PYTHONUNBUFFERED=1
+failed=()
+
+# level NAME BUDGET_S COMMAND...: run one level, print its time against its budget.
+level() {
+  local name=$1 budget=$2; shift 2
+  local start=$SECONDS
+  echo "=== level $name (budget ${budget} s) ==="
+  timeout $((budget * 2)) "$@"
+  local rc=$?
+  echo "=== level $name: exit $rc, $((SECONDS - start)) s of ${budget} s budget ==="
+  [ $rc -eq 0 ] || failed+=("$name")
+}
+
+level core-setup 600 bash ci/setup_core.sh "$venvs/core"
+level core 1200 "$venvs/core/bin/python" -m pytest -q -m "not gpu and not engine_sglang and not engine_vllm" \
+  --doctest-modules dash_core tests
+
+if ls tests/engines/test_sglang_*.py >/dev/null 2>&1; then
+  level sglang-setup 900 bash ci/setup_sglang.sh "$venvs/sglang"
+  level sglang 900 bash ci/run_engine_tests.sh "$venvs/sglang" engine_sglang tests/engines/test_sglang_*.py
+fi
+if ls tests/engines/test_vllm_*.py >/dev/null 2>&1; then
+  level vllm-setup 600 bash ci/setup_vllm.sh "$venvs/vllm"
+  level vllm 900 bash ci/run_engine_tests.sh "$venvs/vllm" engine_vllm tests/engines/test_vllm_*.py
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED levels: ${failed[*]}"
+  exit 1
+fi
+echo "all levels passed"
