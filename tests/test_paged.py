@@ -192,3 +192,33 @@ def test_views_do_not_copy():
 def test_block_table_from_req_to_token():
     req_to_token = torch.tensor([[64, 65, 66, 67, 32, 33, 34, 35], [0, 1, 2, 3, 96, 97, 98, 99]])
     assert block_table_from_req_to_token(req_to_token, 4).tolist() == [[16, 8], [0, 24]]
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("bs", [16, 32, 64, 128])
+def test_every_page_and_block_size(page_size, bs):
+    """Summary store where the page holds whole blocks, recomputed summaries otherwise."""
+    r = Requests([3 * bs + 5, 2 * bs - 1, bs + 2], page_size, seed=bs + page_size, shared_prefix_pages=0)
+    p = DashParams(block_size=bs, scaling_factor=3.0, topk=2, estimate_diagonal=True)
+    store = page_size % bs == 0
+    cache = make_cache("vllm" if bs % 32 else "sglang", r.num_pages, page_size, torch.float32, store=store, bs=bs)
+    n = r.lengths
+    half = [m // 2 for m in n]
+    o1 = r.extend(cache, p, [0] * 3, half)
+    o2 = r.extend(cache, p, half, n)
+    at1 = at2 = 0
+    for i, m in enumerate(n):
+        got = torch.cat([o1[at1: at1 + half[i]], o2[at2: at2 + m - half[i]]])
+        at1, at2 = at1 + half[i], at2 + m - half[i]
+        assert torch.allclose(got, r.oracle(i, p, 0, m), atol=1e-5, rtol=1e-5), f"request {i}"
+
+
+def test_two_requests_sharing_prefix_pages_in_one_batch():
+    bs = 16
+    r = Requests([80, 72], 16, seed=11, shared_prefix_pages=3)
+    p = DashParams(block_size=bs, scaling_factor=4.0, router="shared")
+    cache = make_cache("sglang", r.num_pages, 16, torch.float32)
+    r.extend(cache, p, [0], [48])  # the shared 3 pages
+    out = r.extend(cache, p, [48, 48], [80, 72])  # both extend from the shared prefix
+    assert torch.allclose(out[:32], r.oracle(0, p, 48, 80), atol=1e-5)
+    assert torch.allclose(out[32:], r.oracle(1, p, 48, 72), atol=1e-5)
