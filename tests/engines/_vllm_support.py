@@ -1,0 +1,108 @@
+"""Shared helpers of the vLLM engine tests (tests/engines/test_vllm_*.py).
+
+Everything here uses real vLLM objects (EngineArgs configs, ``Attention`` layers, the KV cache
+spec and vLLM's own cache-view allocation); nothing is faked except, in the TP tests, the rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+
+from dash_core import DashParams
+
+# Engines and checkpoints of these tests are tiny; this much free disk covers temp dirs and logs.
+MIN_FREE_GB = 2
+
+
+def budget(name: str, seconds: float):
+    """A module-scoped fixture that prints the module's run time against its budget (no assertion)."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _budget(request):
+        start = time.monotonic()
+        yield
+        line = f"[vllm level {name}] {time.monotonic() - start:.1f} s of a {seconds:.0f} s budget"
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(line)
+        else:
+            sys.stderr.write(line + "\n")
+
+    return _budget
+
+
+def check_free_disk(path: str, need_gb: float = MIN_FREE_GB) -> None:
+    """Fail with a clear message when ``path``'s filesystem has less than ``need_gb`` free."""
+    free = shutil.disk_usage(path).free / 2**30
+    if free < need_gb:
+        pytest.fail(f"only {free:.1f} GiB free under {path}; the vLLM engine tests need about {need_gb} GiB")
+
+
+def engine_config(model_dir: str, block_size: int = 16, **kw):
+    """A real ``VllmConfig`` for the tiny checkpoint (no engine, no workers)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", block_size=block_size,
+                max_model_len=512, enforce_eager=True, max_num_seqs=8)
+    args.update(kw)
+    return EngineArgs(**args).create_engine_config()
+
+
+def dash_layer(vllm_config, params: DashParams, head_cls: torch.Tensor, num_heads: int = 4, num_kv_heads: int = 2,
+               head_dim: int = 32, name: str = "model.layers.0.self_attn.attn"):
+    """A real vLLM ``Attention`` layer bound to the DASH backend, its customised spec and its builder."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    from adapters.vllm.backend import DashAttentionBackend
+
+    with set_current_vllm_config(vllm_config):
+        vllm_config.compilation_config.static_forward_context.pop(name, None)
+        layer = Attention(num_heads, head_dim, head_dim ** -0.5, num_kv_heads=num_kv_heads, prefix=name,
+                          cache_config=vllm_config.cache_config, attn_backend=DashAttentionBackend,
+                          head_cls=head_cls, dash_params=params)
+        spec = customize_attention_spec(DashAttentionBackend, layer.get_kv_cache_spec(vllm_config))
+        builder = DashAttentionBackend.get_builder_cls()(spec, [name], vllm_config, torch.device("cpu"))
+    return layer, spec, builder
+
+
+def allocate_kv_cache(spec, num_blocks: int, layout_name: str = "LBHNC") -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw int8 buffer, the layer's ``[num_blocks, H, block_size, C]`` view) exactly as vLLM lays them out."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    page = spec.page_size_bytes
+    raw = torch.zeros(num_blocks * page, dtype=torch.int8)
+    tensor = KVCacheTensor(size=raw.numel(), layers=["layer"], layer_stride=num_blocks * page, block_stride=page)
+    (view,) = create_kv_cache_views(raw, spec, num_blocks, KVCacheLayout[layout_name], tensor)
+    return raw, view
+
+
+def common_metadata(query_lens: list[int], seq_lens: list[int], block_table: torch.Tensor,
+                    slot_mapping: torch.Tensor):
+    """vLLM's ``CommonAttentionMetadata`` for one step (CPU tensors)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=sl, num_reqs=len(query_lens),
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        block_table_tensor=block_table, slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=sl.clone())
+
+
+def slots(block_row: torch.Tensor, positions: range, block_size: int) -> torch.Tensor:
+    """Slots of ``positions`` for a request whose pages are ``block_row``."""
+    pos = torch.tensor(list(positions), dtype=torch.long)
+    return block_row[pos // block_size].long() * block_size + pos % block_size
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
