@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 ROUTERS = ("kv_head", "shared")
+ATTENTION_BACKENDS = ("TRITON", "FLASH_ATTN", "FLASHINFER")
 
 # DashParams field -> the key published DASH checkpoints use in their model config.
 CONFIG_KEYS = {
@@ -17,6 +18,7 @@ CONFIG_KEYS = {
     "sigma": "sigma",
     "estimate_diagonal": "estimate_diagonal",
     "router": "dash_router",
+    "attention_backend": "dash_attention_backend",
 }
 
 
@@ -48,6 +50,8 @@ class DashParams:
         sigma: temperature of the estimated-diagonal prior, >= 1.
         estimate_diagonal: normalise the prior by its geometric mean (SPEC.md section 5).
         router: ``"kv_head"`` (one selection per KV head) or ``"shared"`` (one for all heads).
+        attention_backend: what runs the attention stage, ``"TRITON"`` (native kernels) or the
+            segment backends ``"FLASH_ATTN"``, ``"FLASHINFER"`` (``dash_core.segments``; need ``topk``).
     """
 
     block_size: int = 64
@@ -57,6 +61,7 @@ class DashParams:
     sigma: float = 1e6
     estimate_diagonal: bool = False
     router: str = "kv_head"
+    attention_backend: str = "TRITON"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -80,6 +85,8 @@ class DashParams:
             raise _bad("estimate_diagonal", self.estimate_diagonal, "True or False")
         if self.router not in ROUTERS:
             raise _bad("router", self.router, f"one of {ROUTERS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise _bad("attention_backend", self.attention_backend, f"one of {ATTENTION_BACKENDS}")
 
     @property
     def local_blocks(self) -> int:

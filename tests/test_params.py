@@ -51,3 +51,13 @@ def test_from_config_reads_published_keys_and_dash_overrides():
 def test_from_config_validates():
     with pytest.raises(ValueError, match="block_size"):
         DashParams.from_config({"chunk_size": 100})
+
+
+def test_attention_backend_option():
+    assert DashParams().attention_backend == "TRITON"  # the default (issue: segmented execution)
+    for name in ("TRITON", "FLASH_ATTN", "FLASHINFER"):
+        assert DashParams(attention_backend=name).attention_backend == name
+    assert DashParams.from_config({"dash_attention_backend": "FLASHINFER"}).attention_backend == "FLASHINFER"
+    with pytest.raises(ValueError) as e:
+        DashParams(attention_backend="flashinfer")
+    assert "attention_backend" in str(e.value) and "'flashinfer'" in str(e.value) and "FLASH_ATTN" in str(e.value)
