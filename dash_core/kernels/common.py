@@ -1,0 +1,46 @@
+"""Index math shared by the DASH Triton kernels (one place for paging and decode bounds).
+
+A request's block ``b`` (tokens ``b*bs .. b*bs + bs - 1``) lives in page
+``block_table[req, b // (ps // bs)]`` at rows ``(b % (ps // bs)) * bs ..``; its summary is at index
+``page * (ps // bs) + b % (ps // bs)`` of the summary store (``slot // bs``, SPEC.md section 8).
+All offsets that scale with the cache size are computed in int64.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def decode_bounds(seq_lens_ptr, req, max_tokens, LOCAL_BLOCKS: tl.constexpr, BS: tl.constexpr):
+    """(length, position, current block, first local block, candidates) of a decode row.
+
+    The length is clamped to ``max_tokens`` (what the page table can address); a padded row
+    (length 0) has no local block and no candidate.
+    """
+    length = tl.minimum(tl.load(seq_lens_ptr + req).to(tl.int32), max_tokens)
+    length = tl.maximum(length, 0)
+    pos = tl.maximum(length - 1, 0)
+    cur = pos // BS
+    first_local = tl.maximum(cur - LOCAL_BLOCKS + 1, 0)
+    ncand = tl.where(length > 0, first_local, 0)
+    return length, pos, cur, first_local, ncand
+
+
+@triton.jit
+def block_page(bt_row_ptr, blk, PS: tl.constexpr, BS: tl.constexpr, mask=None):
+    """Physical page (int64) and first row of logical block ``blk`` (scalar or tensor)."""
+    ppb: tl.constexpr = PS // BS
+    page = tl.load(bt_row_ptr + blk // ppb, mask=mask, other=0).to(tl.int64)
+    return page, (blk % ppb) * BS
+
+
+@triton.jit
+def summary_index(page, blk, PS: tl.constexpr, BS: tl.constexpr):
+    """Index of a block's summary in the store (``slot // bs``), int64."""
+    ppb: tl.constexpr = PS // BS
+    return page * ppb + (blk % ppb)

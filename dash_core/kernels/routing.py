@@ -1,0 +1,325 @@
+"""Triton routing: scores against block summaries, 1.5-entmax, group mean, ``topk`` cap, prior.
+
+Stage 2 and the prior of SPEC.md (sections 4-5). ``route_tile`` is the one routing routine: it
+takes the scores ``x = 0.5 * <sf q, s> / sqrt(D)`` of a tile of selection *units* (a unit is what
+gets one selection: a (request, KV head) for router ``kv_head``, a request for ``shared``; a
+prefill tile is several query tokens), each with ``nrows`` score rows (its query heads), from a
+scratch buffer, and writes each unit's kept blocks. Decode calls it with one unit per program;
+prefill kernels call it with a tile of query tokens.
+
+Decode uses two kernels:
+
+- ``_decode_scores_kernel``, grid ``(n, Hkv, splits)``: each program scores a contiguous share of
+  one request's candidates for the G query heads of one KV head (summaries read through the page
+  table) into the score scratch, and writes the row maxima of its share.
+- ``_decode_select_kernel``, grid ``(n, Hsel)``: one unit per program, calls ``route_tile``.
+
+All arithmetic is fp32 (scores accumulate fp32 from products of the query/summary dtype). The
+entmax keeps the score rows in the scratch (L2-resident at decode sizes) and takes one pass per
+Halley step. The cap never sorts: the ``topk``-th largest ``mp`` is found by a multi-pivot search
+on the fp32 bit patterns (positive floats order like their bits), ties go to the lower block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import block_page, decode_bounds, summary_index
+
+PRIOR_EPS = 1e-20  # SPEC.md section 5
+HALLEY_SLACK = 1e-5  # SPEC.md section 4
+INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
+
+
+@triton.jit
+def route_tile(
+    x_ptr, x_unit, x_row_stride, nrows, ncand, m,
+    mp_ptr, mp_unit, bt_ptr, bt_unit,
+    sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
+    count_ptr, count_unit, topk, inv_sigma,
+    QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
+    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr,
+):
+    """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
+
+    x: unit u, row r, candidate c at ``x_ptr + x_unit[u] + r * x_row_stride + c`` (fp32, rows
+    ``0 .. nrows-1``, candidates ``0 .. ncand[u]-1``; ``ncand[u] == 0`` = nothing to route);
+    m ``[QT, NH_PAD]``: the maximum of each row. mp scratch: ``mp_ptr + mp_unit[u] + c``.
+    bt: page-table row of unit u at ``bt_ptr + bt_unit[u]`` (to store physical block ids).
+    Writes, per unit, its kept blocks in increasing order: logical index (``sel_idx``), summary
+    index = physical block (``sel_blk``), ``log`` prior (``sel_bias``), at ``sel_unit[u] + j`` for
+    ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
+    """
+    offs_r = tl.arange(0, NH_PAD)
+    offs_c = tl.arange(0, TC)
+    offs_s = tl.arange(0, TS)
+    row_ok = offs_r < nrows
+    nmax = tl.max(ncand, axis=0)
+    x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * x_row_stride
+
+    # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
+    lo = m - 1.0
+    hi = m
+    tau = (lo + hi) * 0.5
+    for _ in tl.static_range(3):
+        ssq = tl.zeros([QT, NH_PAD], tl.float32)
+        sdf = tl.zeros([QT, NH_PAD], tl.float32)
+        cnt = tl.zeros([QT, NH_PAD], tl.float32)
+        for c0 in range(0, nmax, TC):
+            c = c0 + offs_c
+            ok = row_ok[None, :, None] & (c[None, None, :] < ncand[:, None, None])
+            x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
+            above = x > tau[:, :, None]
+            diff = tl.where(above, x - tau[:, :, None], 0.0)
+            ssq += tl.sum(diff * diff, axis=2)
+            sdf += tl.sum(diff, axis=2)
+            cnt += tl.sum(above.to(tl.float32), axis=2)
+        f = ssq - 1.0
+        df = -2.0 * sdf
+        ddf = 2.0 * cnt
+        den = 2.0 * df * df - f * ddf
+        # a zero denominator makes the step NaN or infinite: it fails the bracket test below
+        new = tl.where(den != 0, tau - tl.div_rn(2.0 * f * df, tl.where(den != 0, den, 1.0)), float("nan"))
+        lo = tl.where(f > 0, tau, lo)
+        hi = tl.where(f < 0, tau, hi)
+        good = (new > lo - 1e-5) & (new < hi + 1e-5)  # NaN fails both
+        tau = tl.where(good, new, (lo + hi) * 0.5)
+
+    # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
+    nrows_f = nrows.to(tl.float32)
+    npos = tl.zeros([QT], tl.int32)
+    for c0 in range(0, nmax, TC):
+        c = c0 + offs_c
+        cok = c[None, :] < ncand[:, None]
+        ok = row_ok[None, :, None] & cok[:, None, :]
+        x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
+        diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
+        mp = tl.sum(diff * diff, axis=1) / nrows_f
+        tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
+        npos += tl.sum(((mp > 0) & cok).to(tl.int32), axis=1)
+    tl.debug_barrier()  # mp is read back by other threads of this program
+
+    # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
+    thr = tl.zeros([QT], tl.int32)
+    need = npos < 0
+    if HAS_TOPK:
+        need = npos > topk
+        lo_k = tl.where(need, 1, 0)
+        hi_k = tl.where(need, 0x7F800000, 1)
+        offs_p = tl.arange(0, NPIV)
+        while tl.max(hi_k - lo_k, axis=0) > 1:
+            span = (hi_k - lo_k).to(tl.int64)
+            piv = lo_k[:, None] + (span[:, None] * (offs_p[None, :] + 1) // (NPIV + 1)).to(tl.int32)
+            ge = tl.zeros([QT, NPIV], tl.int32)
+            for c0 in range(0, nmax, TS):
+                c = c0 + offs_s
+                cok = c[None, :] < ncand[:, None]
+                key = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok, other=0.0).to(tl.int32, bitcast=True)
+                ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
+            enough = ge >= topk
+            new_lo = tl.max(tl.where(enough, piv, lo_k[:, None]), axis=1)
+            new_hi = tl.min(tl.where(enough, hi_k[:, None], piv), axis=1)
+            lo_k = tl.where(need, tl.maximum(lo_k, new_lo), lo_k)
+            hi_k = tl.where(need, tl.minimum(hi_k, new_hi), hi_k)
+        thr = tl.where(need, lo_k, 0)
+
+    # How many ties at the threshold are kept; geometric mean of the kept mp (estimate_diagonal).
+    ties = tl.zeros([QT], tl.int32)
+    log_g = tl.zeros([QT], tl.float32)
+    if HAS_TOPK or EST_DIAG:
+        ngt = tl.zeros([QT], tl.int32)
+        slog = tl.zeros([QT], tl.float32)
+        nlog = tl.zeros([QT], tl.float32)
+        for c0 in range(0, nmax, TS):
+            c = c0 + offs_s
+            cok = c[None, :] < ncand[:, None]
+            mpv = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok, other=0.0)
+            gt = (mpv.to(tl.int32, bitcast=True) > thr[:, None]) & cok
+            ngt += tl.sum(gt.to(tl.int32), axis=1)
+            if EST_DIAG:
+                pos = gt & (mpv > 1e-20)
+                slog += tl.sum(tl.where(pos, tl.log(tl.where(pos, mpv, 1.0)), 0.0), axis=1)
+                nlog += tl.sum(pos.to(tl.float32), axis=1)
+        ties = tl.where(need, topk - ngt, 0)
+        if EST_DIAG:
+            v_thr = thr.to(tl.float32, bitcast=True)
+            tie_pos = (ties > 0) & (v_thr > 1e-20)
+            slog += tl.where(tie_pos, ties.to(tl.float32) * tl.log(tl.where(tie_pos, v_thr, 1.0)), 0.0)
+            nlog += tl.where(tie_pos, ties.to(tl.float32), 0.0)
+            log_g = slog / tl.maximum(nlog, 1.0)
+
+    # Compaction: kept blocks in increasing order with their log prior.
+    ppb: tl.constexpr = PS // BS
+    nkept = tl.zeros([QT], tl.int32)
+    nties = tl.zeros([QT], tl.int32)
+    for c0 in range(0, nmax, TS):
+        c = c0 + offs_s
+        cok = c[None, :] < ncand[:, None]
+        mpv = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok, other=0.0)
+        key = mpv.to(tl.int32, bitcast=True)
+        gt = (key > thr[:, None]) & cok
+        tie = (key == thr[:, None]) & (key > 0) & cok
+        tie_i = tie.to(tl.int32)
+        tie_rank = nties[:, None] + tl.cumsum(tie_i, axis=1) - tie_i
+        keep = gt | (tie & (tie_rank < ties[:, None]))
+        if EST_DIAG:
+            keep = keep & (mpv > 1e-20)
+        keep_i = keep.to(tl.int32)
+        j = nkept[:, None] + tl.cumsum(keep_i, axis=1) - keep_i
+        keep_w = keep & (j < sel_cap)
+        logmp = tl.log(tl.where(keep, mpv, 1.0))
+        if EST_DIAG:
+            bias = (logmp - log_g[:, None]) * inv_sigma
+        else:
+            bias = logmp
+        page = tl.load(bt_ptr + bt_unit[:, None] + c[None, :] // ppb, mask=keep_w, other=0).to(tl.int64)
+        blk = page * ppb + c[None, :] % ppb
+        dst = sel_unit[:, None] + j
+        tl.store(sel_idx_ptr + dst, c[None, :] + tl.zeros([QT, TS], tl.int32), mask=keep_w)
+        tl.store(sel_blk_ptr + dst, blk.to(tl.int32), mask=keep_w)
+        tl.store(sel_bias_ptr + dst, bias, mask=keep_w)
+        nkept += tl.sum(keep_i, axis=1)
+        nties += tl.sum(tie_i, axis=1)
+    tl.store(count_ptr + count_unit, tl.minimum(nkept, sel_cap))
+
+
+@triton.jit
+def _decode_scores_kernel(
+    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
+    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT,
+    G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates.
+
+    Loads ``sf * q`` rounded to the query dtype for the G heads of KV head h (``[G_PAD, D]``),
+    summaries ``[BLOCK_N, D]`` per step through the page table, writes
+    ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
+    maximum of its share per head to ``pmax [n, Hq, NSPLIT]`` (-inf for an empty share).
+    """
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
+    per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
+    c_start = s * per
+    c_end = tl.minimum(ncand, c_start + per)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < G
+    heads = h * G + offs_g
+    q = tl.load(q_ptr + i * sq_n + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
+    bt_row = bt_ptr + i.to(tl.int64) * sbt_n
+    x_rows = x_ptr + i.to(tl.int64) * sx_n + heads[:, None].to(tl.int64) * sx_h
+    mx = tl.full([G_PAD], float("-inf"), tl.float32)
+    for c0 in range(c_start, c_end, BLOCK_N):
+        c = c0 + offs_n
+        cm = c < c_end
+        page, _ = block_page(bt_row, c, PS, BS, mask=cm)
+        sidx = summary_index(page, c, PS, BS)
+        summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=cm[:, None], other=0.0)
+        x = tl.dot(qs, tl.trans(summ)) * x_scale
+        tl.store(x_rows + c[None, :], x, mask=g_ok[:, None] & cm[None, :])
+        mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
+    tl.store(pmax_ptr + i * spm_n + heads * spm_h + s, mx, mask=g_ok)
+
+
+@triton.jit
+def _decode_select_kernel(
+    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
+    mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
+    count_ptr, scnt_n, NROWS, topk, inv_sigma,
+    NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
+    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr,
+):
+    """Grid ``(n, Hsel)``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
+
+    Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile``.
+    """
+    i = tl.program_id(0)
+    u = tl.program_id(1)
+    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
+    offs_r = tl.arange(0, NH_PAD)
+    offs_s = tl.arange(0, NS_PAD)
+    rows = u * NROWS + offs_r
+    r_ok = offs_r < NROWS
+    pm = tl.load(pmax_ptr + i * spm_n + rows[:, None] * spm_h + offs_s[None, :],
+                 mask=r_ok[:, None] & (offs_s[None, :] < NSPLIT), other=float("-inf"))
+    m = tl.max(pm, axis=1)
+    m = tl.where(r_ok & (ncand > 0), m, 0.0)
+    one = tl.zeros([1], tl.int64)
+    i64 = i.to(tl.int64)
+    route_tile(
+        x_ptr, one + i64 * sx_n + u * NROWS * sx_h, sx_h, NROWS, one.to(tl.int32) + ncand, m[None, :],
+        mp_ptr, one + i64 * smp_n + u * smp_h, bt_ptr, one + i64 * sbt_n,
+        sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
+        count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
+        QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+    )
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+# Elements of the largest register tile of the select kernel (keeps it near 32 registers a thread).
+SELECT_TILE_BUDGET = 8192
+NUM_PIVOTS = 16
+
+
+def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
+                 sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
+                 *, num_splits: int) -> None:
+    """Route one decode token per request (two launches, no host synchronisation).
+
+    q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
+    ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token, 0 = padded row).
+    Scratch (rows ``>= n`` untouched): scores ``[>= n, Hq, max_cand]`` fp32, pmax
+    ``[>= n, Hq, >= num_splits]`` fp32, mp ``[>= n, Hsel, max_cand]`` fp32 with
+    ``max_cand = max_pages * page_size // bs``. Outputs: ``sel_idx, sel_blk`` int32 and
+    ``sel_bias`` fp32 ``[>= n, Hsel, cap]``, ``sel_count [>= n, Hsel]`` int32: per unit, the kept
+    candidate blocks (logical index, physical block, log prior) in increasing order.
+    ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
+    bounded by the number of candidates).
+    """
+    n, hq, d = q.shape
+    hkv = summaries.shape[1]
+    g = hq // hkv
+    bs = params.block_size
+    max_pages = block_table.shape[1]
+    max_cand = max_pages * page_size // bs
+    shared = params.router == "shared"
+    nrows = hq if shared else g
+    hsel = 1 if shared else hkv
+    if n == 0:
+        return
+    block_n = max(16, min(64 if d <= 128 else 32, _pow2(max_cand)))
+    _decode_scores_kernel[(n, hkv, num_splits)](
+        q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
+        block_table, block_table.stride(0), seq_lens, max_pages * page_size,
+        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
+        params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
+        G_PAD=max(16, _pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
+        num_warps=4, num_stages=3,
+    )
+    nh_pad = _pow2(nrows)
+    tc = max(16, min(_pow2(max_cand), SELECT_TILE_BUDGET // nh_pad))
+    ts = max(16, min(_pow2(max_cand), SELECT_TILE_BUDGET // NUM_PIVOTS))
+    topk = params.topk if params.topk is not None else 0
+    _decode_select_kernel[(n, hsel)](
+        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
+        block_table, block_table.stride(0), seq_lens, max_pages * page_size,
+        mp, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
+        sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma,
+        NH_PAD=nh_pad, NS_PAD=_pow2(num_splits), TC=tc, TS=ts, NPIV=NUM_PIVOTS,
+        HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, BS=bs, PS=page_size,
+        LOCAL_BLOCKS=params.local_blocks, num_warps=8,
+    )

@@ -1,0 +1,155 @@
+"""Random paged decode scenarios for the kernel tests: caches in either engine's layout, shuffled
+page tables, shared prefix pages, padded rows; plus the oracle's view of each request."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from dash_core import DashParams
+from dash_core.layout import PagedKVCache, alloc_summaries, slots_of
+from dash_core.reference import block_summaries
+
+
+@dataclass
+class Scenario:
+    params: DashParams
+    cache: PagedKVCache
+    block_table: torch.Tensor  # [n, max_pages] int32
+    seq_lens: torch.Tensor  # [n] int32, 0 = padded row
+    q: torch.Tensor  # [n, Hq, D] decode queries (position seq_len - 1)
+    k_new: torch.Tensor  # [n, Hkv, D] the decode token's K/V
+    v_new: torch.Tensor
+    slot_mapping: torch.Tensor  # [n] int64, -1 for padded rows
+    head_cls: torch.Tensor  # [Hkv, D]
+    k_full: List[Optional[torch.Tensor]]  # per request [Hkv, L, D] (cache dtype), None if padded
+    v_full: List[Optional[torch.Tensor]]
+    storage: tuple  # the engine tensors behind the cache views
+
+    @property
+    def n(self) -> int:
+        return self.q.shape[0]
+
+    def slots(self, i: int) -> torch.Tensor:
+        """Slots of every position of request i."""
+        return slots_of(self.block_table[i].cpu(), torch.arange(int(self.seq_lens[i])), self.cache.page_size)
+
+    def stored_summaries(self, i: int) -> torch.Tensor:
+        """Summaries of request i's complete blocks read back from the store: ``[Hkv, nblk, D]`` float64."""
+        bs = self.params.block_size
+        slots = self.slots(i)
+        nblk = int(self.seq_lens[i]) // bs
+        return self.cache.summaries.cpu()[slots[: nblk * bs: bs] // bs].permute(1, 0, 2).double()
+
+
+def make_scenario(seed: int, lens: List[int], *, hq: int = 4, hkv: int = 2, d: int = 64, bs: int = 16,
+                  pages_per_block: int = 1, layout: str = "sglang", dtype=torch.bfloat16,
+                  params: Optional[DashParams] = None, shared_prefix_pages: int = 0, extra_pages: int = 3,
+                  spare_table_pages: int = 1, q_scale: float = 1.0, device="cpu") -> Scenario:
+    """Build a cache holding ``lens[i] - 1`` history tokens per request (written with the torch path),
+    and the decode token of each request (not yet written). ``lens[i] == 0`` is a padded row.
+
+    Request 1 shares its first ``shared_prefix_pages`` pages with request 0 (same page ids, same keys).
+    """
+    g = torch.Generator().manual_seed(seed)
+    params = params or DashParams(block_size=bs)
+    ps = bs * pages_per_block
+    n = len(lens)
+    need = [-(-l // ps) for l in lens]
+    shared = 0
+    if n >= 2 and shared_prefix_pages and lens[0] > 0 and lens[1] > 0:
+        shared = min(shared_prefix_pages, (lens[0] - 1) // ps, (lens[1] - 1) // ps)
+    max_pages = max(need) + spare_table_pages
+    total = sum(need) - shared + extra_pages
+    perm = torch.randperm(total, generator=g).to(torch.int32)
+    bt = torch.randint(0, total, (n, max_pages), generator=g, dtype=torch.int32)  # junk past the end
+    nxt = 0
+    for i in range(n):
+        for j in range(need[i]):
+            if i == 1 and j < shared:
+                bt[1, j] = bt[0, j]
+            else:
+                bt[i, j] = perm[nxt]
+                nxt += 1
+    num_slots = total * ps
+    if layout == "sglang":
+        kb = torch.zeros(num_slots, hkv, d, dtype=dtype)
+        vb = torch.zeros(num_slots, hkv, d, dtype=dtype)
+        storage = (kb, vb)
+        summ = alloc_summaries(num_slots, bs, hkv, d, dtype)
+        cache = PagedKVCache.from_sglang(kb, vb, ps, summ)
+    else:  # vllm: [num_blocks, H_slots, block_size, C] with spare head slots and channels
+        kv = torch.zeros(total, hkv + 1, ps, 2 * d + 16, dtype=dtype)
+        storage = (kv,)
+        summ = alloc_summaries(num_slots, bs, hkv, d, dtype)
+        cache = PagedKVCache.from_vllm(kv, hkv, d, summ)
+    head_cls = torch.randn(hkv, d, generator=g).to(dtype)
+    k_full, v_full = [], []
+    q = torch.randn(n, hq, d, generator=g) * q_scale
+    for i, L in enumerate(lens):
+        if L == 0:
+            k_full.append(None)
+            v_full.append(None)
+            continue
+        k = torch.randn(hkv, L, d, generator=g)
+        # give keys a per-block offset so that summaries differ in scale and routing is not flat
+        k = k + 0.5 * torch.randn(hkv, -(-L // bs), d, generator=g).repeat_interleave(bs, 1)[:, :L]
+        v = torch.randn(hkv, L, d, generator=g)
+        if i == 1 and shared:
+            k[:, : shared * ps] = k_full[0][:, : shared * ps].float()
+            v[:, : shared * ps] = v_full[0][:, : shared * ps].float()
+        k_full.append(k.to(dtype))
+        v_full.append(v.to(dtype))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    sc = Scenario(params, cache, bt, seq_lens, q.to(dtype), torch.zeros(n, hkv, d, dtype=dtype),
+                  torch.zeros(n, hkv, d, dtype=dtype), torch.full((n,), -1, dtype=torch.int64), head_cls,
+                  k_full, v_full, storage)
+    for i, L in enumerate(lens):
+        if L == 0:
+            continue
+        slots = sc.slots(i)
+        sc.slot_mapping[i] = slots[-1]
+        sc.k_new[i] = k_full[i][:, -1]
+        sc.v_new[i] = v_full[i][:, -1]
+        hist = slots[:-1]
+        pg, row = hist // ps, hist % ps
+        cache.k_pages[pg, row] = k_full[i][:, :-1].permute(1, 0, 2)
+        cache.v_pages[pg, row] = v_full[i][:, :-1].permute(1, 0, 2)
+        nblk = (L - 1) // bs
+        if nblk:
+            s = block_summaries(k_full[i][:, : nblk * bs], head_cls, bs)  # [Hkv, nblk, D]
+            cache.summaries[hist[: nblk * bs: bs] // bs] = s.permute(1, 0, 2).to(dtype)
+    if device != "cpu":
+        sc = sc.to(device)
+    return sc
+
+
+def _to(x, device):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def scenario_to(sc: Scenario, device) -> Scenario:
+    storage = tuple(t.to(device) for t in sc.storage)
+    summ = sc.cache.summaries.to(device)
+    if len(storage) == 2:
+        cache = PagedKVCache.from_sglang(storage[0], storage[1], sc.cache.page_size, summ)
+    else:
+        cache = PagedKVCache.from_vllm(storage[0], sc.cache.num_kv_heads, sc.cache.head_dim, summ)
+    return Scenario(sc.params, cache, _to(sc.block_table, device), _to(sc.seq_lens, device), _to(sc.q, device),
+                    _to(sc.k_new, device), _to(sc.v_new, device), _to(sc.slot_mapping, device),
+                    _to(sc.head_cls, device), sc.k_full, sc.v_full, storage)
+
+
+Scenario.to = scenario_to
+
+
+def oracle_scaled_query(sc: Scenario, i: int) -> torch.Tensor:
+    """``sf * q`` rounded to the query dtype, as the kernels form it: ``[Hq, 1, D]``."""
+    return (sc.q[i].cpu() * sc.params.scaling_factor).to(sc.q.dtype)[:, None, :]
+
+
+def x_scale(d: int) -> float:
+    return 0.5 / math.sqrt(d)
