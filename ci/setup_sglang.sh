@@ -57,11 +57,15 @@ fi
 echo "setup_sglang: ${FREE} GB free at $PARENT (need ${NEED_GB} GB); creating $VENV_DIR"
 
 "$PYTHON" -m venv "$VENV_DIR"
-PIP=("$VENV_DIR/bin/python" -m pip)
-"${PIP[@]}" install --quiet --upgrade pip
-"${PIP[@]}" install --quiet "sglang==$SGLANG_VERSION" "pytest>=8" "hypothesis>=6.100" "safetensors>=0.4" numpy requests
+# pip, with the noise of local find-links directories that lack a package filtered out.
+pip_install() {
+    { "$VENV_DIR/bin/python" -m pip install --quiet "$@" 2>&1; } | { grep -v "is neither a file nor a directory" || true; }
+}
+pip_install --upgrade pip
+pip_install "sglang==$SGLANG_VERSION" "pytest>=8" "hypothesis>=6.100" "safetensors>=0.4" numpy requests
 elapsed "sglang $SGLANG_VERSION installed"
-"${PIP[@]}" install --quiet --no-deps -e "$REPO_DIR"
+# --no-deps: this project must not change SGLang's pinned torch or triton.
+pip_install --no-deps -e "$REPO_DIR"
 
 # Test-only rope shim: SGLang's RotaryEmbedding on a non-CUDA device without the CPU engine imports
 # vllm._custom_ops.rotary_embedding. This pure-torch version works in place like the original op.

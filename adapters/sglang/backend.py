@@ -1,0 +1,259 @@
+"""``DashAttnBackend``: SGLang 0.5.23's attention-backend interface over the ``dash_core`` ops.
+
+Each step turns SGLang's batch into ``dash_core`` arguments once (``init_forward_metadata``);
+each layer then views its K/V buffers and summary store as a ``PagedKVCache`` and calls
+``paged_dash_prefill`` / ``paged_dash_decode``, which write the new K/V and the summaries of
+completed blocks, then attend. No attention math lives here.
+
+Mapping (n requests, T new tokens):
+
+    block_table [n, max_pages] int32  = req_to_token[req_pool_indices, ::page_size] // page_size
+    seq_lens    [n] int32             = forward_batch.seq_lens (KV length including this step)
+    cu_seqlens_q [n + 1] int32        = cumsum of extend_seq_lens (decode: 0, 1, .., n)
+    slot_mapping [T] int64            = forward_batch.out_cache_loc
+    head_cls    [Hkv_local, D]        = keyword from the model (``DashLlamaForCausalLM``)
+
+The summary store (one ``[slots // block_size, Hkv, D]`` tensor per layer) hangs on the KV pool
+as ``pool.dash_summaries``, so every backend instance over one pool (two-batch overlap, draft
+runners, PD multiplexing) shares it, and radix-cache pages shared between requests share their
+summaries. Its bytes are added to SGLang's per-token KV cost by the plugin's pool-sizing hook.
+
+CUDA graphs (decode): ``init_cuda_graph_state`` allocates the block table and lengths once, sized
+by the largest captured batch and the longest context; ``init_forward_metadata_out_graph`` refills
+them in place before capture and before every replay, so captured kernels always read the same
+addresses. Padded rows arrive with ``req_pool_indices = 0`` and ``seq_lens = 1``: one token in the
+padding page.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dash_core.layout import PagedKVCache, alloc_summaries, block_table_from_req_to_token, check_page_size
+from dash_core.ops import SUPPORTED_DTYPES, paged_dash_decode, paged_dash_prefill
+from dash_core.params import DashParams
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+PAGE_SIZE_FLAG = "--page-size"
+
+
+@dataclass
+class DashForwardMetadata:
+    """One step's batch in ``dash_core`` terms (see the module docstring for shapes)."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+
+
+def summary_store(pool, block_size: int) -> list:
+    """The per-layer summary stores attached to SGLang's KV ``pool``, allocated on first use.
+
+    Returns ``pool.dash_summaries``: one ``[(pool.size + page_size) // block_size, Hkv, D]``
+    tensor per layer of the pool, in the pool's dtype, zeroed (index 0 = the padding page).
+    """
+    store = getattr(pool, "dash_summaries", None)
+    if store is not None:
+        if pool.dash_block_size != block_size:
+            raise ValueError(f"the KV pool already holds DASH summaries for block size {pool.dash_block_size}; "
+                             f"a second backend asked for block size {block_size}")
+        return store
+    num_slots = pool.size + pool.page_size
+    store = [alloc_summaries(num_slots, block_size, pool.head_num, pool.head_dim, pool.dtype, pool.device)
+             for _ in range(pool.layer_num)]
+    pool.dash_summaries, pool.dash_block_size = store, block_size
+    nbytes = sum(s.numel() * s.element_size() for s in store)
+    logger.info("DASH summary store: %d layers x %s %s, %.2f MB (block size %d)", pool.layer_num,
+                tuple(store[0].shape), pool.dtype, nbytes / 2**20, block_size)
+    return store
+
+
+def _reject(what: str, why: str) -> ValueError:
+    return ValueError(f"attention backend 'dash' does not support {what}: {why}")
+
+
+class DashAttnBackend(AttentionBackend):
+    """DASH sparse attention for SGLang (``--attention-backend dash``).
+
+    ``DashParams`` come from the model's HF config (``chunk_size``, ``scaling_factor``, ``sigma``,
+    ``estimate_diagonal``, ``dash_topk``, ``dash_local``, ``dash_router``); the page size must be a
+    multiple of the DASH block size (``--page-size``).
+    """
+
+    def __init__(self, model_runner):
+        super().__init__()
+        self.device = model_runner.device
+        self.page_size = model_runner.page_size or 1
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.params = DashParams.from_config(model_runner.model_config.hf_config)
+        check_page_size(self.page_size, self.params.block_size, PAGE_SIZE_FLAG)
+        self._validate_runner(model_runner)
+        self.summaries = summary_store(self.token_to_kv_pool, self.params.block_size)
+        self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
+        self.max_pages = -(-self.max_context_len // self.page_size)
+        self.forward_metadata: Optional[DashForwardMetadata] = None
+        self.cuda_graph_max_bs = 0
+        logger.info("DASH attention backend: %s, page size %d", self.params, self.page_size)
+
+    # ---- start-up checks -------------------------------------------------------------------
+
+    def _validate_runner(self, runner) -> None:
+        pool = self.token_to_kv_pool
+        dtype = getattr(pool, "dtype", None)
+        if dtype not in SUPPORTED_DTYPES or getattr(pool, "store_dtype", dtype) != dtype:
+            raise _reject(f"KV cache dtype {dtype}", f"use --kv-cache-dtype auto with one of {SUPPORTED_DTYPES}")
+        for name in ("get_key_buffer", "get_value_buffer", "head_num", "head_dim", "size", "layer_num"):
+            if not hasattr(pool, name):
+                raise _reject(f"the KV pool {type(pool).__name__}", "DASH needs SGLang's MHA token-to-KV pool")
+        k0 = pool.get_key_buffer(pool.start_layer)
+        if k0.dim() != 3 or tuple(k0.shape[1:]) != (pool.head_num, pool.head_dim):
+            raise _reject(f"the KV buffer layout {tuple(k0.shape)}",
+                          "DASH reads token-major [slots, Hkv, D] buffers (unset SGLANG_USE_HND_KVCACHE and "
+                          "--enable-page-major-kv-layout)")
+        translator = getattr(runner, "kv_index_translator", None)
+        if translator is not None and getattr(translator, "reads_are_translated", False):
+            raise _reject("the unified KV pool (--enable-unified-memory)",
+                          "its slots are virtual and need translation DASH does not do")
+        self.kv_index_translator = translator
+        spec = getattr(runner, "spec_algorithm", None)
+        if spec is not None and not spec.is_none():
+            raise _reject(f"speculative decoding ({spec})", "TARGET_VERIFY / draft batches are not implemented")
+        names = {getattr(runner, "prefill_attention_backend_str", None) or "dash",
+                 getattr(runner, "decode_attention_backend_str", None) or "dash"}
+        if names != {"dash"}:
+            raise _reject(f"a hybrid prefill/decode backend pair {sorted(names)}",
+                          "DASH must see every K/V write to keep its block summaries; use "
+                          "--attention-backend dash for both")
+        tp = self._attn_tp_size()
+        if self.params.router == "shared" and tp > 1:
+            raise _reject(f"router 'shared' with attention tensor parallelism {tp}",
+                          "its block selection averages routing probabilities over all query heads, which "
+                          "would need an all-reduce across ranks every layer; use router 'kv_head'")
+
+    @staticmethod
+    def _attn_tp_size() -> int:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            return int(get_parallel().attn_tp_size)
+        except Exception:  # noqa: BLE001 - the parallel context is unpublished in unit fixtures
+            return 1
+
+    # ---- metadata --------------------------------------------------------------------------
+
+    def _check_mode(self, mode) -> None:
+        if mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError(f"attention backend 'dash' does not support {mode.name} "
+                                      f"(speculative decoding)")
+        if mode.is_dllm_extend() or mode.is_split_prefill():
+            raise NotImplementedError(f"attention backend 'dash' does not support {mode.name}")
+
+    def _block_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
+        rows = self.req_to_token_pool.req_to_token[req_pool_indices.long(), : num_pages * self.page_size]
+        return block_table_from_req_to_token(rows, self.page_size)
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Eager path: build this step's block table, lengths and query offsets."""
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        self._check_mode(mode)
+        n = forward_batch.batch_size
+        lens_cpu = forward_batch.seq_lens_cpu
+        max_len = int(lens_cpu.max()) if lens_cpu is not None and n else self.max_context_len
+        if max_len > self.max_context_len:
+            raise ValueError(f"sequence length {max_len} exceeds the context length {self.max_context_len} "
+                             f"the request table was sized for")
+        num_pages = max(1, -(-max_len // self.page_size))
+        seq_lens = forward_batch.seq_lens.to(torch.int32)
+        if mode.is_decode():
+            cu = torch.arange(n + 1, dtype=torch.int32, device=seq_lens.device)
+        else:
+            cu = torch.zeros(n + 1, dtype=torch.int32, device=seq_lens.device)
+            torch.cumsum(forward_batch.extend_seq_lens, 0, out=cu[1:])
+        self.forward_metadata = DashForwardMetadata(
+            self._block_table(forward_batch.req_pool_indices, num_pages), seq_lens, cu)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Static decode buffers: block table ``[max_bs, max_pages]``, lengths, query offsets."""
+        self.cuda_graph_max_bs = max_bs
+        self.cg_block_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=self.device)
+        self.cg_seq_lens = torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int32,
+                                      device=self.device)
+        self.cg_cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Refill the static decode buffers in place (before capture and before every replay).
+
+        ``forward_batch`` may be SGLang's replay view (a ``SimpleNamespace`` without methods).
+        """
+        mode = forward_batch.forward_mode
+        self._check_mode(mode)
+        if not mode.is_decode():
+            raise NotImplementedError(f"attention backend 'dash' captures decode graphs only, got {mode.name}")
+        bs = forward_batch.batch_size
+        if bs > self.cuda_graph_max_bs:
+            raise ValueError(f"graph batch size {bs} exceeds init_cuda_graph_state's max_bs "
+                             f"{self.cuda_graph_max_bs}")
+        rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[:bs].long()]
+        self.cg_block_table[:bs].copy_(block_table_from_req_to_token(rows, self.page_size))
+        self.cg_seq_lens[:bs].copy_(forward_batch.seq_lens[:bs])
+        self.forward_metadata = DashForwardMetadata(
+            self.cg_block_table[:bs], self.cg_seq_lens[:bs], self.cg_cu_seqlens_q[: bs + 1])
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padded graph rows get one KV token (in the padding page), as SGLang's own backends."""
+        return 1
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def _cache(self, layer) -> PagedKVCache:
+        pool = self.token_to_kv_pool
+        return PagedKVCache.from_sglang(pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                                        self.page_size, self.summaries[layer.layer_id - pool.start_layer])
+
+    def _run(self, op, q, k, v, layer, forward_batch, save_kv_cache, head_cls):
+        if head_cls is None:
+            raise ValueError(f"attention backend 'dash' needs head_cls [Hkv, D] from the model (layer "
+                             f"{layer.layer_id} passed none); serve a DASH model such as DashLlamaForCausalLM")
+        if getattr(layer, "is_cross_attention", False) or getattr(layer, "sliding_window_size", -1) not in (None, -1) \
+                or getattr(layer, "logit_cap", 0) not in (None, 0, 0.0):
+            raise _reject(f"layer {layer.layer_id}'s attention type",
+                          "cross attention, sliding windows and logit caps are not part of DASH")
+        md = self.forward_metadata
+        hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        q3 = q.view(-1, hq, d)
+        cache = self._cache(layer)
+        # K/V and summaries are written together by the op. When the model already stored K/V
+        # (save_kv_cache=False) the op rewrites the same values, which keeps the summaries current.
+        if k is not None:
+            k, v, slots = k.reshape(-1, hkv, d), v.reshape(-1, hkv, d), forward_batch.out_cache_loc
+        elif save_kv_cache:
+            raise ValueError(f"layer {layer.layer_id}: save_kv_cache=True but k/v are None")
+        else:
+            v = slots = None
+        out = op(q3, k, v, cache, md.block_table, *_op_lens(op, md), slots, head_cls, self.params)
+        return out.view(-1, hq * d)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, head_cls=None, **kwargs):
+        """Prefill, chunked prefill and mixed batches: ``q [T, Hq * D]`` -> ``[T, Hq * D]``."""
+        return self._run(paged_dash_prefill, q, k, v, layer, forward_batch, save_kv_cache, head_cls)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, head_cls=None, **kwargs):
+        """One token per request: ``q [n, Hq * D]`` -> ``[n, Hq * D]``."""
+        return self._run(paged_dash_decode, q, k, v, layer, forward_batch, save_kv_cache, head_cls)
+
+
+def _op_lens(op, md: DashForwardMetadata) -> tuple:
+    """The length arguments each op takes after ``block_table``."""
+    if op is paged_dash_decode:
+        return (md.seq_lens,)
+    return (md.cu_seqlens_q, md.seq_lens)
