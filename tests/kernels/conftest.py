@@ -1,73 +1,21 @@
-"""Kernel tests run compiled on a CUDA machine and under the Triton interpreter elsewhere.
-
-``TRITON_INTERPRET=1`` must be set before triton is imported, so it is set here (only when no
-CUDA device is present). Three shims make the triton 3.6 interpreter compute what the compiled
-kernels compute (they touch nothing when compiling):
-
-- a loaded scalar is a one-element array that ``range`` bounds convert with ``int()``, which
-  numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream after 3.6): squeeze it first;
-- bf16 is stored as raw uint16 and ``tl.dot`` multiplies those integers: widen bf16 operands to
-  fp32 first (exact, as the tensor cores' bf16 products are; accumulation stays fp32);
-- fp32 -> bf16 casts truncate instead of rounding to nearest even as the GPU does: round with
-  torch instead.
-"""
+"""Kernel tests: the interpreter on the CPU, compiled (and marked ``gpu``) on a CUDA machine."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.kernels import _kernel_env  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from tests.kernels._kernel_env import KERNEL_DEVICE, triton
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-if INTERPRET:
-    from triton.runtime import interpreter as _interp
-
-    _orig_patch = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
-
-    import numpy as np
-    import triton.language as tl
-
-    _Builder = _interp.InterpreterBuilder
-    _orig_dot = _Builder.create_dot
-    _orig_cast = _Builder.cast_impl
-
-    def _bf16_to_f32(h):
-        return _interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16:
-            a, b = _bf16_to_f32(a), _bf16_to_f32(b)
-        return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-            bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return _interp.TensorHandle(bits.reshape(src.data.shape), dst_type.scalar)
-        return _orig_cast(self, src, dst_type)
-
-    _Builder.create_dot = create_dot
-    _Builder.cast_impl = cast_impl
-
-# Where the kernels run: the interpreter on CPU tensors, or compiled on the GPU.
-KERNEL_DEVICE = "cpu" if INTERPRET else ("cuda" if CUDA else None)
+# without triton there is nothing to test here: skip the whole kernel suite
+collect_ignore_glob = ["test_*.py"] if triton is None else []
 
 
 def pytest_collection_modifyitems(config, items):
-    if KERNEL_DEVICE is None:
-        skip = pytest.mark.skip(reason="no CUDA device and TRITON_INTERPRET is not set")
-        for item in items:
-            item.add_marker(skip)
+    for item in items:
+        if "tests/kernels/" not in str(item.fspath).replace("\\", "/"):
+            continue
+        if KERNEL_DEVICE is None:
+            item.add_marker(pytest.mark.skip(reason="no CUDA device and TRITON_INTERPRET is not set"))
+        elif KERNEL_DEVICE == "cuda":
+            item.add_marker(pytest.mark.gpu)  # the same tests, compiled, run with `pytest -m gpu`

@@ -1,0 +1,68 @@
+"""Where the kernel tests run: compiled on a CUDA machine and under the Triton interpreter elsewhere.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported, so ``conftest.py`` imports this
+module first; it sets it only when no CUDA device is present. Three shims make the triton 3.6 interpreter compute what the compiled
+kernels compute (they touch nothing when compiling):
+
+- a loaded scalar is a one-element array that ``range`` bounds convert with ``int()``, which
+  numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream after 3.6): squeeze it first;
+- bf16 is stored as raw uint16 and ``tl.dot`` multiplies those integers: widen bf16 operands to
+  fp32 first (exact, as the tensor cores' bf16 products are; accumulation stays fp32);
+- fp32 -> bf16 casts truncate instead of rounding to nearest even as the GPU does: round with
+  torch instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # the kernel suite is not collected (conftest.py)
+    triton = None
+INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+if INTERPRET:
+    from triton.runtime import interpreter as _interp
+
+    _orig_patch = _interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _orig_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = _patch_lang_tensor
+
+    import numpy as np
+    import triton.language as tl
+
+    _Builder = _interp.InterpreterBuilder
+    _orig_dot = _Builder.create_dot
+    _orig_cast = _Builder.cast_impl
+
+    def _bf16_to_f32(h):
+        return _interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            a, b = _bf16_to_f32(a), _bf16_to_f32(b)
+        return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return _interp.TensorHandle(bits.reshape(src.data.shape), dst_type.scalar)
+        return _orig_cast(self, src, dst_type)
+
+    _Builder.create_dot = create_dot
+    _Builder.cast_impl = cast_impl
+
+# Where the kernels run: the interpreter on CPU tensors, or compiled on the GPU.
+KERNEL_DEVICE = None if triton is None else ("cpu" if INTERPRET else ("cuda" if CUDA else None))

@@ -1,0 +1,85 @@
+"""K/V write and block summaries (stage 1) of the Triton kernels against the oracle."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tests.kernels._kernel_env import KERNEL_DEVICE
+from dash_core import DashParams
+from dash_core.kernels.kv_write import write_kv_and_summaries
+from dash_core.layout import PagedKVCache, alloc_summaries
+from dash_core.reference import block_summaries
+from tests.kernels._kernel_scenarios import make_scenario, summary_tolerance
+
+EXAMPLES = int(os.environ.get("DASH_KERNEL_EXAMPLES", "10"))
+DEV = KERNEL_DEVICE
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), lens=st.lists(st.integers(0, 100), min_size=1, max_size=4),
+       bs=st.sampled_from([16, 32]), ppb=st.integers(1, 3), layout=st.sampled_from(["sglang", "vllm"]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_decode_write_and_summary(seed, lens, bs, ppb, layout, dtype):
+    """One decode token per request: K/V land in their slots bit-exactly; a token that completes a
+    block writes that block's summary (oracle within one unit in the last place), nothing else changes."""
+    sc = make_scenario(seed, lens, bs=bs, pages_per_block=ppb, layout=layout, dtype=dtype,
+                       shared_prefix_pages=1).to(DEV)
+    before = sc.cache.summaries.clone()
+    write_kv_and_summaries(sc.k_new, sc.v_new, sc.cache, sc.slot_mapping, sc.head_cls, bs, decode=True)
+    ps = sc.cache.page_size
+    expect = before.cpu().double()
+    for i, L in enumerate(lens):
+        if L == 0:
+            continue
+        slot = int(sc.slot_mapping[i])
+        assert torch.equal(sc.cache.k_pages[slot // ps, slot % ps].cpu(), sc.k_new[i].cpu())
+        assert torch.equal(sc.cache.v_pages[slot // ps, slot % ps].cpu(), sc.v_new[i].cpu())
+        if L % bs == 0:
+            s = block_summaries(sc.k_full[i][:, L - bs:], sc.head_cls.cpu(), bs)[:, 0]  # [Hkv, D]
+            expect[slot // bs] = s
+    torch.testing.assert_close(sc.cache.summaries.cpu().double(), expect, **summary_tolerance(dtype))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), ntok=st.integers(1, 150), bs=st.sampled_from([16, 32, 64]),
+       ppb=st.integers(1, 4), layout=st.sampled_from(["sglang", "vllm"]), d=st.sampled_from([64, 128]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), pad=st.integers(0, 3))
+def test_prefill_write_and_summaries(seed, ntok, bs, ppb, layout, d, dtype, pad):
+    """A prefill batch (tokens of several blocks, padding slots < 0) in shuffled pages: K/V equal the
+    torch path exactly, every completed block is summarised (oracle within one ulp), others stay 0."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, ps = 2, bs * ppb
+    npages = -(-ntok // ps) + 2
+    pages = torch.randperm(npages, generator=g)
+    pos = torch.arange(ntok)
+    slots = pages[pos // ps] * ps + pos % ps
+    slot_mapping = torch.cat([slots, torch.full((pad,), -1)])[torch.randperm(ntok + pad, generator=g)]
+    k = torch.randn(ntok + pad, hkv, d, generator=g).to(dtype)
+    v = torch.randn(ntok + pad, hkv, d, generator=g).to(dtype)
+    head_cls = torch.randn(hkv, d, generator=g).to(dtype)
+    num_slots = npages * ps
+    if layout == "sglang":
+        kb, vb = torch.zeros(num_slots, hkv, d, dtype=dtype), torch.zeros(num_slots, hkv, d, dtype=dtype)
+        make = lambda s: PagedKVCache.from_sglang(kb.to(DEV), vb.to(DEV), ps, s)  # noqa: E731
+    else:
+        kv = torch.zeros(npages, hkv + 1, ps, 2 * d, dtype=dtype)
+        make = lambda s: PagedKVCache.from_vllm(kv.to(DEV), hkv, d, s)  # noqa: E731
+    cache = make(alloc_summaries(num_slots, bs, hkv, d, dtype, DEV))
+    write_kv_and_summaries(k.to(DEV), v.to(DEV), cache, slot_mapping.to(DEV), head_cls.to(DEV), bs, decode=False)
+    keep = slot_mapping >= 0
+    sl = slot_mapping[keep]
+    assert torch.equal(cache.k_pages.cpu()[sl // ps, sl % ps], k[keep])
+    assert torch.equal(cache.v_pages.cpu()[sl // ps, sl % ps], v[keep])
+    expect = torch.zeros(num_slots // bs, hkv, d, dtype=torch.float64)
+    by_pos = torch.empty(ntok, hkv, d, dtype=dtype)
+    inv = {int(s): j for j, s in enumerate(slot_mapping.tolist()) if s >= 0}
+    for p_ in range(ntok):
+        by_pos[p_] = k[inv[int(slots[p_])]]
+    nblk = ntok // bs
+    if nblk:
+        s = block_summaries(by_pos[: nblk * bs].permute(1, 0, 2), head_cls, bs)  # [Hkv, nblk, D]
+        expect[slots[: nblk * bs: bs] // bs] = s.permute(1, 0, 2)
+    torch.testing.assert_close(cache.summaries.cpu().double(), expect, **summary_tolerance(dtype))

@@ -1,0 +1,98 @@
+"""Routing (stage 2 + prior) of the Triton kernels against the oracle, fed the same summaries and
+the same ``sf * q``: the kept sets must be equal except the entries SPEC.md section 7 exempts."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from dash_core import DashParams
+from dash_core.kernels import launcher
+from tests.kernels._kernel_env import KERNEL_DEVICE
+from tests.kernels._kernel_scenarios import kernel_selection, make_scenario, oracle_route, selection_mismatches
+
+EXAMPLES = int(os.environ.get("DASH_KERNEL_EXAMPLES", "10"))
+DEV = KERNEL_DEVICE
+
+
+def check_routing(sc, bufs) -> None:
+    p = sc.params
+    hsel = bufs.sel_count.shape[1]
+    for i in range(sc.n):
+        rt, x, tau, ncand = oracle_route(sc, i)
+        for u in range(hsel):
+            idx, blk, bias = kernel_selection(bufs, i, u)
+            assert idx == sorted(set(idx)), f"row {i} unit {u}: kept blocks not increasing/unique: {idx}"
+            assert all(0 <= j < ncand for j in idx), f"row {i} unit {u}: {idx} outside 0..{ncand - 1}"
+            if p.topk is not None:
+                assert len(idx) <= p.topk
+            bad = selection_mismatches(sc, i, u, set(idx), rt, x, tau)
+            assert not bad, (f"row {i} unit {u}: blocks {bad} differ (kernel {idx}, oracle "
+                             f"{torch.nonzero(rt.kept[u, 0]).flatten().tolist() if rt is not None else []})")
+            if not idx:
+                continue
+            # physical block = the summary index of the logical block (slot // bs)
+            slots = sc.slots(i)
+            assert blk == (slots[torch.tensor(idx) * p.block_size] // p.block_size).tolist()
+            # log prior of the blocks both keep: fp32 vs float64; mp = (x - tau)^2 loses relative
+            # precision as x nears tau, so compare pi with 1e-5 absolute + 1e-3 relative
+            common = [n for n, j in enumerate(idx) if rt.kept[u, 0, j]]
+            pi_k = bias[common].exp()
+            pi_o = rt.prior[u, 0, [idx[n] for n in common]]
+            torch.testing.assert_close(pi_k, pi_o, atol=1e-5, rtol=1e-3)
+        if int(sc.seq_lens[i]) == 0:
+            assert int(bufs.sel_count[i].abs().sum()) == 0
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1),
+       lens=st.lists(st.one_of(st.integers(0, 40), st.integers(40, 260)), min_size=1, max_size=4),
+       router=st.sampled_from(["kv_head", "shared"]), topk=st.one_of(st.none(), st.integers(1, 8)),
+       est=st.booleans(), sf=st.sampled_from([0.0, 0.7, 2.0, 4.0]), local_blocks=st.integers(1, 2),
+       ppb=st.integers(1, 3), layout=st.sampled_from(["sglang", "vllm"]), group=st.sampled_from([1, 2, 4]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), splits=st.integers(1, 3))
+def test_routing_matches_oracle(seed, lens, router, topk, est, sf, local_blocks, ppb, layout, group, dtype, splits):
+    bs = 16
+    p = DashParams(block_size=bs, topk=topk, local=bs * local_blocks, scaling_factor=sf, estimate_diagonal=est,
+                   router=router)
+    sc = make_scenario(seed, lens, hq=2 * group, hkv=2, bs=bs, pages_per_block=ppb, layout=layout, dtype=dtype,
+                       params=p, shared_prefix_pages=1).to(DEV)
+    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(splits, 1))
+    launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+    check_routing(sc, bufs)
+
+
+def test_topk_ties_go_to_lower_blocks():
+    """sf = 0 makes every candidate score 0: equal mp everywhere, so the cap keeps the first topk."""
+    p = DashParams(block_size=16, topk=3, scaling_factor=0.0)
+    sc = make_scenario(3, [200, 97], params=p).to(DEV)
+    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 1))
+    launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+    for i in range(2):
+        for u in range(2):
+            idx, _, bias = kernel_selection(bufs, i, u)
+            assert idx == [0, 1, 2]
+            ncand = (int(sc.seq_lens[i]) - 1) // 16
+            # all scores equal: three Halley steps from [-1, 0] give tau and mp = (0 - tau)^2
+            assert torch.allclose(bias, bias[0].expand(3))
+            assert math.isfinite(float(bias[0])) and ncand > 3
+
+
+def test_wide_topk_and_long_rows():
+    """More candidates than one select tile (several tiles per pass), topk above and below the
+    support size, a padded row in the batch."""
+    for topk in (None, 5, 40):
+        p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
+        sc = make_scenario(11, [16 * 70 + 5, 0, 33], params=p, q_scale=1.5).to(DEV)
+        bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(3, 1))
+        from dash_core.kernels import routing
+        old = routing.SELECT_TILE_BUDGET
+        routing.SELECT_TILE_BUDGET = 64  # 32-wide score tiles, 16-wide select tiles: several tiles per pass
+        try:
+            launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+        finally:
+            routing.SELECT_TILE_BUDGET = old
+        check_routing(sc, bufs)
