@@ -53,6 +53,10 @@ def cache_dash_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, sl
     _check_tokens("v", v, t, cache)
     if cache.summaries is not None:
         _check_head_cls(head_cls, cache)
+    if cache.k_pages.is_cuda and cache.dtype in (torch.float16, torch.bfloat16):  # Triton write + summaries
+        from .kernels.launcher import cache_dash_prefill_triton
+        cache_dash_prefill_triton(k, v, cache, slot_mapping, params, head_cls)
+        return
     paged.write_kv(cache, k, v, slot_mapping)
     if cache.summaries is not None:
         paged.write_summaries(cache, slot_mapping, head_cls, params)
@@ -78,13 +82,20 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
 def paged_dash_decode(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                       cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor, params: DashParams, *,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, buffers=None) -> torch.Tensor:
     """One decode step: one query token per request, at position ``seq_lens[i] - 1``.
 
     q: ``[n, Hq, D]``; k, v: ``[n, Hkv, D]`` (or None when already written); block_table:
     ``[n, max_pages]`` int32; seq_lens: ``[n]`` int32 including the new token (0 marks a padded
     row, whose output is zero); slot_mapping: ``[n]`` int64. Returns ``[n, Hq, D]`` in ``q.dtype``.
+    On CUDA with bf16/fp16 this runs the Triton kernels without host synchronisation;
+    buffers: a ``dash_core.kernels.launcher.DecodeBuffers`` to reuse (what a CUDA graph owns).
     """
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # fp32 stays on the torch path
+        from .kernels.launcher import paged_dash_decode_triton
+        _check_query(q, cache, head_cls, block_table, seq_lens)
+        return paged_dash_decode_triton(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params,
+                                        out=out, buffers=buffers)
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return _paged_dash("decode", q, k, v, cache, block_table, cu, seq_lens, slot_mapping, head_cls, params, out)
 
