@@ -3,7 +3,6 @@ own selection and prior (SPEC.md section 6)."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch

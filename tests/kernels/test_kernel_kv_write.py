@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tests.kernels._kernel_env import KERNEL_DEVICE
-from dash_core import DashParams
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
 from dash_core.reference import block_summaries

@@ -1,0 +1,226 @@
+"""Decode kernels on the GPU only: 128k contexts on sampled rows, CUDA-graph capture and replay,
+no host synchronisation, and the engines' recorded batches replayed through the op.
+
+(Every other test in this directory also runs here, compiled, when CUDA is present.)
+"""
+
+from __future__ import annotations
+
+import glob
+import pathlib
+
+import pytest
+import torch
+
+from dash_core import DashParams, dash_reference, ops
+from dash_core.kernels import launcher
+from dash_core.kernels.kv_write import write_kv_and_summaries
+from dash_core.layout import PagedKVCache, alloc_summaries
+from tests.kernels._kernel_scenarios import (forget_summaries_from, make_scenario, summary_tolerance,
+                                             truncated)
+from tests.kernels.test_kernel_decode_attention import TOL, check_attention
+from tests.kernels.test_kernel_decode_e2e import row_errors
+from tests.kernels.test_kernel_routing import check_routing
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "engine_batches"
+
+
+def decode_op(sc, **kw):
+    return ops.paged_dash_decode(sc.q, sc.k_new, sc.v_new, sc.cache, sc.block_table, sc.seq_lens, sc.slot_mapping,
+                                 sc.head_cls, sc.params, **kw)
+
+
+def resummarise_with_kernel(sc) -> None:
+    """Replace the oracle-written summaries by the kernel's (summary-only launch over every slot)."""
+    sc.cache.summaries.zero_()
+    slots = torch.arange(sc.cache.num_slots, device="cuda")
+    write_kv_and_summaries(None, None, sc.cache, slots, sc.head_cls, sc.params.block_size, decode=False)
+
+
+@pytest.mark.parametrize("topk, est", [(64, False), (None, False), (16, True)])
+def test_128k_context_sampled_rows(topk, est):
+    """Requests of 128k, 100k and 65k tokens (Hq 8, Hkv 2, D 128, bs 64, pages of 128, shuffled):
+    summaries written by the kernel, routing and attention stage by stage on the decode rows, and
+    the op end to end against ``dash_reference(..., rows=[L - 1])``."""
+    p = DashParams(block_size=64, topk=topk, scaling_factor=4.0, estimate_diagonal=est)
+    lens = [131072, 100003, 65537]
+    sc = make_scenario(2024, lens, hq=8, hkv=2, d=128, bs=64, pages_per_block=2, params=p, q_scale=1.0).to("cuda")
+    oracle_summ = sc.cache.summaries.clone()
+    resummarise_with_kernel(sc)
+    for i, L in enumerate(lens):  # every block complete before the decode token
+        idx = sc.slots(i)[: (L - 1) // 64 * 64: 64] // 64
+        torch.testing.assert_close(sc.cache.summaries[idx.cuda()].double(), oracle_summ[idx.cuda()].double(),
+                                   **summary_tolerance(torch.bfloat16))
+    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p)
+    launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+    check_routing(sc, bufs)
+    check_attention(sc, bufs.splits(sc.n)[1])
+    out = decode_op(sc).cpu()
+    checked = bad = 0
+    for i, L in enumerate(lens):
+        hq, d = sc.q.shape[1], sc.q.shape[2]
+        qf = torch.zeros(1, hq, L, d, dtype=sc.q.dtype)
+        qf[0, :, -1] = sc.q[i].cpu()
+        ref, _ = dash_reference(qf, sc.k_full[i][None], sc.v_full[i][None], sc.head_cls.cpu(), p, rows=[L - 1])
+        err = (out[i].double() - ref[0, :, 0].double()).abs() - TOL[torch.bfloat16]["rtol"] * ref[0, :, 0].abs()
+        checked += hq
+        bad += int((err.amax(-1) > TOL[torch.bfloat16]["atol"] + 4e-3).sum())  # + the oracle's bf16 output rounding
+    # routing fed the oracle's own float64 summaries may move near-threshold blocks (SPEC.md 7)
+    assert bad <= 0.25 * checked, f"{bad} of {checked} rows differ from dash_reference"
+
+
+def _spare_pages(sc) -> list:
+    used = set()
+    for i in range(sc.n):
+        L = int(sc.seq_lens[i])
+        used |= set(sc.block_table[i, : -(-L // sc.cache.page_size)].tolist())
+    return sorted(set(range(sc.cache.k_pages.shape[0])) - used)
+
+
+def test_cuda_graph_replay_equals_eager():
+    """One captured decode step replayed over 70 steps whose lengths cross block boundaries, a page
+    table entry that moves mid-way and a padded row: every replay equals the eager op bit for bit,
+    and sampled steps match the oracle."""
+    p = DashParams(block_size=64, topk=8, scaling_factor=3.0)
+    steps = 70
+    start = [1000, 0, 3000, 63]
+    full = make_scenario(5, [s + steps if s else 0 for s in start], hq=8, hkv=2, d=128, bs=64, pages_per_block=2,
+                         params=p, extra_pages=6).to("cuda")
+    forget_summaries_from(full, start)
+    spare = _spare_pages(full)
+    bufs = launcher.DecodeBuffers.for_step(full.q, full.cache, full.block_table, p)
+    static = truncated(full, start, seed=0)
+    q_s, k_s, v_s = static.q.clone(), static.k_new.clone(), static.v_new.clone()
+    sl_s, slot_s = static.seq_lens.clone(), static.slot_mapping.clone()
+    bt_s = full.block_table  # mutated in place below
+    out_s = torch.empty_like(q_s)
+
+    def step():
+        ops.paged_dash_decode(q_s, k_s, v_s, full.cache, bt_s, sl_s, slot_s, full.head_cls, p, out=out_s,
+                              buffers=bufs)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture (this step is redone below)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    checked = bad = 0
+    for t in range(steps + 1):
+        if t == steps // 2:  # move request 2's second page: copy its K/V and summaries, repoint the table
+            old, new = int(bt_s[2, 1]), spare[0]
+            full.cache.k_pages[new] = full.cache.k_pages[old]
+            full.cache.v_pages[new] = full.cache.v_pages[old]
+            ppb = full.cache.page_size // p.block_size
+            full.cache.summaries[new * ppb:(new + 1) * ppb] = full.cache.summaries[old * ppb:(old + 1) * ppb]
+            full.cache.k_pages[old] = float("nan")  # a stale read would poison the output
+            full.cache.v_pages[old] = float("nan")
+            bt_s[2, 1] = new
+        sc = truncated(full, [s + t if s else 0 for s in start], seed=t)
+        for dst, src in ((q_s, sc.q), (k_s, sc.k_new), (v_s, sc.v_new), (sl_s, sc.seq_lens), (slot_s, sc.slot_mapping)):
+            dst.copy_(src)
+        graph.replay()
+        replayed = out_s.clone()
+        eager = decode_op(sc, buffers=launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p))
+        assert torch.equal(replayed, eager), f"step {t}: replay differs from eager"
+        assert torch.equal(replayed[1], torch.zeros_like(replayed[1])), "padded row must be zeros"
+        if t % 10 == 0 or t == steps:
+            c, b = row_errors(sc, replayed)
+            checked, bad = checked + c, bad + b
+    assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"
+
+
+@pytest.mark.parametrize("with_buffers", [True, False])
+def test_decode_step_never_synchronises(with_buffers):
+    p = DashParams(block_size=64, topk=16, scaling_factor=2.0)
+    sc = make_scenario(9, [5000, 0, 700], hq=8, hkv=2, d=128, bs=64, params=p).to("cuda")
+    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p) if with_buffers else None
+    decode_op(sc, buffers=bufs)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = decode_op(sc, buffers=bufs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out).all()
+
+
+def _recorded(engine: str) -> list:
+    return sorted(glob.glob(str(FIXTURES / engine / "*.pt")))
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_replay_recorded_engine_batches(engine):
+    """Every batch an engine recorded (``DASH_RECORD_DIR``, metadata only: page tables, lengths,
+    slot mappings, shapes, params) replayed through the CUDA ops on random K/V: decode batches
+    against the torch paged path on the same cache (same stored summaries), prefill batches'
+    K/V + summary writes against the torch write."""
+    files = _recorded(engine)
+    if not files:
+        pytest.skip(f"no recorded {engine} batches under {FIXTURES / engine}")
+    from dash_core import paged
+
+    checked = bad = replayed = 0
+    for path in files:
+        rec = torch.load(path, weights_only=True)
+        pd = {k: v for k, v in rec["params"].items() if k in DashParams.__dataclass_fields__}
+        p = DashParams(**pd)
+        hq, hkv, d, ps = rec["num_heads"], rec["num_kv_heads"], rec["head_dim"], rec["page_size"]
+        if not rec.get("has_summaries", True):
+            continue  # no summary store: the torch path's territory
+        dtype = torch.float16 if rec.get("dtype") == "float16" else torch.bfloat16
+        g = torch.Generator(device="cuda").manual_seed(len(path))
+        slots = rec["num_pages"] * ps
+        kb = torch.randn(slots, hkv, d, device="cuda", generator=g).to(dtype)
+        vb = torch.randn(slots, hkv, d, device="cuda", generator=g).to(dtype)
+        hc = torch.randn(hkv, d, device="cuda", generator=g).to(dtype)
+        cache = PagedKVCache.from_sglang(kb, vb, ps, alloc_summaries(slots, p.block_size, hkv, d, dtype, "cuda"))
+        try:
+            launcher.check_kernel_config(dtype, hq, cache, p)
+        except ValueError:
+            continue  # a configuration the kernels reject (tested in test_kernel_validation.py)
+        # summaries of every block of the random cache (kernel), mirrored on the CPU for the torch path
+        write_kv_and_summaries(None, None, cache, torch.arange(slots, device="cuda"), hc, p.block_size, decode=False)
+        sm = rec["slot_mapping"]
+        if rec["op"] == "decode":
+            n = rec["seq_lens"].shape[0]
+            q = torch.randn(n, hq, d, device="cuda", generator=g).to(dtype)
+            k = v = None
+            if sm is not None:
+                k = torch.randn(n, hkv, d, device="cuda", generator=g).to(dtype)
+                v = torch.randn(n, hkv, d, device="cuda", generator=g).to(dtype)
+            bt, sl = rec["block_table"].to(torch.int32).cuda(), rec["seq_lens"].to(torch.int32).cuda()
+            cpu_cache = PagedKVCache.from_sglang(kb.cpu().clone(), vb.cpu().clone(), ps, cache.summaries.cpu().clone())
+            out = ops.paged_dash_decode(q, k, v, cache, bt, sl, None if sm is None else sm.cuda(), hc, p).cpu()
+            if k is not None:
+                paged.write_kv(cpu_cache, k.cpu(), v.cpu(), sm)
+                paged.write_summaries(cpu_cache, sm, hc.cpu(), p)
+            ref = torch.empty_like(q.cpu())
+            paged.paged_dash_torch(q.cpu(), cpu_cache, bt.cpu(), torch.arange(n + 1, dtype=torch.int32), sl.cpu(),
+                                   hc.cpu(), p, ref)
+            # both outputs are rounded to bf16/fp16: up to one ulp apart (2^-7 relative for bf16)
+            err = ((out.double() - ref.double()).abs() - 1e-2 * ref.double().abs()).amax(-1)
+            checked += err.numel()
+            bad += int((err > 1e-2).sum())
+            replayed += 1
+        elif sm is not None:  # prefill: the K/V + summary write of the batch
+            t = sm.shape[0]
+            k = torch.randn(t, hkv, d, device="cuda", generator=g).to(dtype)
+            v = torch.randn(t, hkv, d, device="cuda", generator=g).to(dtype)
+            cpu_cache = PagedKVCache.from_sglang(kb.cpu().clone(), vb.cpu().clone(), ps, cache.summaries.cpu().clone())
+            ops.cache_dash_prefill(k, v, cache, sm.cuda(), p, head_cls=hc)
+            paged.write_kv(cpu_cache, k.cpu(), v.cpu(), sm)
+            paged.write_summaries(cpu_cache, sm, hc.cpu(), p)
+            assert torch.equal(cache.k_pages.cpu(), cpu_cache.k_pages)
+            torch.testing.assert_close(cache.summaries.cpu().double(), cpu_cache.summaries.double(),
+                                       **summary_tolerance(dtype))
+            replayed += 1
+    if not replayed:
+        pytest.skip(f"no {engine} batch the kernels support among {len(files)} files")
+    assert bad <= 0.05 * max(checked, 1), f"{bad} of {checked} decode rows differ from the torch paged path"
