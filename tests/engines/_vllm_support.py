@@ -28,11 +28,12 @@ def budget(name: str, seconds: float):
         start = time.monotonic()
         yield
         line = f"[vllm level {name}] {time.monotonic() - start:.1f} s of a {seconds:.0f} s budget"
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(line)
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                sys.stderr.write(f"\n{line}\n")
         else:
-            sys.stderr.write(line + "\n")
+            sys.stderr.write(f"\n{line}\n")
 
     return _budget
 
@@ -106,3 +107,44 @@ def slots(block_row: torch.Tensor, positions: range, block_size: int) -> torch.T
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# --- functions run inside the engine's worker through LLM.apply_model (module level: picklable) ---
+
+
+def dash_stats(model) -> dict:
+    """Summed counters of the DASH impls of this worker's layers (zeros when none is DASH)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    total = {"kv_updates": 0, "forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
+    for module in model.modules():
+        if isinstance(module, Attention) and hasattr(module.impl, "stats"):
+            for key, value in module.impl.stats.items():
+                total[key] += value
+    return total
+
+
+def capture_attention(model) -> None:
+    """Record (layer name, q, k, v, output) of every attention call, as CPU float copies."""
+    from vllm.model_executor.layers.attention import Attention
+
+    calls, handles = [], []
+
+    def hook(module, args, output):
+        q, k, v = args[:3]
+        calls.append((module.layer_name, q.detach().float().cpu().clone(), k.detach().float().cpu().clone(),
+                      v.detach().float().cpu().clone(), output.detach().float().cpu().clone()))
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            handles.append(module.register_forward_hook(hook))
+    model._dash_capture = (calls, handles)
+
+
+def release_attention(model) -> list:
+    """Remove the hooks of ``capture_attention`` and return what they recorded."""
+    calls, handles = model._dash_capture
+    for h in handles:
+        h.remove()
+    del model._dash_capture
+    return calls

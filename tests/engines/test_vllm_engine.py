@@ -1,0 +1,174 @@
+"""``LLM(...)`` end to end on the CPU build of vLLM with a tiny random DASH Llama checkpoint.
+
+- dense-equivalent DASH (``dash_*`` overrides of the published keys) against vLLM's own dense
+  ``CPU_ATTN`` on the same weights: equal tokens, equal log-probabilities;
+- the sparse configuration against the oracle: per layer, the engine's attention outputs equal
+  ``dash_reference`` on the engine's own q/k/v (captured with hooks), and the greedy tokens equal
+  those of the plain PyTorch model that calls the oracle (``tests.tiny_dash_llama``);
+- prefix caching and chunked prefill are on throughout (prompts share prefixes across calls, the
+  token budget splits long prompts), and the DASH counters prove which backend ran;
+- bad input: a block size that does not fit fails at start-up with the SPEC's message; a prompt
+  longer than the model's maximum is refused and the engine keeps serving.
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the first engine:
+vLLM caches its environment then); the multi-process engine is covered by the TP 2 test.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default would reserve most of RAM)
+
+import torch  # noqa: E402
+
+from dash_core import DashParams, dash_reference  # noqa: E402
+
+from tests.engines import _vllm_support as support  # noqa: E402
+from tests.tiny_dash_llama import load, reference_generate, write_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.engine_vllm
+_budget = support.budget("engine", 150)
+
+BS = 16
+CHECKPOINT = dict(chunk_size=BS, scaling_factor=2.0, dash_topk=2)  # sparse by default
+DENSE_EQUIVALENT = {"dash_scaling_factor": 0.0, "dash_estimate_diagonal": True, "dash_topk": None}
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dash_llama"))
+    support.check_free_disk(path)
+    write_checkpoint(path, **CHECKPOINT)
+    return path
+
+
+def _prompts():
+    """Calls of generate, in order: the later calls hit the prefix cache of the earlier ones."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(3, 500, (150,), generator=g).tolist()
+    return [[base[:5], base[:37], base], [base[:100] + [7, 8, 9, 10, 11]], [base]]
+
+
+def _generate(llm, calls, max_tokens=NEW_TOKENS):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, detokenize=False)
+    results = []
+    for prompts in calls:
+        for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False):
+            c = out.outputs[0]
+            results.append((list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
+    return results
+
+
+def _engine(checkpoint, **kw):
+    from vllm import LLM
+
+    args = dict(model=checkpoint, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
+                max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True, seed=0,
+                block_size=BS, enable_prefix_caching=True, enable_chunked_prefill=True)
+    args.update(kw)
+    return LLM(**args)
+
+
+def _close(llm):
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def sparse_engine(checkpoint):
+    llm = _engine(checkpoint)
+    yield llm
+    _close(llm)
+
+
+def test_dense_equivalent_matches_the_engines_dense_backend(checkpoint):
+    dash = _engine(checkpoint, hf_overrides=DENSE_EQUIVALENT)
+    try:
+        got = _generate(dash, _prompts())
+        (stats,) = dash.apply_model(support.dash_stats)
+    finally:
+        _close(dash)
+    dense = _engine(checkpoint, attention_backend="CPU_ATTN", block_size=32)  # CPU_ATTN needs multiples of 32
+    try:
+        want = _generate(dense, _prompts())
+        (dense_stats,) = dense.apply_model(support.dash_stats)
+    finally:
+        _close(dense)
+    # The DASH backend ran every attention call (decode and prefill rows; 2 layers), the dense one none.
+    assert stats["forwards"] > 0 and stats["decode_tokens"] > 0 and stats["prefill_tokens"] > 0
+    assert dense_stats["forwards"] == 0
+    for (tok, lp), (tok_d, lp_d) in zip(got, want):
+        assert tok == tok_d
+        # Both run the model in fp32 and differ only in the attention's summation order (the paged
+        # DASH path accumulates in float64): measured max |diff| 8e-6 on logprobs of magnitude ~1.
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_d), atol=2e-4, rtol=0)
+
+
+def test_sparse_generation_matches_the_oracle_model(checkpoint, sparse_engine):
+    params = DashParams.from_config(CHECKPOINT)
+    before = sparse_engine.apply_model(support.dash_stats)[0]
+    calls = _prompts()
+    got = _generate(sparse_engine, calls)
+    after = sparse_engine.apply_model(support.dash_stats)[0]
+    assert after["decode_tokens"] > before["decode_tokens"] and after["prefill_tokens"] > before["prefill_tokens"]
+    prompts = [p for c in calls for p in c]
+    for prompt, (tok, lp) in zip(prompts, got):
+        want_tok, want_lp = reference_generate(checkpoint, prompt, NEW_TOKENS, params=params)
+        assert tok == want_tok, f"prompt of {len(prompt)} tokens"
+        # fp32 engine vs float64 reference model: the log-probabilities differ by the fp32 rounding of
+        # the whole forward (measured max 4e-5); a routing difference would move them by ~1e-1.
+        torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), torch.tensor(want_lp, dtype=torch.float64),
+                                   atol=2e-4, rtol=0)
+
+
+def test_per_layer_outputs_equal_the_oracle_on_the_engines_qkv(checkpoint, sparse_engine):
+    """Hooks capture each layer's q, k, v and output for one fresh prompt (a prefill in several
+    chunks, then decodes); the oracle on the captured q/k/v must give the captured output."""
+    cfg, sd = load(checkpoint)
+    params = DashParams.from_config(cfg)
+    hkv, d, hq = cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_attention_heads"]
+    prompt = [499] + torch.randint(3, 500, (140,), generator=torch.Generator().manual_seed(5)).tolist()
+    sparse_engine.apply_model(support.capture_attention)
+    try:
+        _generate(sparse_engine, [[prompt]])
+    finally:
+        (calls,) = sparse_engine.apply_model(support.release_attention)
+    length = len(prompt) + NEW_TOKENS - 1
+    for layer in range(cfg["num_hidden_layers"]):
+        name = f"model.layers.{layer}.self_attn.attn"
+        mine = [c for c in calls if c[0] == name]
+        assert len(mine) > 3  # chunked prefill (budget 64) and decodes
+        q, k, v, out = (torch.cat([c[i] for c in mine]) for i in range(1, 5))
+        assert q.shape[0] == length
+        head_cls = sd[f"model.layers.{layer}.self_attn.indexer_q"].view(hkv, d).float()
+        q4, k4, v4 = (x.view(length, -1, d).permute(1, 0, 2)[None] for x in (q, k, v))
+        ref, active = dash_reference(q4, k4, v4, head_cls, params)
+        # Same fp32 inputs, same float64 math and fp32-rounded summaries on both sides.
+        torch.testing.assert_close(out.view(length, hq, d), ref[0].permute(1, 0, 2), atol=1e-5, rtol=0)
+        # And the configuration is sparse: late rows attend to fewer blocks than they could.
+        assert active[0, :, -1].max().item() < length // params.block_size
+
+
+def test_prompt_longer_than_the_maximum_is_refused_and_the_engine_keeps_serving(sparse_engine):
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="maximum context length is 512"):
+        _generate(sparse_engine, [[list(range(3, 3 + 600))]])
+    ((tok, _),) = _generate(sparse_engine, [[list(range(3, 40))]], max_tokens=4)
+    assert len(tok) == 4
+
+
+def test_block_size_that_does_not_fit_fails_at_start_up(checkpoint):
+    with pytest.raises(ValueError, match=r"page size must be a multiple of the DASH block size.*--block-size 16"):
+        _engine(checkpoint, block_size=32)

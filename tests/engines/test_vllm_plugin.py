@@ -1,0 +1,106 @@
+"""Registration through the entry point, the KV cache spec (summary bytes per page), kernel block
+sizes, and the summary store's place in vLLM's own cache allocation."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from dash_core import DashParams  # noqa: E402
+
+from tests.engines._vllm_support import allocate_kv_cache, budget, dash_layer, engine_config  # noqa: E402
+from tests.tiny_dash_llama import write_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.engine_vllm
+_budget = budget("plugin-and-spec", 60)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny checkpoints with DASH block sizes 16 and 64."""
+    out = {}
+    for bs in (16, 64):
+        path = str(tmp_path_factory.mktemp(f"tiny{bs}"))
+        write_checkpoint(path, chunk_size=bs)
+        out[bs] = path
+    return out
+
+
+def test_entry_point_is_installed():
+    eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "dash"]
+    assert [e.value for e in eps] == ["adapters.vllm.plugin:register"]
+
+
+def test_vllm_loads_the_plugin_and_custom_resolves_to_dash(checkpoints):
+    from vllm import ModelRegistry
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from adapters.vllm.backend import DashAttentionBackend
+    from adapters.vllm.models import DashLlamaForCausalLM
+    from adapters.vllm.plugin import register
+
+    load_general_plugins()  # what every vLLM process does
+    register()  # idempotent
+    assert AttentionBackendEnum.CUSTOM.get_class() is DashAttentionBackend
+    assert AttentionBackendEnum["custom".upper()].get_path() == "adapters.vllm.backend.DashAttentionBackend"
+    assert DashAttentionBackend.get_name() == "CUSTOM"
+    model_config = engine_config(checkpoints[16]).model_config
+    model_cls, arch = ModelRegistry.resolve_model_cls(["DashLlamaForCausalLM"], model_config=model_config)
+    assert model_cls is DashLlamaForCausalLM and arch == "DashLlamaForCausalLM"
+
+
+@pytest.mark.parametrize("bs,dtype", [(16, "float32"), (64, "float32"), (64, "bfloat16")])
+def test_spec_adds_one_summary_per_page(checkpoints, bs, dtype):
+    """Each page of ``bs`` tokens gains ``Hkv * D`` elements: ``1 / (2 bs)`` of its K/V bytes."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backend import MultipleOf
+
+    from adapters.vllm.backend import DashAttentionBackend
+
+    cfg = engine_config(checkpoints[bs], block_size=bs, dtype=dtype)
+    params = DashParams.from_config(cfg.model_config.hf_config)
+    assert params.block_size == bs
+    layer, spec, _ = dash_layer(cfg, params, torch.zeros(2, 32))
+    esz = torch.empty((), dtype=spec.dtype).element_size()
+    kv_bytes = bs * 2 * (2 * 32) * esz  # tokens x Hkv x (K + V) x bytes
+    assert spec.unpadded_page_size_bytes == kv_bytes
+    assert spec.page_size_bytes - kv_bytes == 2 * 32 * esz
+    assert (spec.page_size_bytes - kv_bytes) / kv_bytes == 1 / (2 * bs)
+    assert DashAttentionBackend.customize_spec(spec) == spec  # applying it again changes nothing
+
+    with set_current_vllm_config(cfg):
+        assert DashAttentionBackend.get_supported_kernel_block_sizes() == [bs]
+        assert DashAttentionBackend.get_preferred_block_size(16) == bs
+    assert DashAttentionBackend.get_supported_kernel_block_sizes() == [MultipleOf(16)]
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_summary_store_lives_in_the_page_padding(checkpoints, layout):
+    """Writing every summary leaves every K/V element intact, and the store covers exactly the
+    padding bytes of vLLM's allocation."""
+    from adapters.vllm.backend import summary_view
+
+    cfg = engine_config(checkpoints[16], block_size=16)
+    _, spec, _ = dash_layer(cfg, DashParams(block_size=16), torch.zeros(2, 32))
+    raw, kv = allocate_kv_cache(spec, 10, layout)
+    kv.copy_(torch.arange(kv.numel(), dtype=kv.dtype).reshape(kv.shape))
+    before = kv.clone()
+    store = summary_view(kv, 2, 32)
+    assert store.shape == (10, 2, 32) and store.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+    store.fill_(-1.0)
+    assert torch.equal(kv, before)
+    as_f32 = raw.view(torch.float32)
+    assert int((as_f32 == -1.0).sum()) == store.numel() == 10 * 2 * 32
+    assert as_f32.numel() == kv.numel() + store.numel()
+
+
+def test_block_size_other_than_dash_block_is_refused(checkpoints):
+    cfg = engine_config(checkpoints[16], block_size=32)
+    with pytest.raises(ValueError, match=r"page size must be a multiple of the DASH block size.*--block-size 16"):
+        dash_layer(cfg, DashParams(block_size=16), torch.zeros(2, 32))
