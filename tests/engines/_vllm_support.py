@@ -148,3 +148,50 @@ def release_attention(model) -> list:
         h.remove()
     del model._dash_capture
     return calls
+
+
+# --- a whole engine in a fresh process (multi-process engine, tensor parallelism) ---
+
+
+def generate_in_subprocess(engine_args: dict, prompts: list, max_tokens: int, out_json: str, env: dict,
+                           timeout: float) -> dict:
+    """Run ``LLM(**engine_args)`` greedily over ``prompts`` in a new Python process; returns
+    ``{"results": [[token ids, logprobs], ...], "stats": [per-worker dash_stats]}``."""
+    import json
+    import subprocess
+
+    args = json.dumps({"engine": engine_args, "prompts": prompts, "max_tokens": max_tokens, "out": out_json})
+    log = out_json + ".log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "tests.engines._vllm_support", args], env=env, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        pytest.fail(f"engine process exited with {proc.returncode}; log tail:\n{tail}")
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def _main(argv: list) -> None:
+    import json
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.engines._vllm_support import dash_stats as stats  # by reference, not as __main__.dash_stats
+
+    spec = json.loads(argv[0])
+    llm = LLM(**spec["engine"])
+    sp = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], logprobs=1, ignore_eos=True, detokenize=False)
+    results = []
+    for out in llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], sp, use_tqdm=False):
+        c = out.outputs[0]
+        results.append([list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]])
+    per_worker = llm.apply_model(stats)
+    with open(spec["out"], "w") as f:
+        json.dump({"results": results, "stats": per_worker}, f)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -86,10 +86,23 @@ def _close(llm):
 
 
 @pytest.fixture(scope="module")
-def sparse_engine(checkpoint):
+def record_dir(tmp_path_factory):
+    """Where the sparse engine's batches are recorded (``DASH_RECORD_DIR``, read at every op call)."""
+    return str(tmp_path_factory.mktemp("batches"))
+
+
+@pytest.fixture(scope="module")
+def sparse_engine(checkpoint, record_dir):
+    old = {k: os.environ.get(k) for k in ("DASH_RECORD_DIR", "DASH_RECORD_MAX")}
+    os.environ.update(DASH_RECORD_DIR=record_dir, DASH_RECORD_MAX="400")
     llm = _engine(checkpoint)
     yield llm
     _close(llm)
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def test_dense_equivalent_matches_the_engines_dense_backend(checkpoint):
@@ -132,6 +145,40 @@ def test_sparse_generation_matches_the_oracle_model(checkpoint, sparse_engine):
                                    atol=2e-4, rtol=0)
 
 
+def test_recorded_batches_are_consistent(sparse_engine, record_dir):
+    """The batches vLLM handed to the ops during the sparse generation: decodes, chunked prefills
+    and prefix-cache hits (extends over paged history), whose slot mappings are exactly what the
+    block tables say. ``DASH_VLLM_SAVE_BATCHES=DIR`` copies them (one per engine step: both layers
+    see the same batch) for GPU replay (tests/fixtures/engine_batches/vllm, see its README)."""
+    import glob
+    import shutil
+
+    from dash_core.recorder import load_batches
+
+    files = sorted(glob.glob(os.path.join(record_dir, "*.pt")))
+    batches = load_batches(os.path.join(record_dir, "*.pt"))
+    assert {b["op"] for b in batches} == {"prefill", "decode"}
+    extends = 0
+    for b in batches:
+        ps, cu, lens, bt, sm = b["page_size"], b["cu_seqlens_q"], b["seq_lens"], b["block_table"], b["slot_mapping"]
+        assert ps == BS and b["params"]["block_size"] == BS and b["has_summaries"]
+        for i in range(lens.numel()):
+            q_len = int(cu[i + 1] - cu[i])
+            pos = torch.arange(int(lens[i]) - q_len, int(lens[i]))
+            assert torch.equal(sm[int(cu[i]): int(cu[i + 1])], bt[i, pos // ps].long() * ps + pos % ps)
+            extends += b["op"] == "prefill" and int(lens[i]) > q_len
+    assert extends > 0
+    save = os.environ.get("DASH_VLLM_SAVE_BATCHES")
+    if save:
+        os.makedirs(save, exist_ok=True)
+        previous = None
+        for path, b in zip(files, batches):
+            key = repr({k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()})
+            if key != previous:
+                shutil.copy(path, save)
+            previous = key
+
+
 def test_per_layer_outputs_equal_the_oracle_on_the_engines_qkv(checkpoint, sparse_engine):
     """Hooks capture each layer's q, k, v and output for one fresh prompt (a prefill in several
     chunks, then decodes); the oracle on the captured q/k/v must give the captured output."""
@@ -158,6 +205,29 @@ def test_per_layer_outputs_equal_the_oracle_on_the_engines_qkv(checkpoint, spars
         torch.testing.assert_close(out.view(length, hq, d), ref[0].permute(1, 0, 2), atol=1e-5, rtol=0)
         # And the configuration is sparse: late rows attend to fewer blocks than they could.
         assert active[0, :, -1].max().item() < length // params.block_size
+
+
+def test_real_tensor_parallel_2_engine_on_the_cpu(checkpoint, sparse_engine, tmp_path):
+    """A multi-process TP 2 engine (engine core + one worker per rank, each loading the plugin):
+    each rank runs DASH on its KV head, and the result equals the single-rank engine's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("TP 2 on the CPU needs two cores (vLLM binds one per rank)")
+    # apply_model ships a function to the workers: vLLM's msgpack channel needs pickle allowed for that.
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    engine = dict(model=checkpoint, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
+                  max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64, enforce_eager=True, seed=0,
+                  block_size=BS, enable_prefix_caching=True, enable_chunked_prefill=True, tensor_parallel_size=2)
+    prompts = _prompts()[0]
+    got = support.generate_in_subprocess(engine, prompts, NEW_TOKENS, str(tmp_path / "tp2.json"), env, timeout=400)
+    assert len(got["stats"]) == 2 and all(s["forwards"] > 0 and s["decode_tokens"] > 0 for s in got["stats"])
+    want = _generate(sparse_engine, [prompts])
+    for (tok, lp), (tok1, lp1) in zip(got["results"], want):
+        assert tok == tok1
+        # TP splits the o_proj / MLP reductions across ranks: fp32 reassociation only.
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp1), atol=2e-4, rtol=0)
 
 
 def test_prompt_longer_than_the_maximum_is_refused_and_the_engine_keeps_serving(sparse_engine):
