@@ -245,7 +245,8 @@ def test_triton_segment_kernel(router, dtype, request):
     kk, vv, used, bias = seg.gather_segments(cache, bt, (pos + 1).to(torch.int32), sel_idx, sel_bias, count, params)
     qr = q.permute(1, 0, 2).contiguous()
     geo = seg.check_segments(qr, kk, vv, used, bias, "TRITON", 16, 32)
-    o, lse = mod.segment_attention_triton(qr, kk, vv, used, geo)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU machine, interpreted here
+    o, lse = (t.cpu() for t in mod.segment_attention_triton(qr.to(dev), kk.to(dev), vv.to(dev), used.to(dev), geo))
     o_t, lse_t = seg.segment_attention_torch(qr, kk, vv, used, geo)
     assert torch.equal(torch.isinf(lse), torch.isinf(lse_t))
     fin = torch.isfinite(lse_t)
