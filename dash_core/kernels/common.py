@@ -11,8 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E_F = 1.4426950408889634
+LN2_F = 0.6931471805599453
+LOG2E = tl.constexpr(LOG2E_F)  # usable inside kernels
+LN2 = tl.constexpr(LN2_F)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, block_page, decode_bounds
+from .common import LN2, LOG2E, LOG2E_F, block_page, decode_bounds
 
 
 @triton.jit
@@ -61,13 +61,20 @@ def _decode_attn_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
+    # the next routed entry is loaded one iteration ahead, so its latency overlaps this block's loads
+    nxt_ok = (k_lo >= nloc) & (k_lo < k_hi)
+    nxt_blk = tl.load(sel_blk_ptr + sel_row + (k_lo - nloc), mask=nxt_ok, other=0)
+    nxt_bias = tl.load(sel_bias_ptr + sel_row + (k_lo - nloc), mask=nxt_ok, other=0.0)
     for kk in range(k_lo, k_hi):
         is_loc = kk < nloc
+        pblk = nxt_blk.to(tl.int64)
+        bias = nxt_bias * LOG2E
+        nxt_ok = (kk + 1 >= nloc) & (kk + 1 < k_hi)
+        nxt_blk = tl.load(sel_blk_ptr + sel_row + (kk + 1 - nloc), mask=nxt_ok, other=0)
+        nxt_bias = tl.load(sel_bias_ptr + sel_row + (kk + 1 - nloc), mask=nxt_ok, other=0.0)
         # local-window block: logical index -> page table; routed block: physical id from routing
         lblk = first_local + kk
         lpage, lrow = block_page(bt_row, lblk, PS, BS, is_loc)
-        pblk = tl.load(sel_blk_ptr + sel_row + (kk - nloc), mask=kk >= nloc, other=0).to(tl.int64)
-        bias = tl.load(sel_bias_ptr + sel_row + (kk - nloc), mask=kk >= nloc, other=0.0) * LOG2E
         page = tl.where(is_loc, lpage, pblk // ppb)
         row0 = tl.where(is_loc, lrow, (pblk % ppb) * BS)
         limit = tl.where(is_loc, pos - lblk * BS, BS - 1)  # causal: token rows <= limit
@@ -77,14 +84,14 @@ def _decode_attn_split_kernel(
             rows = (row0 + t).to(tl.int64)
             kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
                          mask=t_ok[:, None], other=0.0)
+            vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
+                         mask=t_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias
             qk = tl.where(t_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
-                         mask=t_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
     has = l_i > 0
@@ -147,13 +154,13 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         sel_blk, sel_bias, sel_blk.stride(0), 0 if shared else sel_blk.stride(1),
         sel_count, sel_count.stride(0), 0 if shared else sel_count.stride(1),
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
-        LOG2E / math.sqrt(d), g, num_splits,
+        LOG2E_F / math.sqrt(d), g, num_splits,
         G_PAD=max(16, _pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t,
         num_warps=4, num_stages=2,
     )
     _merge_kernel[(n, hq)](
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         out, out.stride(0), out.stride(1), num_splits, NS_PAD=_pow2(num_splits), D=d,
-        num_warps=4 if d >= 128 else 2,
+        num_warps=8 if _pow2(num_splits) * d >= 4096 else (4 if d >= 128 else 2),  # [splits, D] fp32 tile
     )
     return out

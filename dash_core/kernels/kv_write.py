@@ -90,7 +90,7 @@ def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     vv = v if v is not None else vc
     sk = (k.stride(0), k.stride(1)) if k is not None else (0, 0)
     sv = (v.stride(0), v.stride(1)) if v is not None else (0, 0)
-    num_warps = 8 if block_size * d >= 16384 else 4
+    num_warps = 16 if block_size * d >= 32768 else (8 if block_size * d >= 8192 else 4)  # [bs, D] fp32 tile
 
     def launch(write: bool, summ_on: bool, own_row: bool) -> None:
         _kv_write_kernel[(t, hkv)](

@@ -90,7 +90,7 @@ def route_tile(
         tau = tl.where(good, new, (lo + hi) * 0.5)
 
     # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
-    nrows_f = nrows.to(tl.float32)
+    nrows_f = nrows * 1.0  # (a runtime int, or a constexpr where Triton specialises it)
     npos = tl.zeros([QT], tl.int32)
     for c0 in range(0, nmax, TC):
         c = c0 + offs_c
@@ -221,7 +221,7 @@ def _decode_scores_kernel(
     for c0 in range(c_start, c_end, BLOCK_N):
         c = c0 + offs_n
         cm = c < c_end
-        page, _ = block_page(bt_row, c, PS, BS, mask=cm)
+        page, _row0 = block_page(bt_row, c, PS, BS, mask=cm)
         sidx = summary_index(page, c, PS, BS)
         summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=cm[:, None], other=0.0)
         x = tl.dot(qs, tl.trans(summ)) * x_scale
@@ -269,7 +269,8 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-# Elements of the largest register tile of the select kernel (keeps it near 32 registers a thread).
+# Elements of the largest register tile of the select kernel (8 warps, no spills at sm_90 for G <= 8;
+# halved for 16+ score rows).
 SELECT_TILE_BUDGET = 8192
 NUM_PIVOTS = 16
 
@@ -311,8 +312,9 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
         num_warps=4, num_stages=3,
     )
     nh_pad = _pow2(nrows)
-    tc = max(16, min(_pow2(max_cand), SELECT_TILE_BUDGET // nh_pad))
-    ts = max(16, min(_pow2(max_cand), SELECT_TILE_BUDGET // NUM_PIVOTS))
+    budget = SELECT_TILE_BUDGET if nh_pad < 16 else SELECT_TILE_BUDGET // 2  # wide 3-D tiles spill otherwise
+    tc = max(16, min(_pow2(max_cand), budget // nh_pad))
+    ts = max(16, min(_pow2(max_cand), budget // (2 * NUM_PIVOTS)))
     topk = params.topk if params.topk is not None else 0
     _decode_select_kernel[(n, hsel)](
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,

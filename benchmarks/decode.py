@@ -1,0 +1,477 @@
+"""Decode benchmark: DASH Triton decode against dense decode peers at long context.
+
+Follows DESIGN.md "Performance protocol": CUDA events around every call after warm-up and
+compilation, the median of many calls, inputs rotated over several layers' caches so that L2
+(50 MB on the H200) does not flatter sparse reads, and a floor = bytes that must move / measured
+device-to-device copy bandwidth. Peers measured in the same run: PyTorch SDPA on contiguous KV,
+FlashInfer dense paged decode (if ``import flashinfer`` works) and the published DashAttention
+decode kernels (if a copy of the authors' repository is at ``$DASH_PUBLISHED_DIR``; compared
+uncapped at the same ``scaling_factor``, compiled and autotuned before timing at the timed shapes).
+
+Writes JSON records to ``docs/perf/decode.json`` (merged by case), the table with its command to
+``docs/PERFORMANCE.md`` (between decode markers) and a bar chart to ``docs/perf/decode.svg``.
+
+    python benchmarks/decode.py --preset required          # B 1 and 8 at 128k (one GPU call, < 6 min)
+    python benchmarks/decode.py --batch 1,8,32 --context 8192,32768 --hkv 8,2 --topk 16,64,256,none
+    TRITON_INTERPRET=1 python benchmarks/decode.py --smoke  # CPU check of the code paths (tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dash_core import DashParams  # noqa: E402
+from dash_core.kernels import launcher  # noqa: E402
+from dash_core.kernels.kv_write import write_kv_and_summaries  # noqa: E402
+from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+
+L2_BYTES = 50 * 2**20
+MARK_BEGIN, MARK_END = "<!-- decode-benchmark:begin -->", "<!-- decode-benchmark:end -->"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------- timing
+
+def time_calls(fns: list, iters: int, warmup: int, cuda: bool) -> float:
+    """Median milliseconds of one call, cycling through ``fns`` (one per rotated layer)."""
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    if not cuda:
+        ts = []
+        for i in range(iters):
+            t = time.perf_counter()
+            fns[i % len(fns)]()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(ts)
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i in range(iters):
+        ev[i][0].record()
+        fns[i % len(fns)]()
+        ev[i][1].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy rate in bytes/s, counting read + written bytes."""
+    if device.type != "cuda":
+        return 4.3e12
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = time_calls([lambda: y.copy_(x)], 20, 3, True)
+    del x, y
+    return 2 * n / (ms * 1e-3)
+
+
+# ---------------------------------------------------------------------------- the case
+
+class Layer:
+    """One layer's paged cache (SGLang-style token buffers viewed as pages), shuffled page table."""
+
+    def __init__(self, b, ctx, hkv, d, bs, ps, dtype, device, seed):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.max_pages = -(-ctx // ps)
+        num_pages = b * self.max_pages + 2
+        slots = num_pages * ps
+        self.k = torch.randn(slots, hkv, d, device=device, dtype=dtype, generator=g)
+        # per-block offsets make some blocks stand out, as trained keys do, so routing is not flat
+        self.k.view(-1, bs, hkv, d).add_(
+            (0.5 * torch.randn(slots // bs, 1, hkv, d, device=device, generator=g)).to(dtype))
+        self.v = torch.randn(slots, hkv, d, device=device, dtype=dtype, generator=g)
+        self.head_cls = torch.randn(hkv, d, device=device, generator=g).to(dtype)
+        perm = torch.randperm(num_pages, device=device, generator=g)[: b * self.max_pages]
+        self.block_table = perm.view(b, self.max_pages).to(torch.int32).contiguous()
+        self.cache = PagedKVCache.from_sglang(self.k, self.v, ps, alloc_summaries(slots, bs, hkv, d, dtype, device))
+        write_kv_and_summaries(None, None, self.cache, torch.arange(slots, device=device), self.head_cls, bs,
+                               decode=False)  # summaries of every block, by the kernel
+        pos = torch.full((b,), ctx - 1, device=device)
+        self.slot_mapping = (self.block_table.gather(1, (pos // ps)[:, None]).squeeze(1).to(torch.int64) * ps
+                             + pos % ps)
+
+    def contiguous_kv(self, ctx):
+        """``[B, Hkv, ctx, D]`` K and V gathered through the page table (for the dense SDPA peer)."""
+        ps = self.cache.page_size
+        pos = torch.arange(ctx, device=self.k.device)
+        slots = self.block_table[:, pos // ps].to(torch.int64) * ps + pos % ps  # [B, ctx]
+        return self.k[slots].permute(0, 2, 1, 3).contiguous(), self.v[slots].permute(0, 2, 1, 3).contiguous()
+
+
+def dash_bytes(b, ctx, hq, hkv, d, bs, local_blocks, sel_count, esize) -> tuple:
+    """(bytes that must move, fraction of the context's K/V read) of one DASH decode step."""
+    p = ctx - 1
+    cur = p // bs
+    first_local = max(cur - local_blocks + 1, 0)
+    ncand = first_local
+    local_tokens = ctx - first_local * bs
+    routed_tokens = float(sel_count.double().sum()) * bs * (hkv if sel_count.shape[1] == 1 else 1)
+    kv_tokens = b * hkv * local_tokens + routed_tokens
+    kv = kv_tokens * d * 2 * esize
+    summaries = b * hkv * ncand * d * esize
+    qo = 2 * b * hq * d * esize
+    meta = b * (-(-ctx // bs)) * 4 + b * 4
+    return kv + summaries + qo + meta, kv_tokens / (b * hkv * ctx)
+
+
+def dense_bytes(b, ctx, hq, hkv, d, esize) -> float:
+    return b * ctx * hkv * d * 2 * esize + 2 * b * hq * d * esize
+
+
+# ---------------------------------------------------------------------------- peers
+
+def flashinfer_decode(layer: Layer, q, ctx, hq, hkv, d, ps):
+    import flashinfer  # optional peer
+
+    b = q.shape[0]
+    ws = torch.zeros(128 * 2**20, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="NHD")
+    npages = layer.max_pages
+    indptr = torch.arange(b + 1, dtype=torch.int32, device=q.device) * npages
+    indices = layer.block_table.flatten().contiguous()
+    last = torch.full((b,), ctx - (npages - 1) * ps, dtype=torch.int32, device=q.device)
+    w.plan(indptr, indices, last, hq, hkv, d, ps, q_data_type=q.dtype, kv_data_type=q.dtype)
+    kv = (layer.cache.k_pages, layer.cache.v_pages)
+    out = torch.empty_like(q)
+    return lambda: w.run(q, kv, out=out)
+
+
+def published_decode(layer: Layer, q, ctx, params: DashParams, kc, vc):
+    """The authors' decode (stage 2 + stage 3) on contiguous K/V and contiguous summaries."""
+    pub = os.environ.get("DASH_PUBLISHED_DIR")
+    if not pub or not Path(pub, "dash_attn").is_dir():
+        raise RuntimeError("set DASH_PUBLISHED_DIR to a copy of the authors' DashAttention repository")
+    prec = torch.get_float32_matmul_precision()
+    sys.path.insert(0, pub)
+    try:
+        from dash_attn import decoding  # noqa: F401  (their package sets the matmul precision globally)
+    finally:
+        torch.set_float32_matmul_precision(prec)
+    bs = params.block_size
+    b = q.shape[0]
+    nc = (ctx - 1) // bs
+    ps = layer.cache.page_size
+    blk = torch.arange(nc, device=q.device)
+    idx = layer.block_table[:, (blk * bs) // ps].to(torch.int64) * (ps // bs) + (blk % (ps // bs))  # [B, nc]
+    kblk = layer.cache.summaries[idx].permute(0, 2, 1, 3).contiguous()  # [B, Hkv, nc, D]
+    q4 = q[:, :, None, :].contiguous()
+    qs = (q4 * params.scaling_factor).to(q.dtype)
+
+    def run():
+        bm, pr = decoding.score_blocks(qs, kblk, bs, estimate_diag=params.estimate_diagonal, sigma=params.sigma)
+        return decoding.full_attn(q4, kc, vc, bm, bs, chunk_prior=pr)
+
+    return run
+
+
+# ---------------------------------------------------------------------------- one case
+
+def calibrate_sf(layer: Layer, q, params: DashParams, target: float, lo=0.25, hi=256.0) -> float:
+    """A scaling_factor whose uncapped selection reads about ``target`` of the candidate blocks."""
+    b, hq, d = q.shape
+    ctx = int(layer.max_pages * layer.cache.page_size)
+    seq = torch.full((b,), ctx, dtype=torch.int32, device=q.device)
+
+    def frac(sf):
+        p = DashParams(block_size=params.block_size, scaling_factor=sf, local=params.local)
+        bufs = launcher.DecodeBuffers.for_step(q, layer.cache, layer.block_table, p)
+        launcher.route(q, layer.cache, layer.block_table, seq, p, bufs)
+        ncand = max(1, (ctx - 1) // params.block_size - p.local_blocks + 1)
+        return float(bufs.sel_count[:b].double().mean()) / ncand
+
+    sf = math.sqrt(lo * hi)
+    for _ in range(10):
+        sf = math.sqrt(lo * hi)
+        f = frac(sf)
+        if 0.8 * target <= f <= 1.25 * target:
+            break
+        lo, hi = (sf, hi) if f > target else (lo, sf)
+    return sf
+
+
+def run_case(a, b, ctx, hkv, topk, sf, device, bw, records, dtype=torch.bfloat16):
+    hq, d, bs, ps = a.hq, a.head_dim, a.block_size, a.page_size
+    cuda = device.type == "cuda"
+    esize = torch.empty((), dtype=dtype).element_size()
+    log(f"case B={b} ctx={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs} topk={topk}: building caches")
+    est_step = b * hkv * ((topk or 128) * bs * d * 2 * esize + (ctx // bs) * d * esize)
+    nlayers = max(2, min(a.max_layers, math.ceil(4 * L2_BYTES / max(est_step, 1))))
+    if cuda:
+        free = torch.cuda.mem_get_info(device)[0]
+        per_layer = (b * ctx + 4 * ps) * hkv * d * 2 * esize * (1 + 1 / (2 * bs))
+        nlayers = max(1, min(nlayers, int(0.5 * free // per_layer)))
+    layers = [Layer(b, ctx, hkv, d, bs, ps, dtype, device, seed=1000 + i) for i in range(nlayers)]
+    g = torch.Generator(device=device).manual_seed(7)
+    q = torch.randn(b, hq, d, device=device, generator=g).to(dtype)
+    k_new = torch.randn(b, hkv, d, device=device, generator=g).to(dtype)
+    v_new = torch.randn(b, hkv, d, device=device, generator=g).to(dtype)
+    seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    base = DashParams(block_size=bs)
+    if sf is None:
+        sf = calibrate_sf(layers[0], q, base, a.target_fraction)
+        log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the blocks uncapped")
+    params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
+    dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
+    common = dict(phase="decode", batch=b, context=ctx, hq=hq, hkv=hkv, head_dim=d, bs=bs, topk=topk,
+                  scaling_factor=round(sf, 4), device=dev_name, command=a.command, page_size=ps,
+                  layers_rotated=nlayers)
+    bufs = launcher.DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params)
+    out = torch.empty_like(q)
+
+    def dash_fn(layer, write):
+        if write:
+            return lambda: launcher.paged_dash_decode_triton(q, k_new, v_new, layer.cache, layer.block_table, seq,
+                                                             layer.slot_mapping, layer.head_cls, params, out=out,
+                                                             buffers=bufs)
+        return lambda: launcher.paged_dash_decode_triton(q, None, None, layer.cache, layer.block_table, seq, None,
+                                                         layer.head_cls, params, out=out, buffers=bufs)
+
+    dash_fn(layers[0], False)()
+    sel = bufs.sel_count[:b].clone()
+    nbytes, kv_frac = dash_bytes(b, ctx, hq, hkv, d, bs, params.local_blocks, sel, esize)
+    floor = nbytes / bw * 1e3
+    dbytes = dense_bytes(b, ctx, hq, hkv, d, esize)
+    dfloor = dbytes / bw * 1e3
+    log(f"  {nlayers} layers rotated; mean routed blocks per (request, KV head) {float(sel.double().mean()):.1f} "
+        f"of {(ctx - 1) // bs}; KV fraction {kv_frac:.3%}; floor {floor * 1e3:.1f} us")
+
+    def add(method, variant, ms, *, write=False, graph=False, fl=floor, frac=kv_frac, by=nbytes, note=None):
+        rec = dict(common, method=method, variant=variant, includes_write=write, graph=graph, ms=round(ms, 5),
+                   kv_fraction=round(frac, 5), floor_ms=round(fl, 5), floor_fraction=round(fl / ms, 4),
+                   achieved_tbps=round(by / (ms * 1e-3) / 1e12, 3))
+        if note:
+            rec["note"] = note
+        records.append(rec)
+        log(f"  {method:16s} {variant:22s} write={int(write)} graph={int(graph)}  {ms * 1e3:9.1f} us  "
+            f"({fl / ms:.0%} of floor)")
+
+    it, wu = (a.iters, a.warmup) if cuda else (2, 1)
+    for write in (False, True):
+        ms = time_calls([dash_fn(layer, write) for layer in layers], it, wu, cuda)
+        add("dash-triton", "zero-copy", ms, write=write)
+    if cuda and not a.no_graph:
+        for write in (False, True):
+            graphs = []
+            for layer in layers:
+                fn = dash_fn(layer, write)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    fn()
+                torch.cuda.current_stream().wait_stream(s)
+                gr = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gr):
+                    fn()
+                graphs.append(gr)
+            ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+            add("dash-triton", "zero-copy", ms, write=write, graph=True)
+            del graphs
+
+    peers = set(a.peers.split(",")) if a.peers else set()
+    kc = vc = None
+    if "sdpa" in peers or ("published" in peers and topk is None):
+        kc, vc = layers[0].contiguous_kv(ctx)
+    if "sdpa" in peers:
+        q4 = q[:, :, None, :]
+        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)  # noqa: E731
+        add("dense-sdpa", "contiguous", time_calls([fn], it, wu, cuda), fl=dfloor, frac=1.0, by=dbytes)
+    if "flashinfer" in peers:
+        try:
+            fn = flashinfer_decode(layers[0], q, ctx, hq, hkv, d, ps)
+            fn()
+            add("dense-flashinfer", "paged", time_calls([fn], it, wu, cuda), fl=dfloor, frac=1.0, by=dbytes)
+        except Exception as e:  # optional peer: report, do not fail the run
+            log(f"  dense-flashinfer skipped: {type(e).__name__}: {e}")
+    if "published" in peers and topk is None:
+        try:
+            fn = published_decode(layers[0], q, ctx, params, kc, vc)
+            t0 = time.time()
+            fn()  # compile + autotune at the timed shapes, outside the timed region
+            if cuda:
+                torch.cuda.synchronize()
+            log(f"  published-dash compiled and autotuned in {time.time() - t0:.0f} s")
+            add("published-dash", "contiguous", time_calls([fn], it, wu, cuda),
+                note="stages 2+3 on contiguous K/V and summaries; sf*q formed outside the timed call")
+        except Exception as e:
+            log(f"  published-dash skipped: {type(e).__name__}: {e}")
+    del layers, kc, vc
+    if cuda:
+        torch.cuda.empty_cache()
+    return sf
+
+
+# ---------------------------------------------------------------------------- outputs
+
+def merge_json(path: Path, new: list) -> list:
+    key = lambda r: (r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"], r["bs"], r["topk"],  # noqa: E731
+                     r["method"], r["variant"], r["includes_write"], r["graph"], r["device"])
+    old = json.loads(path.read_text()) if path.exists() else []
+    keep = {key(r): r for r in old}
+    for r in new:
+        keep[key(r)] = r
+    out = sorted(keep.values(), key=lambda r: (r["device"], r["hkv"], r["context"], r["batch"], str(r["topk"]),
+                                               r["method"], r["graph"], r["includes_write"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def table(records: list) -> str:
+    head = ("| B | context | Hq/Hkv | D | bs | topk | sf | method | write | graph | time (us) | KV read | "
+            "floor (us) | of floor | speed-up vs best dense |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [head]
+    dense = {}
+    for r in records:
+        if r["method"].startswith("dense"):
+            k = (r["device"], r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"])
+            dense[k] = min(dense.get(k, float("inf")), r["ms"])
+    for r in records:
+        k = (r["device"], r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"])
+        sp = f"{dense[k] / r['ms']:.1f}x" if k in dense else "-"
+        rows.append(f"| {r['batch']} | {r['context']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
+                    f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | {r['method']} | "
+                    f"{'yes' if r['includes_write'] else 'no'} | {'yes' if r['graph'] else 'no'} | "
+                    f"{r['ms'] * 1e3:.1f} | {r['kv_fraction']:.2%} | {r['floor_ms'] * 1e3:.1f} | "
+                    f"{r['floor_fraction']:.0%} | {sp} |")
+    return "\n".join(rows)
+
+
+def write_markdown(path: Path, records: list, command: str, bw: float, device: str) -> None:
+    body = (f"{MARK_BEGIN}\n## Decode (`benchmarks/decode.py`)\n\nCommand: `{command}`\n\n"
+            f"Device: {device}; measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write). Times are medians of "
+            "CUDA-event-timed calls after warm-up, inputs rotated over several layers' caches (L2-cold). "
+            "The floor is the bytes a step must move (attended K/V, every summary scored, queries, outputs, "
+            "metadata) over that bandwidth; dense rows use the dense bytes. JSON: `docs/perf/decode.json`; "
+            "chart: `docs/perf/decode.svg`.\n\n" + table(records) + f"\n{MARK_END}\n")
+    text = path.read_text() if path.exists() else "# Performance\n\n"
+    if MARK_BEGIN in text and MARK_END in text:
+        pre, rest = text.split(MARK_BEGIN, 1)
+        post = rest.split(MARK_END, 1)[1].lstrip("\n")
+        text = pre + body + post
+    else:
+        text = text.rstrip("\n") + "\n\n" + body
+    path.write_text(text)
+
+
+def write_svg(path: Path, records: list) -> None:
+    """Horizontal bars of time per method, one group per case (log scale), no plotting library needed."""
+    groups = {}
+    for r in records:
+        k = f"B{r['batch']} ctx{r['context']} Hkv{r['hkv']} topk {r['topk'] if r['topk'] is not None else 'none'}"
+        lab = f"{r['method']}{' +write' if r['includes_write'] else ''}{' graph' if r['graph'] else ''}"
+        groups.setdefault(k, []).append((lab, r["ms"] * 1e3))
+    colors = {"dash-triton": "#1f77b4", "dense-sdpa": "#7f7f7f", "dense-flashinfer": "#2ca02c",
+              "published-dash": "#d62728"}
+    lines, y = [], 30
+    vmax = max((v for g in groups.values() for _, v in g), default=1.0)
+    vmin = min((v for g in groups.values() for _, v in g), default=1.0)
+    lo, hi = math.log10(max(vmin / 2, 1e-3)), math.log10(vmax * 1.5)
+    x0, width = 260, 500
+    for k, items in groups.items():
+        lines.append(f'<text x="5" y="{y}" font-weight="bold">{k}</text>')
+        y += 18
+        for lab, v in items:
+            w = max(1.0, (math.log10(v) - lo) / (hi - lo) * width)
+            c = colors.get(lab.split()[0].replace("+write", ""), "#9467bd")
+            lines.append(f'<text x="10" y="{y + 11}" font-size="11">{lab}</text>'
+                         f'<rect x="{x0}" y="{y}" width="{w:.1f}" height="13" fill="{c}"/>'
+                         f'<text x="{x0 + w + 4:.1f}" y="{y + 11}" font-size="11">{v:.1f} us</text>')
+            y += 17
+        y += 8
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{x0 + width + 120}" height="{y + 20}" '
+           f'font-family="sans-serif" font-size="12"><text x="5" y="15">DASH decode time per layer '
+           f'(log scale)</text>{"".join(lines)}</svg>\n')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(svg)
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=["required", "matrix"], help="required: B 1, 8 at 128k, topk 64 and none")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--context", default="131072")
+    ap.add_argument("--hkv", default="8")
+    ap.add_argument("--topk", default="64,none")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--sf", type=float, default=None, help="scaling_factor (default: calibrated per case)")
+    ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
+    ap.add_argument("--peers", default="sdpa,flashinfer,published")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--max-layers", type=int, default=16)
+    ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--json", default=str(ROOT / "docs/perf/decode.json"))
+    ap.add_argument("--markdown", default=str(ROOT / "docs/PERFORMANCE.md"))
+    ap.add_argument("--svg", default=str(ROOT / "docs/perf/decode.svg"))
+    ap.add_argument("--no-write-docs", action="store_true")
+    a = ap.parse_args(argv)
+    a.command = "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if a.preset == "matrix":
+        a.batch, a.context, a.hkv, a.topk = "1,8,32,64", "8192,32768,131072", "8,2", "16,64,256,none"
+    elif a.preset == "required":
+        a.batch, a.context, a.hkv, a.topk = "1,8", "131072", "8", "64,none"
+    if a.smoke:
+        a.batch, a.context, a.hkv, a.topk = "2", "300", "2", "4,none"
+        a.hq, a.head_dim, a.block_size, a.page_size, a.peers = 4, 64, 16, 32, "sdpa"
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    if device.type != "cuda" and not a.smoke:
+        log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
+        return 2
+    bw = copy_bandwidth(device)
+    log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s")
+    records: list = []
+    topks = [None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")]
+    t0 = time.time()
+    for hkv in [int(x) for x in a.hkv.split(",")]:
+        for ctx in [int(x) for x in a.context.split(",")]:
+            for b in [int(x) for x in a.batch.split(",")]:
+                sf = a.sf
+                for topk in sorted(topks, key=lambda t: -1 if t is None else t):  # uncapped first: calibrates sf
+                    try:
+                        sf = run_case(a, b, ctx, hkv, topk, sf, device, bw, records)
+                    except torch.cuda.OutOfMemoryError as e:
+                        log(f"  out of memory, case skipped: {e}")
+                        torch.cuda.empty_cache()
+                log(f"elapsed {time.time() - t0:.0f} s")
+    print("\n" + table(records) + "\n", flush=True)
+    if not a.no_write_docs and not a.smoke:
+        all_recs = merge_json(Path(a.json), records)
+        dev = records[0]["device"] if records else "?"
+        write_markdown(Path(a.markdown), [r for r in all_recs if r["device"] == dev], a.command, bw, dev)
+        write_svg(Path(a.svg), [r for r in all_recs if r["device"] == dev])
+        log(f"wrote {a.json}, {a.markdown}, {a.svg}")
+    elif a.smoke:
+        tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "dash_decode_smoke"
+        tmp.mkdir(parents=True, exist_ok=True)
+        merge_json(tmp / "decode.json", records)
+        write_markdown(tmp / "PERFORMANCE.md", records, a.command, bw, "cpu")
+        write_svg(tmp / "decode.svg", records)
+        log(f"smoke outputs in {tmp}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,596 @@
+"""Triton paged prefill / extend: tiled routing through ``route_tile`` and tile-shared sparse attention.
+
+Every request ``i`` of a batch extends its paged history by the tokens ``cu_seqlens_q[i] ..
+cu_seqlens_q[i+1] - 1`` at positions ``seq_lens[i] - qlen_i .. seq_lens[i] - 1``; K/V of the new tokens
+are already in the cache (``cache_dash_prefill``) and so are the summaries of every block they complete.
+
+Tiles. A tile is up to ``QT`` new tokens of one request at positions ``a0 .. a0 + QT - 1`` with ``a0`` a
+multiple of ``QT``, and ``QT`` divides the block size: the tokens of a tile share their block, hence their
+candidates (blocks ``0 .. cur - local_blocks``) and their local window. ``QT * G_PAD`` query rows
+(tokens x the G query heads of one KV head, padded to a power of two) make one tensor-core tile.
+Tiles are numbered request by request (``tile_tables``); a request adds at most one partial tile at
+each end.
+
+Waves. Routing needs, per token, the scores of every candidate (``[Hq, max_cand]`` fp32), its ``mp`` and
+its selection. That scratch is allocated for ``W`` tiles only (``W`` from a byte budget, default
+``SCRATCH_BYTES``), and the tiles are processed in waves of ``W``: never a ``[tokens x blocks]`` matrix
+for the whole prompt. Each wave is two launches:
+
+- ``_prefill_route_kernel``, grid ``(W, Hkv)`` (``(W, 1)`` for router ``shared``): scores of the tile's
+  tokens against every candidate summary (``tl.dot``, read through the page table) into the scratch,
+  then ``routing.route_tile`` with the tile's tokens as units: the one routing routine of decode.
+- ``_prefill_attn_kernel``, grid ``(W, Hkv)``: the union of the tile's selected blocks (a merge of the
+  per-token sorted lists), then attention of the ``QT * G`` rows over the local window (causal) and
+  each union block, loading each K/V block once for the tile; rows that did not select a block get
+  ``-inf`` logits there, the others their log prior. Queries of a tile routed to the same block share
+  the load and the MMA (how much depends on how similar neighbouring tokens' selections are).
+
+Nothing reads a device value on the host: grid and scratch sizes come from shapes (``T``, ``n``,
+``max_pages``), tile placement is computed on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import PagedKVCache
+from ..params import DashParams
+from .common import block_page, summary_index
+from .launcher import check_kernel_config, _check_on
+from .routing import NUM_PIVOTS, SELECT_TILE_BUDGET, route_tile
+
+logger = logging.getLogger(__name__)
+
+SCRATCH_BYTES = 512 << 20  # routing scratch of one wave (scores, mp, selection, union lists)
+ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
+ROUTE_TILE_BUDGET = 2048  # elements of route_tile's largest register tile (QT units at once)
+ROUTE_WARPS = 8
+ATTN_WARPS = 4
+ATTN_STAGES = 2
+# Globals a compiled kernel reads must be constexpr objects.
+_BIG = tl.constexpr(1 << 30)  # "no more blocks" in the union merge
+LOG2E_HOST = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E_HOST)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def tile_tokens(num_q_heads: int, num_kv_heads: int, block_size: int) -> int:
+    """Tokens per tile ``QT``: a power of two dividing ``block_size`` with ``QT * G_PAD <= ATTN_ROWS``."""
+    g_pad = _pow2(num_q_heads // num_kv_heads)
+    return min(block_size, max(1, ATTN_ROWS // g_pad))
+
+
+# ------------------------------------------------------------------------------------------------
+# tile geometry (device)
+
+
+@triton.jit
+def _tile_bounds(tile, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens,
+                 QT: tl.constexpr, BS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr):
+    """Where tile ``tile`` lies: ``(req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand)``.
+
+    The tile's tokens are positions ``p_lo .. p_hi - 1`` (inside ``a0 .. a0 + QT - 1``) of request
+    ``req``; position ``p`` is token row ``tok_base + p``. ``ok`` is False for a tile past the last
+    one and for a request whose lengths are inconsistent (``qlen > seq_len``) or exceed the page
+    table (``seq_len > max_tokens``): its rows are written as zeros. Candidates are blocks
+    ``0 .. ncand - 1``; the local window is ``first_local .. a0 // BS``.
+    """
+    req = tl.load(tile_req_ptr + tile)
+    live = req < n
+    req = tl.minimum(req, n - 1)
+    q0 = tl.load(cu_ptr + req).to(tl.int32)
+    qlen = tl.load(cu_ptr + req + 1).to(tl.int32) - q0
+    length = tl.load(seq_lens_ptr + req).to(tl.int32)
+    start = length - qlen
+    ok = live & (start >= 0) & (length <= max_tokens) & (qlen > 0)
+    start_c = tl.maximum(start, 0)
+    a0 = (start_c // QT + (tile - tl.load(tile_off_ptr + req))) * QT
+    p_lo = tl.maximum(a0, start_c)
+    p_hi = tl.where(live, tl.minimum(a0 + QT, start_c + qlen), p_lo)
+    first_local = tl.maximum(a0 // BS - LOCAL_BLOCKS + 1, 0)
+    ncand = tl.where(ok, first_local, 0)
+    return req, ok, q0 - start_c, a0, p_lo, p_hi, first_local, ncand
+
+
+def tile_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, qt: int):
+    """Device tables placing the tiles, without synchronising.
+
+    Returns ``tile_req [NT]`` int32 (request of each tile, ``n`` past the last tile), ``tile_off
+    [n + 1]`` int32 (first tile of each request) and the static bound ``NT = T // QT + 2 n``
+    (``cdiv(start % QT + qlen, QT) <= qlen // QT + 2`` tiles per request).
+    """
+    n = seq_lens.shape[0]
+    cu = cu_seqlens_q.to(torch.int64)
+    qlen = cu[1:] - cu[:-1]
+    start = (seq_lens.to(torch.int64) - qlen).clamp(min=0)
+    tiles = torch.where(qlen > 0, (start % qt + qlen + qt - 1) // qt, torch.zeros_like(qlen))
+    off = torch.zeros(n + 1, dtype=torch.int64, device=seq_lens.device)
+    off[1:] = torch.cumsum(tiles, 0)
+    nt = num_tokens // qt + 2 * n
+    ids = torch.arange(nt, dtype=torch.int64, device=seq_lens.device)
+    tile_req = torch.searchsorted(off[1:].contiguous(), ids, right=True).to(torch.int32)
+    return tile_req, off.to(torch.int32), nt
+
+
+def tile_layout_host(cu_seqlens_q, seq_lens, qt: int) -> list:
+    """The tiles as host tuples ``(req, a0, p_lo, p_hi, tok_base)`` in tile order (tests, debugging;
+    reads device values). Mirrors ``_tile_bounds`` for valid requests."""
+    cu = [int(x) for x in cu_seqlens_q.tolist()]
+    out = []
+    for i, length in enumerate(int(x) for x in seq_lens.tolist()):
+        qlen = cu[i + 1] - cu[i]
+        if qlen <= 0:
+            continue
+        start = max(length - qlen, 0)
+        a0 = start // qt * qt
+        while a0 < start + qlen:
+            out.append((i, a0, max(a0, start), min(a0 + qt, start + qlen), cu[i] - start))
+            a0 += qt
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# routing
+
+
+@triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G", "HKV", "topk", "sel_cap"])
+def _prefill_route_kernel(
+    q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n,
+    cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
+    x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h,
+    sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
+    sf, x_scale, G, HKV, topk, inv_sigma,
+    QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
+    NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr,
+):
+    """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
+    ``tile0 + w``.
+
+    Scores: ``[QT * G_PAD, D]`` rows of ``sf * q`` (rounded to the query dtype) against ``[BLOCK_N, D]``
+    summaries per step, ``x = 0.5 <sf q, s> / sqrt(D)`` fp32 into ``x [slot, Hq, max_cand]`` with
+    slot ``w * QT + u`` for the tile's token u. Then ``route_tile`` with ``QT`` units: (token, KV head
+    h) of G rows (``kv_head``) or token of ``Hq`` rows (``shared``, all KV heads scored by this
+    program), writing ``mp``, the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``.
+    """
+    w = tl.program_id(0)
+    hp = tl.program_id(1)
+    req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = _tile_bounds(
+        tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
+    M: tl.constexpr = QT * G_PAD
+    offs_m = tl.arange(0, M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    u_m = offs_m // G_PAD
+    g_m = offs_m % G_PAD
+    pos_m = a0 + u_m
+    tok_m = (tok_base + pos_m).to(tl.int64)
+    tok_ok = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & ok
+    row_ok = tok_ok & (g_m < G)
+    slot0 = w.to(tl.int64) * QT
+    bt_row = bt_ptr + req.to(tl.int64) * sbt_n
+    x_tok = x_ptr + (slot0 + u_m) * sx_n
+    mx = tl.full([M], float("-inf"), tl.float32)
+    if SHARED:
+        h_lo = 0
+        h_hi = HKV
+    else:
+        h_lo = hp
+        h_hi = hp + 1
+    for h in range(h_lo, h_hi):
+        heads = h * G + g_m
+        q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
+        x_rows = x_tok + heads.to(tl.int64) * sx_h
+        mx = tl.full([M], float("-inf"), tl.float32)
+        for c0 in range(0, ncand, BLOCK_N):
+            c = c0 + offs_n
+            cm = c < ncand
+            page, _ = block_page(bt_row, c, PS, BS, mask=cm)
+            sidx = summary_index(page, c, PS, BS)
+            summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=cm[:, None], other=0.0)
+            x = tl.dot(qs, tl.trans(summ)) * x_scale
+            tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
+            mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
+    tl.debug_barrier()  # the scores are read back by other threads of this program
+
+    offs_u = tl.arange(0, QT)
+    pos_u = a0 + offs_u
+    unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
+    ncand_u = tl.where(unit_ok, ncand, 0)
+    slot_u = slot0 + offs_u
+    nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
+    if SHARED:
+        nrows = nrows * HKV
+        # row maxima over all Hq heads: one pass over the stored scores
+        offs_r = tl.arange(0, NH_PAD)
+        offs_c = tl.arange(0, TC)
+        rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
+        m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
+        for c0 in range(0, ncand, TC):
+            c = c0 + offs_c
+            okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
+            m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
+        x_unit = slot_u * sx_n
+        hs = 0
+    else:
+        m = tl.reshape(mx, [QT, G_PAD])
+        x_unit = slot_u * sx_n + hp * G * sx_h
+        hs = hp
+    m = tl.where(unit_ok[:, None] & (ncand > 0), m, 0.0)
+    route_tile(
+        x_ptr, x_unit, sx_h, nrows, ncand_u, m,
+        mp_ptr, slot_u * smp_n + hs * smp_h, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
+        sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
+        count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
+        QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# attention
+
+
+@triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G"])
+def _prefill_attn_kernel(
+    q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
+    cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
+    sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
+    union_ptr, su_w, su_h, o_ptr, so_t, so_h, qk_scale, G,
+    QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
+    ``tile0 + w`` for KV head h.
+
+    1. Union: merge the tile's per-token sorted selections (``sel_idx [slot, Hsel, cap]``, ``count``;
+       ``ssel_h == scnt_h == 0`` for router ``shared``) into ``union [w, h, :]`` (increasing).
+    2. Local window blocks (log prior 0, causal per row), then every union block: ``[BLOCK_T, D]`` K/V
+       tiles read from the pages once for the tile, ``[M, BLOCK_T]`` fp32 logits plus, per row, the
+       token's log prior of the block or ``-inf`` when it did not select it; online softmax in base 2.
+    Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
+    inconsistent get zeros.
+    """
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = _tile_bounds(
+        tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
+    M: tl.constexpr = QT * G_PAD
+    ppb: tl.constexpr = PS // BS
+    offs_m = tl.arange(0, M)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BLOCK_T)
+    u_m = offs_m // G_PAD
+    g_m = offs_m % G_PAD
+    pos_m = a0 + u_m
+    tok_m = (tok_base + pos_m).to(tl.int64)
+    in_m = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & (g_m < G)
+    row_ok = in_m & ok
+    heads = h * G + g_m
+    q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    bt_row = bt_ptr + req.to(tl.int64) * sbt_n
+    slot0 = w.to(tl.int64) * QT
+    p_max = p_hi - 1  # last position of the tile: keys after it may not be written yet
+
+    # 1. union of the tile's selections (units: its tokens)
+    offs_u = tl.arange(0, QT)
+    pos_u = a0 + offs_u
+    unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
+    sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
+    cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
+    ptr_u = tl.zeros([QT], tl.int32)
+    nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
+    c = tl.min(nxt, axis=0)
+    nu = 0
+    union_row = union_ptr + w.to(tl.int64) * su_w + h * su_h
+    while c < _BIG:
+        tl.store(union_row + nu, c)
+        nu += 1
+        ptr_u += (nxt == c).to(tl.int32)
+        nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
+        c = tl.min(nxt, axis=0)
+    tl.debug_barrier()  # the union list is read back by other threads
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+
+    # 2a. local window: blocks first_local .. a0 // BS, causal at each row's position
+    last_local = tl.where(ok, a0 // BS, first_local - 1)
+    for lb in range(first_local, last_local + 1):
+        page, row0 = block_page(bt_row, lb, PS, BS, lb >= 0)
+        for t0 in tl.static_range(0, BS, BLOCK_T):
+            t = t0 + offs_t
+            tpos = lb * BS + t
+            t_ok = tpos <= p_max
+            rows = (row0 + t).to(tl.int64)
+            kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
+                         mask=t_ok[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(kt)) * qk_scale
+            qk = tl.where(tpos[None, :] <= pos_m[:, None], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
+                         mask=t_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+
+    # 2b. the union blocks; each row adds its own log prior, or -inf where it did not select the block
+    sel_m = (slot0 + u_m) * ssel_n + h * ssel_h
+    cnt_m = tl.load(count_ptr + (slot0 + u_m) * scnt_n + h * scnt_h, mask=row_ok, other=0)
+    ptr_m = tl.zeros([M], tl.int32)
+    for j in range(0, nu):
+        blk = tl.load(union_row + j)
+        page, row0 = block_page(bt_row, blk, PS, BS, blk >= 0)
+        has = ptr_m < cnt_m
+        idx = tl.load(sel_idx_ptr + sel_m + ptr_m, mask=has, other=-1)
+        hit = has & (idx == blk)
+        bias = tl.load(sel_bias_ptr + sel_m + ptr_m, mask=hit, other=0.0)
+        bias = tl.where(hit, bias * _LOG2E, float("-inf"))
+        ptr_m += hit.to(tl.int32)
+        for t0 in tl.static_range(0, BS, BLOCK_T):
+            rows = (row0 + t0 + offs_t).to(tl.int64)
+            kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
+            qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias[:, None]
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+
+    good = l_i > 0
+    o = acc / tl.where(good, l_i, 1.0)[:, None]
+    o = tl.where(good[:, None], o, 0.0)
+    tl.store(o_ptr + tok_m[:, None] * so_t + heads[:, None] * so_h + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=in_m[:, None])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr, ROWS: tl.constexpr):
+    """Grid ``(cdiv(T, ROWS), Hq)``: zero the output rows past ``cu_seqlens_q[n]`` (tokens of no
+    request); programs whose rows all belong to requests return after one load."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    hd = tl.program_id(1)
+    end = tl.load(cu_end_ptr).to(tl.int64)
+    tail = (r >= end) & (r < num_tokens)
+    if tl.max(tail.to(tl.int32), axis=0) > 0:
+        offs = tl.arange(0, D)
+        tl.store(o_ptr + r[:, None].to(tl.int64) * so_t + hd * so_h + offs[None, :],
+                 tl.zeros([ROWS, D], tl.float32).to(o_ptr.dtype.element_ty), mask=tail[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclass
+class PrefillScratch:
+    """Routing scratch of one wave of ``W`` tiles (``slots = W * QT`` token slots).
+
+    scores ``[slots, Hq, max_cand]`` fp32, mp ``[slots, Hsel, max_cand]`` fp32, sel_idx / sel_blk
+    ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
+    union ``[W, Hkv, max_cand]`` int32. ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
+    """
+
+    qt: int
+    tiles: int
+    max_cand: int
+    scores: torch.Tensor
+    mp: torch.Tensor
+    sel_idx: torch.Tensor
+    sel_blk: torch.Tensor
+    sel_bias: torch.Tensor
+    sel_count: torch.Tensor
+    union: torch.Tensor
+
+    @staticmethod
+    def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams) -> int:
+        hsel = 1 if params.router == "shared" else hkv
+        cap = min(params.topk, max_cand) if params.topk is not None else max_cand
+        per_slot = 4 * (hq * max_cand + hsel * max_cand + 3 * hsel * cap + hsel)
+        return qt * per_slot + 4 * hkv * max_cand
+
+    @classmethod
+    def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
+                 device) -> "PrefillScratch":
+        hsel = 1 if params.router == "shared" else hkv
+        cap = min(params.topk, max_cand) if params.topk is not None else max_cand
+        slots = tiles * qt
+        f32, i32 = torch.float32, torch.int32
+        return cls(
+            qt, tiles, max_cand,
+            scores=torch.empty(slots, hq, max_cand, dtype=f32, device=device),
+            mp=torch.empty(slots, hsel, max_cand, dtype=f32, device=device),
+            sel_idx=torch.empty(slots, hsel, cap, dtype=i32, device=device),
+            sel_blk=torch.empty(slots, hsel, cap, dtype=i32, device=device),
+            sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
+            sel_count=torch.empty(slots, hsel, dtype=i32, device=device),
+            union=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
+        )
+
+
+@dataclass
+class PrefillPlan:
+    """Static geometry of one prefill call (from shapes only) and its device tile tables."""
+
+    qt: int
+    num_tiles: int  # the static bound NT
+    wave: int  # tiles per wave
+    max_cand: int
+    tile_req: torch.Tensor
+    tile_off: torch.Tensor
+
+    @classmethod
+    def build(cls, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+              seq_lens: torch.Tensor, params: DashParams, scratch_bytes: Optional[int] = None) -> "PrefillPlan":
+        t, hq, _ = q.shape
+        hkv = cache.num_kv_heads
+        qt = tile_tokens(hq, hkv, params.block_size)
+        max_cand = max(1, block_table.shape[1] * cache.page_size // params.block_size)
+        tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
+        per_tile = PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, params)
+        budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
+        wave = max(1, min(nt, budget // per_tile))
+        return cls(qt, nt, wave, max_cand, tile_req, tile_off)
+
+
+def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params,
+                       out) -> None:
+    """Validate a prefill call from shapes and dtypes only (no device reads)."""
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, Hq, D] contiguous in D; got {tuple(q.shape)}")
+    t, hq, d = q.shape
+    if d != cache.head_dim:
+        raise ValueError(f"q head_dim {d} != cache head_dim {cache.head_dim}")
+    check_kernel_config(q.dtype, hq, cache, params)
+    dev = q.device
+    for name, x in (("k_pages", cache.k_pages), ("summaries", cache.summaries), ("block_table", block_table),
+                    ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("head_cls", head_cls)):
+        _check_on(name, x, dev)
+    n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be [n] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if tuple(cu_seqlens_q.shape) != (n + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens_q must be [n + 1 = {n + 1}] int32; got {tuple(cu_seqlens_q.shape)} "
+                         f"{cu_seqlens_q.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != n or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be [n = {n}, max_pages] int32; got {tuple(block_table.shape)} "
+                         f"{block_table.dtype}")
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must be contiguous in its last dim")
+    if tuple(head_cls.shape) != (cache.num_kv_heads, d):
+        raise ValueError(f"head_cls must be [Hkv, D] = {(cache.num_kv_heads, d)}, got {tuple(head_cls.shape)}")
+    if (k is None) != (v is None) or (k is None) != (slot_mapping is None):
+        raise ValueError("pass k, v and slot_mapping together, or none of them (K/V already written)")
+    if k is not None:
+        want = (t, cache.num_kv_heads, d)
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != want or x.stride(-1) != 1:
+                raise ValueError(f"{name} must be [T, Hkv, D] = {want} contiguous in D; got {tuple(x.shape)}")
+            _check_on(name, x, dev)
+        if tuple(slot_mapping.shape) != (t,) or slot_mapping.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"slot_mapping must be [T = {t}] int64; got {tuple(slot_mapping.shape)} "
+                             f"{slot_mapping.dtype}")
+        _check_on("slot_mapping", slot_mapping, dev)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev
+                            or out.stride(-1) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {dev} contiguous in D, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+
+
+def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams) -> dict:
+    g = hq // hkv
+    shared = params.router == "shared"
+    nh_pad = _pow2(hq) if shared else _pow2(g)
+    return dict(
+        QT=qt, G_PAD=_pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
+        BLOCK_N=max(16, min(64 if d <= 128 else 32, _pow2(max_cand))),
+        TC=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (qt * nh_pad))),
+        TS=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (2 * NUM_PIVOTS * qt))),
+        NPIV=NUM_PIVOTS, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared,
+    )
+
+
+def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               seq_lens: torch.Tensor, params: DashParams, plan: PrefillPlan, scratch: PrefillScratch,
+               tile0: int, tiles: int) -> None:
+    """Route tiles ``tile0 .. tile0 + tiles - 1`` into ``scratch`` (slot ``w * QT + u``)."""
+    t, hq, d = q.shape
+    hkv = cache.num_kv_heads
+    g = hq // hkv
+    shared = params.router == "shared"
+    s, summ, bt = scratch, cache.summaries, block_table
+    _prefill_route_kernel[(tiles, 1 if shared else hkv)](
+        q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
+        cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
+        t, s.scores, s.scores.stride(0), s.scores.stride(1), s.mp, s.mp.stride(0), s.mp.stride(1),
+        s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
+        s.sel_count, s.sel_count.stride(0),
+        params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
+        1.0 / params.sigma, PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
+        num_warps=ROUTE_WARPS,
+    )
+
+
+def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                seq_lens: torch.Tensor, params: DashParams, plan: PrefillPlan, scratch: PrefillScratch,
+                out: torch.Tensor, tile0: int, tiles: int) -> None:
+    """Attention of tiles ``tile0 .. tile0 + tiles - 1`` over their selections in ``scratch``."""
+    t, hq, d = q.shape
+    kp, vp, bt = cache.k_pages, cache.v_pages, block_table
+    hkv = cache.num_kv_heads
+    g = hq // hkv
+    bs = params.block_size
+    shared = params.router == "shared"
+    s = scratch
+    g_pad = _pow2(g)
+    rows = plan.qt * g_pad
+    _prefill_attn_kernel[(tiles, hkv)](
+        q, q.stride(0), q.stride(1), kp, vp, kp.stride(0), kp.stride(1), kp.stride(2),
+        vp.stride(0), vp.stride(1), vp.stride(2), bt, bt.stride(0),
+        cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
+        t, s.sel_idx, s.sel_bias, s.sel_idx.stride(0), 0 if shared else s.sel_idx.stride(1),
+        s.sel_count, s.sel_count.stride(0), 0 if shared else s.sel_count.stride(1),
+        s.union, s.union.stride(0), s.union.stride(1), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
+        QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
+        BLOCK_T=min(bs, 64 if d <= 128 else 32),
+        num_warps=ATTN_WARPS, num_stages=ATTN_STAGES,
+    )
+
+
+def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                              cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              seq_lens: torch.Tensor, slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor,
+                              params: DashParams, *, out: Optional[torch.Tensor] = None,
+                              scratch_bytes: Optional[int] = None) -> torch.Tensor:
+    """Causal DASH for the new tokens of every request with the Triton kernels (the CUDA branch of
+    ``ops.paged_dash_prefill``).
+
+    q: ``[T, Hq, D]`` bf16/fp16; k, v: ``[T, Hkv, D]`` written at ``slot_mapping [T]`` first (with the
+    summaries of the blocks they complete), or all None when already written; block_table ``[n,
+    max_pages]`` int32; cu_seqlens_q ``[n + 1]``; seq_lens ``[n]`` after the extend; head_cls ``[Hkv, D]``.
+    scratch_bytes: routing scratch per wave (default ``SCRATCH_BYTES``). Returns ``out [T, Hq, D]`` in
+    ``q.dtype``; rows of no request, of padded requests and of inconsistent requests are zero.
+    Launches only; never synchronises.
+    """
+    from .launcher import cache_dash_prefill_triton
+
+    check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params, out)
+    if out is None:
+        out = torch.empty_like(q)
+    if k is not None:
+        cache_dash_prefill_triton(k, v, cache, slot_mapping, params, head_cls)
+    t, hq, d = q.shape
+    n = seq_lens.shape[0]
+    if t == 0:
+        return out
+    if n == 0:
+        return out.zero_()
+    plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes)
+    scratch = PrefillScratch.allocate(plan.wave, plan.qt, hq, cache.num_kv_heads, plan.max_cand, params, q.device)
+    for tile0 in range(0, plan.num_tiles, plan.wave):
+        tiles = min(plan.wave, plan.num_tiles - tile0)
+        route_wave(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
+        attend_wave(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, out, tile0, tiles)
+    rows = 16
+    _zero_tail_kernel[(triton.cdiv(t, rows), hq)](out, out.stride(0), out.stride(1), cu_seqlens_q[n:], t, D=d,
+                                                  ROWS=rows)
+    return out

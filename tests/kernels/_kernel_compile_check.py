@@ -1,0 +1,142 @@
+"""Compile every decode kernel for sm_90 (H200) on a machine without a GPU, as the launchers call them.
+
+The interpreter runs kernels as Python, so it cannot catch what only the compiler rejects (loop-
+carried type changes, non-constexpr globals, ...) or what only a GPU pays for (shared memory,
+register spills). This script records the launches the host code makes for a set of supported
+configurations (the kernels are replaced by recorders), compiles each distinct one with
+``triton.compile`` for ``cuda:90`` (bundled ptxas) and prints one JSON line per variant with its
+shared memory and ptxas register/spill report. Run without ``TRITON_INTERPRET``:
+
+    python -m tests.kernels._kernel_compile_check
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("run without TRITON_INTERPRET (the interpreter replaces the kernels)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from dash_core import DashParams  # noqa: E402
+from dash_core.kernels import decode_attention, kv_write, launcher, routing  # noqa: E402
+from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
+DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+KERNELS = {  # module, attribute
+    "_kv_write_kernel": kv_write, "_decode_scores_kernel": routing, "_decode_select_kernel": routing,
+    "_decode_attn_split_kernel": decode_attention, "_merge_kernel": decode_attention,
+}
+
+
+class _Recorder:
+    def __init__(self, name, fn, calls):
+        self.name, self.fn, self.calls = name, fn, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+            sig, attrs = {}, {}
+            names = self.fn.arg_names
+            for i, (n, a) in enumerate(zip(names, args)):
+                if isinstance(a, torch.Tensor):
+                    sig[n] = "*" + DT[a.dtype]
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+                elif isinstance(a, bool):
+                    sig[n] = "i1"
+                elif isinstance(a, int):
+                    sig[n] = "i64" if abs(a) >= 2**31 else "i32"
+                elif isinstance(a, float):
+                    sig[n] = "fp32"
+                else:
+                    raise TypeError(f"{self.name}: argument {n} = {a!r}")
+            for n in names[len(args):]:
+                sig[n] = "constexpr"
+            key = json.dumps([self.name, sig, kw, opts], sort_keys=True, default=str)
+            self.calls[key] = (self.name, sig, kw, opts, {str(k): v for k, v in attrs.items()})
+        return launch
+
+
+def record_launches() -> dict:
+    calls: dict = {}
+    saved = {}
+    for name, mod in KERNELS.items():
+        saved[name] = getattr(mod, name)
+        setattr(mod, name, _Recorder(name, saved[name], calls))
+    try:
+        configs = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
+            (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64)),
+            (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(estimate_diagonal=True)),
+            (torch.float16, 16, 1, 64, 16, 256, 64, dict(topk=16, router="shared")),
+            (torch.bfloat16, 32, 2, 256, 128, 256, 40, dict(local=256)),
+            (torch.bfloat16, 64, 64, 64, 32, 32, 100, dict(router="shared", topk=8)),
+        ]
+        for dtype, hq, hkv, d, bs, ps, max_pages, pk in configs:
+            p = DashParams(block_size=bs, **pk)
+            num_pages = 4
+            kb = torch.zeros(num_pages * ps, hkv, d, dtype=dtype)
+            cache = PagedKVCache.from_sglang(kb, kb.clone(), ps, alloc_summaries(num_pages * ps, bs, hkv, d, dtype))
+            for n in (1, 8):
+                q = torch.zeros(n, hq, d, dtype=dtype)
+                k = torch.zeros(n, hkv, d, dtype=dtype)
+                bt = torch.zeros(n, max_pages, dtype=torch.int32)
+                seq = torch.ones(n, dtype=torch.int32)
+                slots = torch.zeros(n, dtype=torch.int64)
+                hc = torch.zeros(hkv, d, dtype=dtype)
+                bufs = launcher.DecodeBuffers.for_step(q, cache, bt, p, num_sms=132)
+                launcher.paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
+            launcher.cache_dash_prefill_triton(k, k, cache, slots, p, hc)
+    finally:
+        for name, mod in KERNELS.items():
+            setattr(mod, name, saved[name])
+    return calls
+
+
+def _compile(item):
+    name, sig, consts, opts, attrs = item
+    fn = getattr(KERNELS[name], name)
+    src = ASTSource(fn, sig, consts, {eval(k): v for k, v in attrs.items()})
+    rec = {"kernel": name, "constexprs": consts, "options": opts}
+    try:
+        kern = triton.compile(src, target=TARGET, options=opts)
+    except Exception as e:  # noqa: BLE001  (reported, the test fails on it)
+        rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        return rec
+    rec["shared"] = kern.metadata.shared
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(kern.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.o")],
+                           capture_output=True, text=True)
+    m = re.search(r"Used (\d+) registers", r.stderr)
+    s = re.search(r"(\d+) bytes spill stores", r.stderr)
+    rec["registers"] = int(m.group(1)) if m else None
+    rec["spill_bytes"] = int(s.group(1)) if s else None
+    return rec
+
+
+def main() -> int:
+    calls = record_launches()
+    with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
+        for rec in ex.map(_compile, calls.values()):
+            print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
