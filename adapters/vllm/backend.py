@@ -85,6 +85,7 @@ class DashAttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, starting at 0
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
     prefill_block_table: torch.Tensor  # [num_prefills, W] int32
+    decode_buffers: Optional[object] = None  # dash_core DecodeBuffers (CUDA bf16/fp16), the same every step
 
 
 class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadata]):
@@ -110,6 +111,16 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         self.max_blocks = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
         self._decode_seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
         self._decode_block_table = torch.zeros(max_seqs, self.max_blocks, dtype=torch.int32, device=device)
+        # Scratch of the Triton decode kernels (scores, selections, split-KV partials), sized once from
+        # the same bounds and shared by the group's layers, which run one after the other.
+        self.decode_buffers = None
+        dtype = vllm_config.model_config.dtype
+        if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            from dash_core.kernels.launcher import DecodeBuffers
+
+            self.decode_buffers = DecodeBuffers.allocate(
+                max_seqs, _group_num_heads(vllm_config, layer_names), kv_cache_spec.num_kv_heads,
+                kv_cache_spec.head_size, kv_cache_spec.block_size, self.max_blocks, self.params, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: "CommonAttentionMetadata",
               fast_build: bool = False) -> DashAttentionMetadata:
@@ -126,7 +137,17 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
             num_prefill_tokens=npt, max_seq_len=m.max_seq_len, slot_mapping=m.slot_mapping,
             decode_seq_lens=seq_lens, decode_block_table=table,
             prefill_query_start_loc=qsl - qsl[:1], prefill_seq_lens=m.seq_lens[nd: nd + npf],
-            prefill_block_table=m.block_table_tensor[nd: nd + npf, :width])
+            prefill_block_table=m.block_table_tensor[nd: nd + npf, :width], decode_buffers=self.decode_buffers)
+
+
+def _group_num_heads(vllm_config: "VllmConfig", layer_names: list[str]) -> int:
+    """Query heads per rank of a group's layers (all equal in one group)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    heads = {layer.num_heads for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()}
+    if len(heads) != 1:
+        raise ValueError(f"DASH layers of one KV cache group must have one query head count; got {sorted(heads)}")
+    return heads.pop()
 
 
 def _group_params(vllm_config: "VllmConfig", layer_names: list[str]) -> DashParams:
@@ -295,15 +316,14 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         cache = self._cache(kv_cache)
         head_cls = self._head_cls(layer)
         nd, start, end = md.num_decodes, md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
-        # The slot mappings passed below are for the DASH_RECORD_DIR recorder only: K/V were written
-        # by do_kv_cache_update (k = v = None).
+        # K/V and summaries of these tokens were written by do_kv_cache_update: k = v = slot_mapping = None.
         if nd:
-            paged_dash_decode(query[:nd], None, None, cache, md.decode_block_table, md.decode_seq_lens,
-                              md.slot_mapping[:nd], head_cls, self.params, out=output[:nd])
+            paged_dash_decode(query[:nd], None, None, cache, md.decode_block_table, md.decode_seq_lens, None,
+                              head_cls, self.params, out=output[:nd], buffers=md.decode_buffers)
         if md.num_prefills:
             paged_dash_prefill(query[start:end], None, None, cache, md.prefill_block_table,
-                               md.prefill_query_start_loc, md.prefill_seq_lens, md.slot_mapping[start:end],
-                               head_cls, self.params, out=output[start:end])
+                               md.prefill_query_start_loc, md.prefill_seq_lens, None, head_cls, self.params,
+                               out=output[start:end])
         self.stats["forwards"] += 1
         self.stats["decode_tokens"] += start
         self.stats["prefill_tokens"] += end - start

@@ -146,10 +146,12 @@ def test_sparse_generation_matches_the_oracle_model(checkpoint, sparse_engine):
 
 
 def test_recorded_batches_are_consistent(sparse_engine, record_dir):
-    """The batches vLLM handed to the ops during the sparse generation: decodes, chunked prefills
-    and prefix-cache hits (extends over paged history), whose slot mappings are exactly what the
-    block tables say. ``DASH_VLLM_SAVE_BATCHES=DIR`` copies them (one per engine step: both layers
-    see the same batch) for GPU replay (tests/fixtures/engine_batches/vllm, see its README)."""
+    """The batches vLLM handed to the attention ops during the sparse generation: decodes, chunked
+    prefills and prefix-cache hits (extends over paged history), each row's pages real blocks (never
+    vLLM's null block 0) and the pages of one step's requests distinct except for shared prefixes.
+    Their K/V were written by ``do_kv_cache_update``, so ``slot_mapping`` is None.
+    ``DASH_VLLM_SAVE_BATCHES=DIR`` copies them (one per engine step: both layers see the same
+    batch) for GPU replay (tests/fixtures/engine_batches/vllm, see its README)."""
     import glob
     import shutil
 
@@ -160,13 +162,17 @@ def test_recorded_batches_are_consistent(sparse_engine, record_dir):
     assert {b["op"] for b in batches} == {"prefill", "decode"}
     extends = 0
     for b in batches:
-        ps, cu, lens, bt, sm = b["page_size"], b["cu_seqlens_q"], b["seq_lens"], b["block_table"], b["slot_mapping"]
-        assert ps == BS and b["params"]["block_size"] == BS and b["has_summaries"]
+        ps, cu, lens, bt = b["page_size"], b["cu_seqlens_q"], b["seq_lens"], b["block_table"]
+        assert ps == BS and b["params"]["block_size"] == BS and b["has_summaries"] and b["slot_mapping"] is None
+        owners = {}
         for i in range(lens.numel()):
-            q_len = int(cu[i + 1] - cu[i])
-            pos = torch.arange(int(lens[i]) - q_len, int(lens[i]))
-            assert torch.equal(sm[int(cu[i]): int(cu[i + 1])], bt[i, pos // ps].long() * ps + pos % ps)
-            extends += b["op"] == "prefill" and int(lens[i]) > q_len
+            q_len, n = int(cu[i + 1] - cu[i]), int(lens[i])
+            assert 0 < q_len <= n and (b["op"] == "prefill" or q_len == 1)
+            pages = bt[i, : -(-n // ps)].tolist()
+            assert 0 not in pages and max(pages) < b["num_pages"] and len(set(pages)) == len(pages)
+            for j, page in enumerate(pages):  # a page shared by two rows holds the same prefix block in both
+                assert owners.setdefault(page, j) == j
+            extends += b["op"] == "prefill" and n > q_len
     assert extends > 0
     save = os.environ.get("DASH_VLLM_SAVE_BATCHES")
     if save:
