@@ -182,10 +182,9 @@ def published_decode(layer: Layer, q, ctx, params: DashParams, kc, vc):
 
 # ---------------------------------------------------------------------------- one case
 
-def calibrate_sf(layer: Layer, q, params: DashParams, target: float, lo=0.25, hi=256.0) -> float:
+def calibrate_sf(layer: Layer, q, ctx: int, params: DashParams, target: float, lo=0.25, hi=256.0) -> float:
     """A scaling_factor whose uncapped selection reads about ``target`` of the candidate blocks."""
-    b, hq, d = q.shape
-    ctx = int(layer.max_pages * layer.cache.page_size)
+    b = q.shape[0]
     seq = torch.full((b,), ctx, dtype=torch.int32, device=q.device)
 
     def frac(sf):
@@ -224,7 +223,7 @@ def run_case(a, b, ctx, hkv, topk, sf, device, bw, records, dtype=torch.bfloat16
     seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
     base = DashParams(block_size=bs)
     if sf is None:
-        sf = calibrate_sf(layers[0], q, base, a.target_fraction)
+        sf = calibrate_sf(layers[0], q, ctx, base, a.target_fraction)
         log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the blocks uncapped")
     params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
@@ -427,14 +426,20 @@ def main(argv=None) -> int:
     ap.add_argument("--svg", default=str(ROOT / "docs/perf/decode.svg"))
     ap.add_argument("--no-write-docs", action="store_true")
     a = ap.parse_args(argv)
-    a.command = "python benchmarks/decode.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    raw = list(argv if argv is not None else sys.argv[1:])
+    shown = []  # the command as recorded in the docs: output paths (machine-specific) left out
+    for i, x in enumerate(raw):
+        if x in ("--json", "--markdown", "--svg") or (i and raw[i - 1] in ("--json", "--markdown", "--svg")):
+            continue
+        shown.append(x)
+    a.command = "python benchmarks/decode.py " + " ".join(shown)
     if a.preset == "matrix":
         a.batch, a.context, a.hkv, a.topk = "1,8,32,64", "8192,32768,131072", "8,2", "16,64,256,none"
     elif a.preset == "required":
         a.batch, a.context, a.hkv, a.topk = "1,8", "131072", "8", "64,none"
     if a.smoke:
         a.batch, a.context, a.hkv, a.topk = "2", "300", "2", "4,none"
-        a.hq, a.head_dim, a.block_size, a.page_size, a.peers = 4, 64, 16, 32, "sdpa"
+        a.hq, a.head_dim, a.block_size, a.page_size, a.peers, a.max_layers = 4, 64, 16, 32, "sdpa", 2
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if device.type != "cuda" and not a.smoke:
         log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")

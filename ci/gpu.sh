@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# GPU run of the decode kernels (issue 4) on a machine with a CUDA GPU and no package registry:
+# the GPU tests (every kernel test compiled, plus 128k contexts, CUDA graphs, sync-free decode and
+# recorded engine batches), then the decode benchmark. Everything lands in $OUT (default ./out):
+#   gpu_tests.log, gpu_tests.xml         pytest -m gpu tests/kernels
+#   bench.log, decode.json, PERFORMANCE.md, decode.svg   benchmarks/decode.py (merged with the repo's docs)
+#   env.txt                              versions, nvidia-smi
+#
+#   bash ci/gpu.sh              # tests, then the required benchmark rows (each under its own time limit)
+#   bash ci/gpu.sh tests        # tests only
+#   bash ci/gpu.sh bench [ARGS] # benchmark only; ARGS go to benchmarks/decode.py (default: --preset required)
+#
+# Optional peers: FlashInfer from a carried wheel under .whl/flashinfer/ (see ci/gpu_segments.sh), and the
+# published DashAttention kernels from $DASH_PUBLISHED_DIR or an ignored copy at third_party/dash-attention.
+# Time limits (seconds): TEST_TIMEOUT (default 330), BENCH_TIMEOUT (default 250).
+set -uo pipefail
+mode=${1:-all}
+[ $# -gt 0 ] && shift
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${OUT:-$root/out}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+
+if ls .whl/flashinfer/*.whl >/dev/null 2>&1; then
+  site=/tmp/site
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    .whl/flashinfer/*.whl > "$out/flashinfer_install.log" 2>&1 || echo "flashinfer install failed (see log)"
+  export PYTHONPATH="$site:$PYTHONPATH"
+  export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}
+  export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi}
+  export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+  if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
+    CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"); export CUDA_HOME
+  fi
+fi
+if [ -z "${DASH_PUBLISHED_DIR:-}" ] && [ -d third_party/dash-attention/dash_attn ]; then
+  export DASH_PUBLISHED_DIR="$root/third_party/dash-attention"
+fi
+
+{
+  date -u
+  "$py" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+  "$py" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+  echo "DASH_PUBLISHED_DIR=${DASH_PUBLISHED_DIR:-unset}"
+  nvidia-smi 2>&1 | head -15
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+rc=0
+if [ "$mode" = all ] || [ "$mode" = tests ]; then
+  echo "== GPU tests (pytest -m gpu tests/kernels), limit ${TEST_TIMEOUT:-330}s"
+  timeout "${TEST_TIMEOUT:-330}" "$py" -m pytest -m gpu tests/kernels -q -rs -p no:cacheprovider --durations=25 \
+    --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
+  t=$?
+  tail -40 "$out/gpu_tests.log"
+  echo "tests exit status $t"
+  [ $t -ne 0 ] && rc=$t
+fi
+if [ "$mode" = all ] || [ "$mode" = bench ]; then
+  [ -f docs/perf/decode.json ] && cp docs/perf/decode.json "$out/decode.json"
+  [ -f docs/PERFORMANCE.md ] && cp docs/PERFORMANCE.md "$out/PERFORMANCE.md"
+  args=("$@")
+  [ ${#args[@]} -eq 0 ] && args=(--preset required)
+  echo "== decode benchmark ${args[*]}, limit ${BENCH_TIMEOUT:-250}s"
+  timeout "${BENCH_TIMEOUT:-250}" "$py" benchmarks/decode.py "${args[@]}" --json "$out/decode.json" \
+    --markdown "$out/PERFORMANCE.md" --svg "$out/decode.svg" > "$out/bench.log" 2>&1
+  b=$?
+  tail -30 "$out/bench.log"
+  echo "benchmark exit status $b"
+  [ $b -ne 0 ] && rc=$b
+fi
+exit $rc
