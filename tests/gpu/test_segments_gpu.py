@@ -102,7 +102,7 @@ def test_backend_matches_oracle_and_triton(backend, router, kind):
     torch.testing.assert_close(out.float(), triton_out.float(), atol=TOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b.values[0] in ("TRITON", "FLASHINFER")])
+@pytest.mark.parametrize("backend", ["TRITON", "TORCH"])  # library fp16 modules would double the JIT time
 def test_float16(backend):
     params, q, k, v, pos, cache, bt, routing = scenario("route", "kv_head", torch.float16)
     qc, kk, vv, used, bias = to_cuda(params, q, k, v, pos, cache, bt, routing)
