@@ -335,10 +335,13 @@ class FlashInferSegmentPlan:
             mask_indptr_buf=self.mask_indptr_buf, backend="fa2")
         # A boolean custom_mask makes plan() pack it and compute *byte* offsets itself (the
         # packed_custom_mask path takes bit offsets for bytes: flashinfer#2201).
+        extra = {}
+        if "uniform_q_len" in inspect.signature(self.wrapper.plan).parameters:
+            extra["uniform_q_len"] = 1  # one query row per request: size the q tile for it (fa2, graph mode)
         self.wrapper.plan(qo_indptr, kv_indptr, geo.heads_per_unit, geo.hk, geo.d,
                           custom_mask=torch.ones(total_bits, dtype=torch.bool, device=device),
                           causal=False, sm_scale=1.0 / math.sqrt(geo.d), q_data_type=dtype,
-                          kv_data_type=dtype, o_data_type=dtype, disable_split_kv=True)
+                          kv_data_type=dtype, o_data_type=dtype, disable_split_kv=True, **extra)
         # Byte offsets, whatever plan() wrote (one request's mask is capacity / 8 bytes).
         self.mask_indptr_buf.copy_(bstart)
 
