@@ -100,6 +100,14 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: "VllmConfig", kv_cache_spec) -> AttentionCGSupport:
+        """Uniform decode graphs where decode runs the Triton kernels (CUDA, bf16/fp16); the
+        PyTorch path (fp32, CPU) reads lengths on the host and cannot be captured."""
+        if vllm_config.model_config.dtype in (torch.float16, torch.bfloat16):
+            return cls._cudagraph_support
+        return AttentionCGSupport.NEVER
+
     def __init__(self, kv_cache_spec: "AttentionSpec", layer_names: list[str], vllm_config: "VllmConfig",
                  device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

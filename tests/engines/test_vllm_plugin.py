@@ -104,3 +104,16 @@ def test_block_size_other_than_dash_block_is_refused(checkpoints):
     cfg = engine_config(checkpoints[16], block_size=32)
     with pytest.raises(ValueError, match=r"page size must be a multiple of the DASH block size.*--block-size 16"):
         dash_layer(cfg, DashParams(block_size=16), torch.zeros(2, 32))
+
+
+@pytest.mark.parametrize("dtype,support", [("float32", "NEVER"), ("bfloat16", "UNIFORM_SINGLE_TOKEN_DECODE"),
+                                           ("float16", "UNIFORM_SINGLE_TOKEN_DECODE")])
+def test_cuda_graph_support_follows_the_decode_path(checkpoints, dtype, support):
+    """FULL decode graphs are declared where decode runs the Triton kernels (bf16/fp16); the fp32
+    PyTorch path reads lengths on the host, so it declares none."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from adapters.vllm.backend import DashAttentionMetadataBuilder
+
+    cfg = engine_config(checkpoints[16], dtype=dtype)
+    assert DashAttentionMetadataBuilder.get_cudagraph_support(cfg, None) == AttentionCGSupport[support]
