@@ -53,7 +53,7 @@ ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
 ROUTE_TILE_BUDGET = 2048  # elements of route_tile's largest register tile (QT units at once)
 ROUTE_WARPS = 8
 ATTN_WARPS = 4
-ATTN_STAGES = 2
+ATTN_STAGES = 3
 # Globals a compiled kernel reads must be constexpr objects.
 _BIG = tl.constexpr(1 << 30)  # "no more blocks" in the union merge
 LOG2E_HOST = 1.4426950408889634
@@ -235,6 +235,7 @@ def _prefill_route_kernel(
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
         count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
         QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+        ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
     )
 
 
@@ -246,19 +247,21 @@ def _prefill_route_kernel(
 def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
-    sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
-    union_ptr, su_w, su_h, o_ptr, so_t, so_h, qk_scale, G,
+    sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
+    ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, o_ptr, so_t, so_h, qk_scale, G,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
 
-    1. Union: merge the tile's per-token sorted selections (``sel_idx [slot, Hsel, cap]``, ``count``;
-       ``ssel_h == scnt_h == 0`` for router ``shared``) into ``union [w, h, :]`` (increasing).
+    1. Union: merge the tile's per-token sorted selections (``sel_* [slot, Hsel, cap]``, ``count``;
+       ``ssel_h == scnt_h == 0`` for router ``shared``) into the physical blocks ``ublk [w, h, j]``
+       (increasing logical order) and ``ubias [w, h, j, u]``: token u's log2 prior of block j, or
+       ``-inf`` where it did not select it.
     2. Local window blocks (log prior 0, causal per row), then every union block: ``[BLOCK_T, D]`` K/V
-       tiles read from the pages once for the tile, ``[M, BLOCK_T]`` fp32 logits plus, per row, the
-       token's log prior of the block or ``-inf`` when it did not select it; online softmax in base 2.
+       tiles read from the pages once for the tile (addresses depend on ``j`` only, so loads can be
+       pipelined), ``[M, BLOCK_T]`` fp32 logits plus each row's bias, online softmax in base 2.
     Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
     inconsistent get zeros.
     """
@@ -294,14 +297,19 @@ def _prefill_attn_kernel(
     nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
     c = tl.min(nxt, axis=0)
     nu = 0
-    union_row = union_ptr + w.to(tl.int64) * su_w + h * su_h
+    ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
+    ubias_row = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h
     while c < _BIG:
-        tl.store(union_row + nu, c)
+        hit = nxt == c
+        b = tl.load(sel_bias_ptr + sel_u + ptr_u, mask=hit, other=0.0)
+        tl.store(ubias_row + nu * QT + offs_u, tl.where(hit, b * _LOG2E, float("-inf")))
+        phys = tl.load(sel_blk_ptr + sel_u + ptr_u, mask=hit, other=-1)
+        tl.store(ublk_row + nu, tl.max(phys, axis=0))
         nu += 1
-        ptr_u += (nxt == c).to(tl.int32)
+        ptr_u += hit.to(tl.int32)
         nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
         c = tl.min(nxt, axis=0)
-    tl.debug_barrier()  # the union list is read back by other threads
+    tl.debug_barrier()  # the union lists are read back by other threads
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -330,29 +338,23 @@ def _prefill_attn_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
 
-    # 2b. the union blocks; each row adds its own log prior, or -inf where it did not select the block
-    sel_m = (slot0 + u_m) * ssel_n + h * ssel_h
-    cnt_m = tl.load(count_ptr + (slot0 + u_m) * scnt_n + h * scnt_h, mask=row_ok, other=0)
-    ptr_m = tl.zeros([M], tl.int32)
+    # 2b. the union blocks (complete, before the local window)
     for j in range(0, nu):
-        blk = tl.load(union_row + j)
-        page, row0 = block_page(bt_row, blk, PS, BS, blk >= 0)
-        has = ptr_m < cnt_m
-        idx = tl.load(sel_idx_ptr + sel_m + ptr_m, mask=has, other=-1)
-        hit = has & (idx == blk)
-        bias = tl.load(sel_bias_ptr + sel_m + ptr_m, mask=hit, other=0.0)
-        bias = tl.where(hit, bias * _LOG2E, float("-inf"))
-        ptr_m += hit.to(tl.int32)
+        # the block id as a BLOCK_T vector (one address): a tensor load the pipeliner can prefetch
+        phys = tl.load(ublk_row + j + 0 * offs_t).to(tl.int64)
+        bias = tl.load(ubias_row + j * QT + u_m)
+        page = phys // ppb
+        row0 = (phys % ppb) * BS
         for t0 in tl.static_range(0, BS, BLOCK_T):
-            rows = (row0 + t0 + offs_t).to(tl.int64)
-            kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
+            rows = row0 + t0 + offs_t
+            kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
             qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias[:, None]
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :])
+            vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :])
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
 
@@ -387,7 +389,8 @@ class PrefillScratch:
 
     scores ``[slots, Hq, max_cand]`` fp32, mp ``[slots, Hsel, max_cand]`` fp32, sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
-    union ``[W, Hkv, max_cand]`` int32. ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
+    union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, max_cand, QT]`` fp32.
+    ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
     """
 
     qt: int
@@ -399,14 +402,15 @@ class PrefillScratch:
     sel_blk: torch.Tensor
     sel_bias: torch.Tensor
     sel_count: torch.Tensor
-    union: torch.Tensor
+    union_blk: torch.Tensor
+    union_bias: torch.Tensor
 
     @staticmethod
     def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams) -> int:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         per_slot = 4 * (hq * max_cand + hsel * max_cand + 3 * hsel * cap + hsel)
-        return qt * per_slot + 4 * hkv * max_cand
+        return qt * per_slot + 4 * hkv * max_cand * (1 + qt)
 
     @classmethod
     def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
@@ -423,7 +427,8 @@ class PrefillScratch:
             sel_blk=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
             sel_count=torch.empty(slots, hsel, dtype=i32, device=device),
-            union=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
+            union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
+            union_bias=torch.empty(tiles, hkv, max_cand, qt, dtype=f32, device=device),
         )
 
 
@@ -547,9 +552,10 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         q, q.stride(0), q.stride(1), kp, vp, kp.stride(0), kp.stride(1), kp.stride(2),
         vp.stride(0), vp.stride(1), vp.stride(2), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.sel_idx, s.sel_bias, s.sel_idx.stride(0), 0 if shared else s.sel_idx.stride(1),
+        t, s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), 0 if shared else s.sel_idx.stride(1),
         s.sel_count, s.sel_count.stride(0), 0 if shared else s.sel_count.stride(1),
-        s.union, s.union.stride(0), s.union.stride(1), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
+        s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
+        s.union_bias.stride(1), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32),
         num_warps=ATTN_WARPS, num_stages=ATTN_STAGES,

@@ -42,7 +42,7 @@ def route_tile(
     sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
     count_ptr, count_unit, topk, inv_sigma,
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
-    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr,
+    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
 
@@ -53,6 +53,8 @@ def route_tile(
     Writes, per unit, its kept blocks in increasing order: logical index (``sel_idx``), summary
     index = physical block (``sel_blk``), ``log`` prior (``sel_bias``), at ``sel_unit[u] + j`` for
     ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
+    Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TS]`` mp, ``[QT, NPIV, TS]`` pivot counts; ONE_TILE
+    (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes.
     """
     offs_r = tl.arange(0, NH_PAD)
     offs_c = tl.arange(0, TC)
@@ -111,15 +113,22 @@ def route_tile(
         lo_k = tl.where(need, 1, 0)
         hi_k = tl.where(need, 0x7F800000, 1)
         offs_p = tl.arange(0, NPIV)
+        if ONE_TILE:  # every candidate fits one tile: keep the keys in registers for all passes
+            key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
+                              other=0.0).to(tl.int32, bitcast=True)
         while tl.max(hi_k - lo_k, axis=0) > 1:
             span = (hi_k - lo_k).to(tl.int64)
             piv = lo_k[:, None] + (span[:, None] * (offs_p[None, :] + 1) // (NPIV + 1)).to(tl.int32)
-            ge = tl.zeros([QT, NPIV], tl.int32)
-            for c0 in range(0, nmax, TS):
-                c = c0 + offs_s
-                cok = c[None, :] < ncand[:, None]
-                key = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok, other=0.0).to(tl.int32, bitcast=True)
-                ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
+            if ONE_TILE:
+                ge = tl.sum((key_all[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
+            else:
+                ge = tl.zeros([QT, NPIV], tl.int32)
+                for c0 in range(0, nmax, TS):
+                    c = c0 + offs_s
+                    cok = c[None, :] < ncand[:, None]
+                    key = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok,
+                                  other=0.0).to(tl.int32, bitcast=True)
+                    ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
             enough = ge >= topk
             new_lo = tl.max(tl.where(enough, piv, lo_k[:, None]), axis=1)
             new_hi = tl.min(tl.where(enough, hi_k[:, None], piv), axis=1)
@@ -237,7 +246,7 @@ def _decode_select_kernel(
     count_ptr, scnt_n, NROWS, topk, inv_sigma,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Grid ``(n, Hsel)``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
@@ -262,6 +271,7 @@ def _decode_select_kernel(
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
         count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
         QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+        ONE_TILE=ONE_TILE,
     )
 
 
@@ -273,6 +283,7 @@ def _pow2(x: int) -> int:
 # halved for 16+ score rows).
 SELECT_TILE_BUDGET = 8192
 NUM_PIVOTS = 16
+ONE_TILE_MAX = 8192  # up to this many candidates the cap keeps every mp in registers
 
 
 def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -314,14 +325,20 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     nh_pad = _pow2(nrows)
     budget = SELECT_TILE_BUDGET if nh_pad < 16 else SELECT_TILE_BUDGET // 2  # wide 3-D tiles spill otherwise
     tc = max(16, min(_pow2(max_cand), budget // nh_pad))
-    ts = max(16, min(_pow2(max_cand), budget // (2 * NUM_PIVOTS)))
+    one_tile = _pow2(max_cand) <= ONE_TILE_MAX
+    if one_tile:  # all candidates in one [TS] tile; fewer pivots per pass keep [NPIV, TS] in budget
+        ts = max(16, _pow2(max_cand))
+        npiv = max(1, min(NUM_PIVOTS, budget // ts))
+    else:
+        ts = max(16, min(_pow2(max_cand), budget // (2 * NUM_PIVOTS)))
+        npiv = NUM_PIVOTS
     topk = params.topk if params.topk is not None else 0
     _decode_select_kernel[(n, hsel)](
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         mp, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma,
-        NH_PAD=nh_pad, NS_PAD=_pow2(num_splits), TC=tc, TS=ts, NPIV=NUM_PIVOTS,
+        NH_PAD=nh_pad, NS_PAD=_pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, BS=bs, PS=page_size,
-        LOCAL_BLOCKS=params.local_blocks, num_warps=8,
+        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, num_warps=8,
     )

@@ -83,6 +83,7 @@ def record_launches() -> dict:
             (torch.float16, 16, 1, 64, 16, 256, 64, dict(topk=16, router="shared")),
             (torch.bfloat16, 32, 2, 256, 128, 256, 40, dict(local=256)),
             (torch.bfloat16, 64, 64, 64, 32, 32, 100, dict(router="shared", topk=8)),
+            (torch.bfloat16, 8, 2, 128, 16, 16, 10000, dict(topk=32, estimate_diagonal=True)),  # cap over tiles
         ]
         for dtype, hq, hkv, d, bs, ps, max_pages, pk in configs:
             p = DashParams(block_size=bs, **pk)

@@ -1,7 +1,7 @@
 """Every decode kernel compiles for the H200 (sm_90) as the launchers call it, on a CPU machine.
 
 The interpreter cannot see compiler-only errors or GPU resource use, so this compiles (in a
-subprocess without ``TRITON_INTERPRET``) each launch the host code makes for five supported
+subprocess without ``TRITON_INTERPRET``) each launch the host code makes for six supported
 configurations, with triton's bundled ptxas, and checks shared memory against the H200's limit.
 Register spills are reported, not failed on (a few spilled bytes cost little in these kernels).
 """

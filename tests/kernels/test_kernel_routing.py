@@ -82,17 +82,19 @@ def test_topk_ties_go_to_lower_blocks():
 
 
 def test_wide_topk_and_long_rows():
-    """More candidates than one select tile (several tiles per pass), topk above and below the
-    support size, a padded row in the batch."""
-    for topk in (None, 5, 40):
-        p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
-        sc = make_scenario(11, [16 * 70 + 5, 0, 33], params=p, q_scale=1.5).to(DEV)
-        bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(3, 1))
-        from dash_core.kernels import routing
-        old = routing.SELECT_TILE_BUDGET
-        routing.SELECT_TILE_BUDGET = 64  # 32-wide score tiles, 16-wide select tiles: several tiles per pass
-        try:
-            launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
-        finally:
-            routing.SELECT_TILE_BUDGET = old
-        check_routing(sc, bufs)
+    """More candidates than one select tile, topk above and below the support size, a padded row,
+    with the cap's keys in registers (one tile) and reloaded tile by tile (several tiles per pass)."""
+    from dash_core.kernels import routing
+
+    for budget, one_tile_max in ((64, 0), (routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX)):
+        for topk in (None, 5, 40):
+            p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
+            sc = make_scenario(11, [16 * 70 + 5, 0, 33], params=p, q_scale=1.5).to(DEV)
+            bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(3, 1))
+            old = routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX
+            routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX = budget, one_tile_max
+            try:
+                launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+            finally:
+                routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX = old
+            check_routing(sc, bufs)
