@@ -368,12 +368,13 @@ def plan_key(geo: SegmentGeometry, dtype: torch.dtype, device: torch.device,
 
 
 def _flashinfer_plan(geo: SegmentGeometry, dtype: torch.dtype, device: torch.device,
-                     cache: PlanCache, pin: bool = False) -> FlashInferSegmentPlan:
-    key = plan_key(geo, dtype, device)
+                     cache: PlanCache, pin: bool = False, paged: bool = False) -> FlashInferSegmentPlan:
+    key = plan_key(geo, dtype, device, layout="paged", page_size=geo.bs) if paged else plan_key(geo, dtype, device)
 
     def make():
         logger.debug("FlashInfer segment plan for %s", key)
-        return FlashInferSegmentPlan(geo, dtype, device, cache.workspace(device))
+        cls = FlashInferPagedSegmentPlan if paged else FlashInferSegmentPlan
+        return cls(geo, dtype, device, cache.workspace(device))
 
     return cache.pin(key, make) if pin else cache.get(key, make)
 
@@ -481,6 +482,48 @@ def prepare_flash_dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return plan_key(geo, q.dtype, q.device)
 
 
+@dataclass
+class _DecodeSelection:
+    """Per decode row and unit: the routed blocks (padded to topk) and the local window."""
+
+    length: torch.Tensor  # [n] int64 tokens (0 = padded row)
+    pos: torch.Tensor  # [n] int64 position of the decode token
+    blk: torch.Tensor  # [n, Hsel, topk] int64 logical block (0 where not ok)
+    ok: torch.Tensor  # [n, Hsel, topk] bool, a real routed segment
+    first_local: torch.Tensor  # [n] int64 first token of the local window
+    used: torch.Tensor  # [n, Hsel, topk + 1] int32
+    bias: torch.Tensor  # [n, Hsel, topk] fp32
+
+
+def _decode_selection(block_table, seq_lens, sel_idx, sel_bias, sel_count, params: DashParams,
+                      hkv: int, page_size: int) -> _DecodeSelection:
+    topk = segment_count(params)
+    bs = params.block_size
+    n, hsel, cap = sel_idx.shape
+    if cap > topk:
+        raise ValueError(f"sel_idx has {cap} entries per unit; at most topk = {topk} allowed")
+    want = hkv if params.router == "kv_head" else 1
+    if hsel != want:
+        raise ValueError(f"sel_idx [n, Hsel, cap] must have Hsel = {want} for router {params.router!r}; "
+                         f"got Hsel = {hsel}")
+    dev = sel_idx.device
+    length = seq_lens.to(torch.long).clamp(min=0, max=block_table.shape[1] * page_size)
+    pos = (length - 1).clamp(min=0)
+    ok = torch.arange(cap, device=dev)[None, None, :] < sel_count.to(torch.long)[..., None]
+    ok = ok & (length > 0)[:, None, None]
+    blk = torch.where(ok, sel_idx.to(torch.long), torch.zeros((), dtype=torch.long, device=dev))
+    bias = torch.zeros(n, hsel, topk, dtype=torch.float32, device=dev)
+    bias[..., :cap] = torch.where(ok, sel_bias.float(), torch.zeros((), device=dev))
+    if cap < topk:
+        blk = torch.cat([blk, blk.new_zeros(n, hsel, topk - cap)], dim=2)
+        ok = torch.cat([ok, ok.new_zeros(n, hsel, topk - cap)], dim=2)
+    first_local = (pos // bs - params.local_blocks + 1).clamp(min=0) * bs
+    used = torch.empty(n, hsel, topk + 1, dtype=torch.int32, device=dev)
+    used[..., :topk] = torch.where(ok, bs, 0).to(torch.int32)
+    used[..., topk] = torch.where(length > 0, length - first_local, 0).to(torch.int32)[:, None]
+    return _DecodeSelection(length, pos, blk, ok, first_local, used, bias)
+
+
 def gather_segments(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     sel_idx: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
                     params: DashParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -493,32 +536,15 @@ def gather_segments(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: to
     host synchronisation (capturable). Returns ``k, v [n * Hsel * S, Hk, D]``, ``used [n, Hsel,
     topk + 1]`` int32 and ``bias [n, Hsel, topk]`` fp32 (0 for empty segments).
     """
-    topk = segment_count(params)
-    bs, local = params.block_size, params.local
-    n, hsel, cap = sel_idx.shape
-    hkv = cache.num_kv_heads
-    if cap > topk:
-        raise ValueError(f"sel_idx has {cap} entries per unit; at most topk = {topk} allowed")
-    want = hkv if params.router == "kv_head" else 1
-    if hsel != want:
-        raise ValueError(f"sel_idx [n, Hsel, cap] must have Hsel = {want} for router {params.router!r}; "
-                         f"got Hsel = {hsel}")
+    ps, hkv = cache.page_size, cache.num_kv_heads
+    sel = _decode_selection(block_table, seq_lens, sel_idx, sel_bias, sel_count, params, hkv, ps)
+    bs, local, topk = params.block_size, params.local, params.topk
+    n, hsel = sel_idx.shape[:2]
     dev = sel_idx.device
-    ps = cache.page_size
-    length = seq_lens.to(torch.long).clamp(min=0, max=block_table.shape[1] * ps)
-    pos = (length - 1).clamp(min=0)
-    slot_ok = torch.arange(cap, device=dev)[None, None, :] < sel_count.to(torch.long)[..., None]
-    slot_ok = slot_ok & (length > 0)[:, None, None]
-    blk = torch.where(slot_ok, sel_idx.to(torch.long), torch.zeros_like(sel_idx, dtype=torch.long))
-    t_bs = torch.arange(bs, device=dev)
-    routed = blk[..., None] * bs + t_bs  # [n, hsel, cap, bs]
-    if cap < topk:
-        routed = torch.cat([routed, routed.new_zeros(n, hsel, topk - cap, bs)], dim=2)
-        slot_ok = torch.cat([slot_ok, slot_ok.new_zeros(n, hsel, topk - cap)], dim=2)
-    first_local = (pos // bs - params.local_blocks + 1).clamp(min=0) * bs
-    loc = torch.minimum(first_local[:, None] + torch.arange(local, device=dev)[None], pos[:, None])
+    routed = sel.blk[..., None] * bs + torch.arange(bs, device=dev)  # [n, hsel, topk, bs]
+    loc = sel.first_local[:, None] + torch.arange(local, device=dev)[None]
     positions = torch.cat([routed.reshape(n, hsel, topk * bs), loc[:, None].expand(n, hsel, local)], dim=2)
-    positions = torch.minimum(positions, pos[:, None, None])  # stay inside the request's pages
+    positions = torch.minimum(positions, sel.pos[:, None, None])  # stay inside the request's pages
     pages = torch.gather(block_table.to(torch.long), 1, (positions // ps).reshape(n, -1)).reshape(positions.shape)
     rows = positions % ps
     if hsel == 1:
@@ -531,10 +557,212 @@ def gather_segments(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: to
         v = cache.v_pages[pages, rows, heads]
         hk = 1
     s = topk * bs + local
-    used = torch.empty(n, hsel, topk + 1, dtype=torch.int32, device=dev)
-    used[..., :topk] = torch.where(slot_ok, bs, 0).to(torch.int32)
-    used[..., topk] = torch.where(length > 0, length - first_local, 0).to(torch.int32)[:, None]
-    bias = torch.zeros(n, hsel, topk, dtype=torch.float32, device=dev)
-    bias[..., :cap] = torch.where(slot_ok[..., :cap], sel_bias.float(), torch.zeros((), device=dev))
     return (k.reshape(n * hsel * s, hk, cache.head_dim), v.reshape(n * hsel * s, hk, cache.head_dim),
-            used, bias)
+            sel.used, sel.bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# zero-copy variant: segments addressed through page tables into the engine's cache
+
+
+def fold_kv_heads(pages: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """View ``[P, page_size, Hkv, D]`` pages as single-head pages ``[P', page_size, 1, D]``.
+
+    Page ``(p, h)`` becomes page ``p * m + h`` of the result (no copy), which gives per-KV-head
+    selections a plain page table. Needs a head-major page layout (each head's rows of a page
+    contiguous in their own span: vLLM's ``[blocks, heads, block_size, C]``, or any HND cache),
+    where ``m = page stride / head stride`` (``Hkv``, or the head slots of a page). Token-major
+    caches (SGLang's ``[slots, Hkv, D]``) cannot be folded: use the gathered layout for them.
+    Returns the folded view and ``m``.
+    """
+    p, ps, hkv, d = pages.shape
+    sp, sr, sh, sd = pages.stride()
+    if sd != 1:
+        raise ValueError(f"pages must have a contiguous last dimension; strides {pages.stride()}")
+    if hkv == 1:
+        return pages, 1
+    if sh <= 0 or sp % sh or sp // sh < hkv or sr * (ps - 1) + d > sh:
+        raise ValueError(f"pages {tuple(pages.shape)} with strides {pages.stride()} are token-major (NHD): "
+                         "KV heads cannot be folded into pages; use gather_segments (gathered layout)")
+    m = sp // sh
+    folded = pages.as_strided((p * m - (m - hkv), ps, 1, d), (sh, sr, sh, 1), pages.storage_offset())
+    return folded, m
+
+
+def segment_pages(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                  sel_idx: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor, params: DashParams
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page tables of decode rows' segments, for ``flash_dash_attention_paged`` (no K/V copy).
+
+    Same inputs as ``gather_segments``; the cache's page size must equal the block size (a
+    routed segment is one page, the local window ``local / bs`` pages). Returns ``k_pages,
+    v_pages`` (folded per KV head for router ``kv_head``: ``[P', bs, 1, D]``; as they are for
+    ``shared``), ``page_table [n, Hsel, topk + 1, local // bs]`` int32 (a routed segment repeats
+    its page), ``used [n, Hsel, topk + 1]`` int32 and ``bias [n, Hsel, topk]`` fp32.
+    """
+    bs = params.block_size
+    if cache.page_size != bs:
+        raise ValueError(f"segments align with pages only when the page size equals the block size; page size "
+                         f"{cache.page_size}, block size {bs}: use gather_segments (gathered layout)")
+    hkv = cache.num_kv_heads
+    sel = _decode_selection(block_table, seq_lens, sel_idx, sel_bias, sel_count, params, hkv, bs)
+    n, hsel = sel_idx.shape[:2]
+    w = params.local_blocks
+    dev = sel_idx.device
+    bt = block_table.to(torch.long)
+    routed = torch.gather(bt, 1, sel.blk.reshape(n, -1)).reshape(sel.blk.shape)  # [n, hsel, topk]
+    loc_blk = torch.minimum(sel.first_local[:, None] // bs + torch.arange(w, device=dev)[None],
+                            (sel.pos // bs)[:, None])
+    local = torch.gather(bt, 1, loc_blk)  # [n, w]
+    table = torch.cat([routed[..., None].expand(*routed.shape, w), local[:, None, None].expand(n, hsel, 1, w)], 2)
+    if hsel > 1:
+        k_pages, m = fold_kv_heads(cache.k_pages)
+        v_pages, mv = fold_kv_heads(cache.v_pages)
+        if m != mv:
+            raise ValueError(f"K and V pages fold differently ({m} vs {mv} head slots per page)")
+        table = table * m + torch.arange(hsel, device=dev)[None, :, None, None]
+    else:
+        k_pages, v_pages = cache.k_pages, cache.v_pages
+    return k_pages, v_pages, table.to(torch.int32), sel.used, sel.bias
+
+
+def check_paged_segments(q, k_pages, v_pages, page_table, used, bias, backend, bs, local) -> SegmentGeometry:
+    """Validate a ``flash_dash_attention_paged`` call on the host."""
+    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape or k_pages.shape[1] != bs:
+        raise ValueError(f"k_pages and v_pages must be equal [pages, bs = {bs}, Hk, D]; got "
+                         f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
+    if q.dim() != 3 or used.dim() != 3:
+        raise ValueError(f"q must be [n, Hq, D] and used [n, Hsel, topk + 1]; got {tuple(q.shape)}, {tuple(used.shape)}")
+    n, hsel, c = used.shape
+    hk, d = k_pages.shape[2], k_pages.shape[3]
+    # validate everything but k/v through the gathered checks, with stand-in k/v of the right shape
+    rows = n * hsel * ((c - 1) * bs + local)
+    stand_in = k_pages.as_strided((rows, hk, d), (0, 0, 1))  # a zero-stride view: shape, dtype, device
+    geo = check_segments(q, stand_in, stand_in, used, bias, backend, bs, local)
+    want = (n, hsel, c, local // bs)
+    if tuple(page_table.shape) != want or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must be int32 {want}; got {page_table.dtype} {tuple(page_table.shape)}")
+    if page_table.device != q.device or k_pages.device != q.device:
+        raise ValueError("page_table and pages must be on q's device")
+    return geo
+
+
+def _pages_to_gathered(k_pages, v_pages, page_table, geo: SegmentGeometry):
+    """Copy the paged segments into the gathered layout (TORCH and TRITON backends)."""
+    topk, w = geo.topk, page_table.shape[-1]
+    idx = torch.cat([page_table[..., :topk, 0], page_table[..., topk, :]], dim=-1).long()  # [n, hsel, topk + w]
+    k = k_pages[idx].reshape(geo.n * geo.hsel * geo.unit_tokens, geo.hk, geo.d)
+    v = v_pages[idx].reshape(geo.n * geo.hsel * geo.unit_tokens, geo.hk, geo.d)
+    return k, v
+
+
+class FlashInferPagedSegmentPlan(FlashInferSegmentPlan):
+    """A planned ``BatchPrefillWithPagedKVCacheWrapper`` over the segments' pages (zero-copy).
+
+    Requests as in ``FlashInferSegmentPlan``; a routed segment is one page, the local segment
+    ``local / bs`` pages, every last page full (``last_page_len = bs``) and the valid length a
+    custom mask. Page ids are rewritten on the device per call into ``indices_buf`` (the plan
+    does not depend on them), so one plan serves every step of the shape.
+    """
+
+    def __init__(self, geo: SegmentGeometry, dtype: torch.dtype, device: torch.device,
+                 workspace: torch.Tensor) -> None:
+        fi = _import_flashinfer()
+        r, w, c = geo.requests, geo.local // geo.bs, geo.num_segments
+        self.geo = geo
+        req = torch.arange(r, device=device, dtype=torch.int32)
+        npages = torch.where(req % c == geo.topk, w, 1).to(torch.int32)
+        kv_indptr = torch.cat([npages.new_zeros(1), torch.cumsum(npages, 0, dtype=torch.int32)])
+        total_pages = geo.n * geo.hsel * (geo.topk + w)
+        total_bits = geo.n * geo.hsel * geo.unit_tokens
+        self.qo_indptr_buf = torch.empty(r + 1, dtype=torch.int32, device=device)
+        self.kv_indptr_buf = torch.empty(r + 1, dtype=torch.int32, device=device)
+        self.indices_buf = torch.zeros(total_pages, dtype=torch.int32, device=device)
+        self.last_page_len_buf = torch.empty(r, dtype=torch.int32, device=device)
+        self.mask_indptr_buf = torch.empty(r + 1, dtype=torch.int32, device=device)
+        self.mask_buf = torch.zeros(total_bits // 8, dtype=torch.uint8, device=device)
+        self.byte_req, self.byte_pos = mask_byte_index(geo, device)
+        self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr_buf,
+            paged_kv_indptr_buf=self.kv_indptr_buf, paged_kv_indices_buf=self.indices_buf,
+            paged_kv_last_page_len_buf=self.last_page_len_buf, custom_mask_buf=self.mask_buf,
+            mask_indptr_buf=self.mask_indptr_buf, backend="fa2")
+        extra = {}
+        if "uniform_q_len" in inspect.signature(self.wrapper.plan).parameters:
+            extra["uniform_q_len"] = 1
+        self.wrapper.plan(torch.arange(r + 1, device=device, dtype=torch.int32), kv_indptr,
+                          torch.zeros(total_pages, dtype=torch.int32, device=device),
+                          torch.full((r,), geo.bs, dtype=torch.int32, device=device),
+                          geo.heads_per_unit, geo.hk, geo.d, geo.bs,
+                          custom_mask=torch.ones(total_bits, dtype=torch.bool, device=device),
+                          causal=False, sm_scale=1.0 / math.sqrt(geo.d), q_data_type=dtype,
+                          kv_data_type=dtype, o_data_type=dtype, disable_split_kv=True, **extra)
+        self.mask_indptr_buf.copy_(segment_starts(geo, device) // 8)  # byte offsets (flashinfer#2201)
+
+    def run_paged(self, q, k_pages, v_pages, page_table, used) -> Tuple[torch.Tensor, torch.Tensor]:
+        geo = self.geo
+        idx = torch.cat([page_table[..., :geo.topk, 0], page_table[..., geo.topk, :]], dim=-1)
+        self.indices_buf.copy_(idx.reshape(-1))
+        self.write_mask(_segment_lengths(used, geo))
+        o, lse = self.wrapper.run(_unit_queries(q, geo), (k_pages, v_pages), return_lse=True)
+        c, hu = geo.num_segments, geo.heads_per_unit
+        return (o.view(geo.n, geo.hsel, c, hu, geo.d),
+                (lse.float() * LN2).view(geo.n, geo.hsel, c, hu))
+
+
+def _flash_attn_paged(q, k_pages, v_pages, page_table, used, geo: SegmentGeometry):
+    fn, style = _import_flash_attn()
+    params = inspect.signature(fn).parameters
+    table = page_table.reshape(geo.requests, -1).contiguous()
+    common = dict(max_seqlen_q=1, max_seqlen_k=table.shape[1] * geo.bs,
+                  cu_seqlens_q=torch.arange(geo.requests + 1, device=q.device, dtype=torch.int32),
+                  seqused_k=_segment_lengths(used, geo), softmax_scale=1.0 / math.sqrt(geo.d), causal=False)
+    if "page_table" in params and "return_lse" in params:  # FA4
+        o, lse = fn(_unit_queries(q, geo), k_pages, v_pages, page_table=table, return_lse=True, **common)
+    elif "block_table" in params and "return_softmax_lse" in params:  # vLLM's fork
+        o, lse = fn(_unit_queries(q, geo), k_pages, v_pages, block_table=table, return_softmax_lse=True, **common)
+    else:
+        raise RuntimeError(f"unsupported flash_attn_varlen_func signature ({style}) for paged segments")
+    c, hu = geo.num_segments, geo.heads_per_unit
+    return o.view(geo.n, geo.hsel, c, hu, geo.d), lse.float().transpose(0, 1).reshape(geo.n, geo.hsel, c, hu)
+
+
+def flash_dash_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                               page_table: torch.Tensor, used: torch.Tensor, bias: torch.Tensor,
+                               backend: str = "TRITON", bs: int = 64, local: int = 64, *,
+                               plan_cache: Optional[PlanCache] = None) -> torch.Tensor:
+    """``flash_dash_attention`` over segments addressed through page tables (zero-copy).
+
+    k_pages, v_pages: ``[pages, bs, Hk, D]`` (``segment_pages`` folds KV heads for per-KV-head
+    selections); page_table: ``[n, Hsel, topk + 1, local // bs]`` int32, the pages of each
+    segment (a routed segment uses its first entry); used, bias as in ``flash_dash_attention``.
+    FLASHINFER (paged prefill wrapper) and FLASH_ATTN (``page_table`` / ``block_table`` with
+    ``seqused_k``) read the cache in place; TORCH and TRITON copy the segments out first (the
+    native zero-copy path of TRITON is the paged decode kernel in ``dash_core.kernels``).
+    Rows of a segment's last page past its length are read by some libraries: they must be finite.
+    Returns ``[n, Hq, D]`` in q's dtype.
+    """
+    geo = check_paged_segments(q, k_pages, v_pages, page_table, used, bias, backend, bs, local)
+    if geo.n == 0:
+        return q.new_zeros(q.shape)
+    if backend == "FLASHINFER":
+        plan = _flashinfer_plan(geo, q.dtype, q.device, plan_cache or default_plan_cache(), paged=True)
+        o, lse = plan.run_paged(q, k_pages, v_pages, page_table, used)
+        return combine_segments(o, lse, used, bias, geo, q.dtype)
+    if backend == "FLASH_ATTN":
+        o, lse = _flash_attn_paged(q, k_pages, v_pages, page_table, used, geo)
+        return combine_segments(o, lse, used, bias, geo, q.dtype)
+    k, v = _pages_to_gathered(k_pages, v_pages, page_table, geo)
+    return flash_dash_attention(q, k, v, used, bias, backend, bs, local)
+
+
+def prepare_flash_dash_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                       page_table: torch.Tensor, used: torch.Tensor, bias: torch.Tensor,
+                                       backend: str, bs: int, local: int, *,
+                                       plan_cache: Optional[PlanCache] = None) -> Optional[PlanKey]:
+    """``prepare_flash_dash_attention`` for the zero-copy variant (pins the paged FlashInfer plan)."""
+    geo = check_paged_segments(q, k_pages, v_pages, page_table, used, bias, backend, bs, local)
+    if backend != "FLASHINFER":
+        return None
+    _flashinfer_plan(geo, q.dtype, q.device, plan_cache or default_plan_cache(), pin=True, paged=True)
+    return plan_key(geo, q.dtype, q.device, layout="paged", page_size=bs)

@@ -39,7 +39,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
 
 
 def make_case(seed, *, router="kv_head", dtype=torch.float32, hq=4, hkv=2, d=16, bs=16, local=32, topk=3,
-              length=200, page_size=32, positions=(3, 20, 47, 48, 95, 150, 199), sf=4.0):
+              length=200, page_size=32, positions=(3, 20, 47, 48, 95, 150, 199), sf=4.0, layout="nhd"):
+    """layout: the cache's storage, ``nhd`` (token-major, SGLang-like), ``hnd`` (head-major) or
+    ``vllm`` (``[blocks, Hkv + 1 head slots, page, 2D + 8]`` viewed through ``from_vllm``)."""
     g = torch.Generator().manual_seed(seed)
     params = DashParams(block_size=bs, local=local, topk=topk, router=router, scaling_factor=sf)
     q = torch.randn(hq, len(positions), d, generator=g).to(dtype)
@@ -49,13 +51,18 @@ def make_case(seed, *, router="kv_head", dtype=torch.float32, hq=4, hkv=2, d=16,
     # the paged cache: pages of `page_size` tokens in a shuffled order
     npages = -(-length // page_size)
     perm = torch.randperm(npages + 3, generator=g)[:npages]
-    k_pages = torch.zeros(npages + 3, page_size, hkv, d, dtype=dtype)
-    v_pages = torch.zeros_like(k_pages)
+    if layout == "nhd":
+        cache = PagedKVCache(torch.zeros(npages + 3, page_size, hkv, d, dtype=dtype),
+                             torch.zeros(npages + 3, page_size, hkv, d, dtype=dtype))
+    elif layout == "hnd":
+        cache = PagedKVCache(torch.zeros(npages + 3, hkv, page_size, d, dtype=dtype).permute(0, 2, 1, 3),
+                             torch.zeros(npages + 3, hkv, page_size, d, dtype=dtype).permute(0, 2, 1, 3))
+    else:
+        cache = PagedKVCache.from_vllm(torch.zeros(npages + 3, hkv + 1, page_size, 2 * d + 8, dtype=dtype), hkv, d)
     pad = npages * page_size - length
     kf = torch.cat([k, k.new_zeros(hkv, pad, d)], 1).permute(1, 0, 2).reshape(npages, page_size, hkv, d)
     vf = torch.cat([v, v.new_zeros(hkv, pad, d)], 1).permute(1, 0, 2).reshape(npages, page_size, hkv, d)
-    k_pages[perm], v_pages[perm] = kf, vf
-    cache = PagedKVCache(k_pages, v_pages)
+    cache.k_pages[perm], cache.v_pages[perm] = kf, vf  # writes through the views into the storage
     block_table = perm.to(torch.int32)[None].expand(len(positions), npages).contiguous()
     return params, q, k, v, pos, cache, block_table
 
@@ -171,6 +178,47 @@ def test_padded_rows_give_zeros():
     assert (out[2] == 0).all()
     keep = [0, 1, 3, 4, 5, 6]
     torch.testing.assert_close(out[keep].double(), oracle_out(params, q, k, v, pos, routing)[keep], atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# zero-copy variant: segments addressed through page tables
+
+
+@pytest.mark.parametrize("router,layout", [("kv_head", "hnd"), ("kv_head", "vllm"), ("shared", "nhd"),
+                                           ("shared", "vllm")])
+def test_zero_copy_pages_match_oracle(router, layout):
+    params, q, k, v, pos, cache, bt = make_case(9, router=router, layout=layout, page_size=16)
+    routing = oracle_routing(params, q, k, pos)
+    sel_idx, sel_bias, count = selection_of(routing, params)
+    seq_lens = (pos + 1).to(torch.int32)
+    kp, vp, table, used, bias = seg.segment_pages(cache, bt, seq_lens, sel_idx, sel_bias, count, params)
+    if router == "kv_head":  # folded in place: a view of the engine's storage, no copy
+        assert kp.shape[2] == 1 and kp.untyped_storage().data_ptr() == cache.k_pages.untyped_storage().data_ptr()
+    qr = q.permute(1, 0, 2).contiguous()
+    out = seg.flash_dash_attention_paged(qr, kp, vp, table, used, bias, "TORCH", 16, 32)
+    torch.testing.assert_close(out.double(), oracle_out(params, q, k, v, pos, routing), atol=1e-5, rtol=0)
+    kg, vg, used_g, bias_g = seg.gather_segments(cache, bt, seq_lens, sel_idx, sel_bias, count, params)
+    assert torch.equal(used, used_g) and torch.equal(bias, bias_g)
+    # the pages hold exactly the gathered tokens wherever a segment is valid
+    geo = seg.check_segments(qr, kg, vg, used, bias, "TORCH", 16, 32)
+    kc, _ = seg._pages_to_gathered(kp, vp, table, geo)
+    starts = seg.segment_starts(geo, "cpu").long()
+    lens = seg._segment_lengths(used, geo).long()
+    row = torch.arange(kg.shape[0])
+    req = torch.searchsorted(starts, row, right=True) - 1
+    valid = row - starts[req] < lens[req]
+    assert valid.any() and torch.equal(kc[valid], kg[valid])
+
+
+def test_zero_copy_refuses_what_it_cannot_address():
+    params, q, k, v, pos, cache, bt = make_case(9, layout="nhd", page_size=16)
+    routing = oracle_routing(params, q, k, pos)
+    args = (bt, (pos + 1).to(torch.int32), *selection_of(routing, params), params)
+    with pytest.raises(ValueError, match="token-major"):
+        seg.segment_pages(cache, *args)  # per-KV-head selections over a token-major cache
+    params32, *_, cache32, bt32 = make_case(9, layout="hnd", page_size=32)
+    with pytest.raises(ValueError, match="page size equals the block size"):
+        seg.segment_pages(cache32, *args)
 
 
 # ------------------------------------------------------------------------------------------------
