@@ -133,6 +133,9 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
     def build(self, common_prefix_len: int, common_attn_metadata: "CommonAttentionMetadata",
               fast_build: bool = False) -> DashAttentionMetadata:
         m = common_attn_metadata
+        if m.max_seq_len > self.max_blocks * self.params.block_size:  # host bound, no device read
+            raise ValueError(f"max_seq_len {m.max_seq_len} exceeds the {self.max_blocks} pages of "
+                             f"{self.params.block_size} tokens the DASH buffers were sized for (max_model_len)")
         nd, npf, ndt, npt = split_decodes_and_prefills(m, decode_threshold=self.reorder_batch_threshold)
         width = min(self.max_blocks, m.block_table_tensor.shape[1])
         seq_lens = self._decode_seq_lens[:nd]

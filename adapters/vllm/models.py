@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Optional
 
 import torch
 from torch import nn

@@ -34,7 +34,7 @@ from tests.engines import _vllm_support as support  # noqa: E402
 from tests.tiny_dash_llama import load, reference_generate, write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.engine_vllm
-_budget = support.budget("engine", 150)
+_budget = support.budget("engine", 240)
 
 BS = 16
 CHECKPOINT = dict(chunk_size=BS, scaling_factor=2.0, dash_topk=2)  # sparse by default
@@ -248,3 +248,16 @@ def test_prompt_longer_than_the_maximum_is_refused_and_the_engine_keeps_serving(
 def test_block_size_that_does_not_fit_fails_at_start_up(checkpoint):
     with pytest.raises(ValueError, match=r"page size must be a multiple of the DASH block size.*--block-size 16"):
         _engine(checkpoint, block_size=32)
+
+
+def test_checkpoint_without_the_dash_weight_fails_at_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path)
+    write_checkpoint(path, **CHECKPOINT)
+    sd = load_file(f"{path}/model.safetensors")
+    for name in [n for n in sd if n.endswith("self_attn.indexer_q")]:
+        del sd[name]
+    save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no DASH weight for 2 layer\(s\).*self_attn\.indexer_q"):
+        _engine(path)
