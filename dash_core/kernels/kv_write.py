@@ -22,23 +22,20 @@ from ..layout import PagedKVCache
 
 
 @triton.jit
-def _kv_write_kernel(
-    k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+def write_token(
+    t, h, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
     kc_ptr, vc_ptr, skc_p, skc_r, skc_h, svc_p, svc_r, svc_h,
     summ_ptr, ss_b, ss_h, hc_ptr, shc_h,
     slot_ptr, num_slots, scale,
     D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     WRITE: tl.constexpr, SUMMARIZE: tl.constexpr, OWN_ROW: tl.constexpr,
 ):
-    """Grid ``(T, Hkv)``: program (t, h) owns token t of KV head h.
-
-    WRITE stores ``k[t, h], v[t, h]`` (``[D]``) at ``slot_mapping[t]`` (skipped when < 0 or out of
-    range). SUMMARIZE, when the slot is the last of its block, loads the block's keys ``[BS, D]``
-    (the last row from ``k`` when OWN_ROW), takes ``softmax(K head_cls / sqrt(D))`` in fp32 and
-    stores the weighted key sum at ``summaries[slot // BS, h]`` in the store's dtype.
+    """Token t of KV head h: WRITE stores ``k[t, h], v[t, h]`` (``[D]``) at ``slot_mapping[t]``
+    (skipped when < 0 or out of range). SUMMARIZE, when the slot is the last of its block, loads
+    the block's keys ``[BS, D]`` (the last row from ``k`` when OWN_ROW), takes
+    ``softmax(K head_cls / sqrt(D))`` in fp32 and stores the weighted key sum at
+    ``summaries[slot // BS, h]`` in the store's dtype. Also called by the decode score kernel.
     """
-    t = tl.program_id(0)
-    h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < num_slots):
         offs_d = tl.arange(0, D)
@@ -66,6 +63,39 @@ def _kv_write_kernel(
                 tl.store(summ_ptr + (slot // BS) * ss_b + h * ss_h + offs_d, s.to(summ_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _kv_write_kernel(
+    k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+    kc_ptr, vc_ptr, skc_p, skc_r, skc_h, svc_p, svc_r, svc_h,
+    summ_ptr, ss_b, ss_h, hc_ptr, shc_h,
+    slot_ptr, num_slots, scale,
+    D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    WRITE: tl.constexpr, SUMMARIZE: tl.constexpr, OWN_ROW: tl.constexpr,
+):
+    """Grid ``(T, Hkv)``: program (t, h) runs ``write_token`` for token t of KV head h."""
+    write_token(tl.program_id(0), tl.program_id(1), k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+                kc_ptr, vc_ptr, skc_p, skc_r, skc_h, svc_p, svc_r, svc_h,
+                summ_ptr, ss_b, ss_h, hc_ptr, shc_h, slot_ptr, num_slots, scale,
+                D=D, BS=BS, PS=PS, WRITE=WRITE, SUMMARIZE=SUMMARIZE, OWN_ROW=OWN_ROW)
+
+
+def write_args(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
+               slot_mapping: torch.Tensor, head_cls: Optional[torch.Tensor]) -> tuple:
+    """The runtime arguments of ``write_token`` after ``(t, h)`` (placeholders where absent)."""
+    kc, vc = cache.k_pages, cache.v_pages
+    summarize = cache.summaries is not None
+    summ = cache.summaries if summarize else kc  # placeholder pointer, never dereferenced
+    hc = head_cls if summarize else kc
+    kk = k if k is not None else kc
+    vv = v if v is not None else vc
+    return (kk, vv, k.stride(0) if k is not None else 0, k.stride(1) if k is not None else 0,
+            v.stride(0) if v is not None else 0, v.stride(1) if v is not None else 0,
+            kc, vc, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+            summ, summ.stride(0) if summarize else 0, summ.stride(1) if summarize else 0,
+            hc, head_cls.stride(0) if summarize else 0,
+            slot_mapping, cache.num_slots, 1.0 / math.sqrt(cache.head_dim))
+
+
 def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
                            slot_mapping: torch.Tensor, head_cls: Optional[torch.Tensor], block_size: int,
                            *, decode: bool) -> None:
@@ -79,26 +109,14 @@ def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     t = slot_mapping.shape[0]
     if t == 0:
         return
-    hkv, d, ps = cache.num_kv_heads, cache.head_dim, cache.page_size
-    kc, vc = cache.k_pages, cache.v_pages
+    d = cache.head_dim
     summarize = cache.summaries is not None
-    summ = cache.summaries if summarize else kc  # placeholder pointer, never dereferenced
-    hc = head_cls if summarize else kc
-    shc = head_cls.stride(0) if summarize else 0
-    ss = (summ.stride(0), summ.stride(1)) if summarize else (0, 0)
-    kk = k if k is not None else kc
-    vv = v if v is not None else vc
-    sk = (k.stride(0), k.stride(1)) if k is not None else (0, 0)
-    sv = (v.stride(0), v.stride(1)) if v is not None else (0, 0)
+    args = write_args(k, v, cache, slot_mapping, head_cls)
     num_warps = 16 if block_size * d >= 32768 else (8 if block_size * d >= 8192 else 4)  # [bs, D] fp32 tile
 
     def launch(write: bool, summ_on: bool, own_row: bool) -> None:
-        _kv_write_kernel[(t, hkv)](
-            kk, vv, sk[0], sk[1], sv[0], sv[1],
-            kc, vc, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-            summ, ss[0], ss[1], hc, shc,
-            slot_mapping, cache.num_slots, 1.0 / math.sqrt(d),
-            D=d, BS=block_size, PS=ps, WRITE=write, SUMMARIZE=summ_on, OWN_ROW=own_row,
+        _kv_write_kernel[(t, cache.num_kv_heads)](
+            *args, D=d, BS=block_size, PS=cache.page_size, WRITE=write, SUMMARIZE=summ_on, OWN_ROW=own_row,
             num_warps=num_warps,
         )
 

@@ -2,10 +2,10 @@
 
 Nothing here reads a device tensor: every size comes from shapes (batch rows, ``max_pages`` of the
 page table, ``topk``), every sequence-dependent decision is taken by the kernels from ``seq_lens``,
-so one captured CUDA graph serves every step. A decode step is five launches:
+so one captured CUDA graph serves every step. A decode step is four launches:
 
-    write K/V (+ the summary of a block the new token completes)    kv_write
-    scores against every candidate summary (split over candidates)  routing
+    scores against every candidate summary (split over candidates), routing
+      and the new K/V (+ the summary of a block the new token completes)   (kv_write.write_token)
     entmax, group mean, topk cap, prior -> kept blocks per unit      routing (route_tile)
     split-KV attention over local window + kept blocks               decode_attention
     LSE merge of the splits                                          decode_attention
@@ -22,7 +22,7 @@ import torch
 from ..layout import PagedKVCache, check_page_size
 from ..params import DashParams
 from .decode_attention import decode_attention
-from .kv_write import write_kv_and_summaries
+from .kv_write import write_args, write_kv_and_summaries
 from .routing import route_decode
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ MAX_PAGE_SIZE = 256
 DEFAULT_NUM_SMS = 132  # H200; used when the device is not CUDA (the Triton interpreter)
 SCORE_SPLIT_MIN_CANDIDATES = 128  # a score program handles at least this many candidates
 ATTN_SPLIT_MAX = 64
+# Largest [bs, D] key tile summarised inside the score kernel (larger ones spill there: own launch).
+FUSE_WRITE_MAX = 8192
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -237,13 +239,15 @@ class DecodeBuffers:
 
 
 def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-          params: DashParams, buffers: DecodeBuffers) -> None:
-    """Routing only (stage 2 + prior) into ``buffers.sel_*``: exposed for stage-by-stage tests."""
+          params: DashParams, buffers: DecodeBuffers, write: Optional[tuple] = None) -> None:
+    """Routing (stage 2 + prior) into ``buffers.sel_*``; ``write``: ``write_args(...)`` of the new
+    K/V, written by the same launch."""
     n = q.shape[0]
     nsr, _ = buffers.splits(n)
     b = buffers
     route_decode(q, cache.summaries, block_table, seq_lens, params, cache.page_size, b.scores, b.pmax, b.mp,
-                 b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr)
+                 b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr, write=write,
+                 write_summarize=cache.summaries is not None)
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -275,9 +279,13 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
         buffers.check(q, cache, block_table, params)
     if out is None:
         out = torch.empty_like(q)
+    fused = None
     if k is not None:
-        write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=True)
-    route(q, cache, block_table, seq_lens, params, buffers)
+        if params.block_size * cache.head_dim <= FUSE_WRITE_MAX:  # the score launch writes K/V too
+            fused = write_args(k, v, cache, slot_mapping, head_cls)
+        else:
+            write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=True)
+    route(q, cache, block_table, seq_lens, params, buffers, write=fused)
     return attend(q, cache, block_table, seq_lens, params, buffers, out)
 
 

@@ -167,76 +167,77 @@ def _prefill_route_kernel(
     hp = tl.program_id(1)
     req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = _tile_bounds(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
-    M: tl.constexpr = QT * G_PAD
-    offs_m = tl.arange(0, M)
-    offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
-    u_m = offs_m // G_PAD
-    g_m = offs_m % G_PAD
-    pos_m = a0 + u_m
-    tok_m = (tok_base + pos_m).to(tl.int64)
-    tok_ok = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & ok
-    row_ok = tok_ok & (g_m < G)
-    slot0 = w.to(tl.int64) * QT
-    bt_row = bt_ptr + req.to(tl.int64) * sbt_n
-    x_tok = x_ptr + (slot0 + u_m) * sx_n
-    mx = tl.full([M], float("-inf"), tl.float32)
-    if SHARED:
-        h_lo = 0
-        h_hi = HKV
-    else:
-        h_lo = hp
-        h_hi = hp + 1
-    for h in range(h_lo, h_hi):
-        heads = h * G + g_m
-        q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
-        x_rows = x_tok + heads.to(tl.int64) * sx_h
+    if p_lo < p_hi:  # tiles past the last one do nothing
+        M: tl.constexpr = QT * G_PAD
+        offs_m = tl.arange(0, M)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        u_m = offs_m // G_PAD
+        g_m = offs_m % G_PAD
+        pos_m = a0 + u_m
+        tok_m = (tok_base + pos_m).to(tl.int64)
+        tok_ok = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & ok
+        row_ok = tok_ok & (g_m < G)
+        slot0 = w.to(tl.int64) * QT
+        bt_row = bt_ptr + req.to(tl.int64) * sbt_n
+        x_tok = x_ptr + (slot0 + u_m) * sx_n
         mx = tl.full([M], float("-inf"), tl.float32)
-        for c0 in range(0, ncand, BLOCK_N):
-            c = c0 + offs_n
-            cm = c < ncand
-            page, _ = block_page(bt_row, c, PS, BS, mask=cm)
-            sidx = summary_index(page, c, PS, BS)
-            summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=cm[:, None], other=0.0)
-            x = tl.dot(qs, tl.trans(summ)) * x_scale
-            tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
-            mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-    tl.debug_barrier()  # the scores are read back by other threads of this program
+        if SHARED:
+            h_lo = 0
+            h_hi = HKV
+        else:
+            h_lo = hp
+            h_hi = hp + 1
+        for h in range(h_lo, h_hi):
+            heads = h * G + g_m
+            q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
+            x_rows = x_tok + heads.to(tl.int64) * sx_h
+            mx = tl.full([M], float("-inf"), tl.float32)
+            for c0 in range(0, ncand, BLOCK_N):
+                c = c0 + offs_n
+                cm = c < ncand
+                page, _ = block_page(bt_row, c, PS, BS, mask=cm)
+                sidx = summary_index(page, c, PS, BS)
+                summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=cm[:, None], other=0.0)
+                x = tl.dot(qs, tl.trans(summ)) * x_scale
+                tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
+                mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
+        tl.debug_barrier()  # the scores are read back by other threads of this program
 
-    offs_u = tl.arange(0, QT)
-    pos_u = a0 + offs_u
-    unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
-    ncand_u = tl.where(unit_ok, ncand, 0)
-    slot_u = slot0 + offs_u
-    nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
-    if SHARED:
-        nrows = nrows * HKV
-        # row maxima over all Hq heads: one pass over the stored scores
-        offs_r = tl.arange(0, NH_PAD)
-        offs_c = tl.arange(0, TC)
-        rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
-        m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
-        for c0 in range(0, ncand, TC):
-            c = c0 + offs_c
-            okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
-            m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
-        x_unit = slot_u * sx_n
-        hs = 0
-    else:
-        m = tl.reshape(mx, [QT, G_PAD])
-        x_unit = slot_u * sx_n + hp * G * sx_h
-        hs = hp
-    m = tl.where(unit_ok[:, None] & (ncand > 0), m, 0.0)
-    route_tile(
-        x_ptr, x_unit, sx_h, nrows, ncand_u, m,
-        mp_ptr, slot_u * smp_n + hs * smp_h, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
-        sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
-        count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
-        QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-        ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
-    )
+        offs_u = tl.arange(0, QT)
+        pos_u = a0 + offs_u
+        unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
+        ncand_u = tl.where(unit_ok, ncand, 0)
+        slot_u = slot0 + offs_u
+        nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
+        if SHARED:
+            nrows = nrows * HKV
+            # row maxima over all Hq heads: one pass over the stored scores
+            offs_r = tl.arange(0, NH_PAD)
+            offs_c = tl.arange(0, TC)
+            rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
+            m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
+            for c0 in range(0, ncand, TC):
+                c = c0 + offs_c
+                okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
+                m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
+            x_unit = slot_u * sx_n
+            hs = 0
+        else:
+            m = tl.reshape(mx, [QT, G_PAD])
+            x_unit = slot_u * sx_n + hp * G * sx_h
+            hs = hp
+        m = tl.where(unit_ok[:, None] & (ncand > 0), m, 0.0)
+        route_tile(
+            x_ptr, x_unit, sx_h, nrows, ncand_u, m,
+            mp_ptr, slot_u * smp_n + hs * smp_h, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
+            sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
+            count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
+            QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+            ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,100 +270,101 @@ def _prefill_attn_kernel(
     h = tl.program_id(1)
     req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = _tile_bounds(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
-    M: tl.constexpr = QT * G_PAD
-    ppb: tl.constexpr = PS // BS
-    offs_m = tl.arange(0, M)
-    offs_d = tl.arange(0, D)
-    offs_t = tl.arange(0, BLOCK_T)
-    u_m = offs_m // G_PAD
-    g_m = offs_m % G_PAD
-    pos_m = a0 + u_m
-    tok_m = (tok_base + pos_m).to(tl.int64)
-    in_m = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & (g_m < G)
-    row_ok = in_m & ok
-    heads = h * G + g_m
-    q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    bt_row = bt_ptr + req.to(tl.int64) * sbt_n
-    slot0 = w.to(tl.int64) * QT
-    p_max = p_hi - 1  # last position of the tile: keys after it may not be written yet
+    if p_lo < p_hi:  # tiles past the last one do nothing
+        M: tl.constexpr = QT * G_PAD
+        ppb: tl.constexpr = PS // BS
+        offs_m = tl.arange(0, M)
+        offs_d = tl.arange(0, D)
+        offs_t = tl.arange(0, BLOCK_T)
+        u_m = offs_m // G_PAD
+        g_m = offs_m % G_PAD
+        pos_m = a0 + u_m
+        tok_m = (tok_base + pos_m).to(tl.int64)
+        in_m = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & (g_m < G)
+        row_ok = in_m & ok
+        heads = h * G + g_m
+        q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        bt_row = bt_ptr + req.to(tl.int64) * sbt_n
+        slot0 = w.to(tl.int64) * QT
+        p_max = p_hi - 1  # last position of the tile: keys after it may not be written yet
 
-    # 1. union of the tile's selections (units: its tokens)
-    offs_u = tl.arange(0, QT)
-    pos_u = a0 + offs_u
-    unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
-    sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
-    cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
-    ptr_u = tl.zeros([QT], tl.int32)
-    nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
-    c = tl.min(nxt, axis=0)
-    nu = 0
-    ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
-    ubias_row = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h
-    while c < _BIG:
-        hit = nxt == c
-        b = tl.load(sel_bias_ptr + sel_u + ptr_u, mask=hit, other=0.0)
-        tl.store(ubias_row + nu * QT + offs_u, tl.where(hit, b * _LOG2E, float("-inf")))
-        phys = tl.load(sel_blk_ptr + sel_u + ptr_u, mask=hit, other=-1)
-        tl.store(ublk_row + nu, tl.max(phys, axis=0))
-        nu += 1
-        ptr_u += hit.to(tl.int32)
+        # 1. union of the tile's selections (units: its tokens)
+        offs_u = tl.arange(0, QT)
+        pos_u = a0 + offs_u
+        unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
+        sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
+        cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
+        ptr_u = tl.zeros([QT], tl.int32)
         nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
         c = tl.min(nxt, axis=0)
-    tl.debug_barrier()  # the union lists are read back by other threads
+        nu = 0
+        ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
+        ubias_row = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h
+        while c < _BIG:
+            hit = nxt == c
+            b = tl.load(sel_bias_ptr + sel_u + ptr_u, mask=hit, other=0.0)
+            tl.store(ubias_row + nu * QT + offs_u, tl.where(hit, b * _LOG2E, float("-inf")))
+            phys = tl.load(sel_blk_ptr + sel_u + ptr_u, mask=hit, other=-1)
+            tl.store(ublk_row + nu, tl.max(phys, axis=0))
+            nu += 1
+            ptr_u += hit.to(tl.int32)
+            nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
+            c = tl.min(nxt, axis=0)
+        tl.debug_barrier()  # the union lists are read back by other threads
 
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
 
-    # 2a. local window: blocks first_local .. a0 // BS, causal at each row's position
-    last_local = tl.where(ok, a0 // BS, first_local - 1)
-    for lb in range(first_local, last_local + 1):
-        page, row0 = block_page(bt_row, lb, PS, BS, lb >= 0)
-        for t0 in tl.static_range(0, BS, BLOCK_T):
-            t = t0 + offs_t
-            tpos = lb * BS + t
-            t_ok = tpos <= p_max
-            rows = (row0 + t).to(tl.int64)
-            kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
-                         mask=t_ok[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(kt)) * qk_scale
-            qk = tl.where(tpos[None, :] <= pos_m[:, None], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
-                         mask=t_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+        # 2a. local window: blocks first_local .. a0 // BS, causal at each row's position
+        last_local = tl.where(ok, a0 // BS, first_local - 1)
+        for lb in range(first_local, last_local + 1):
+            page, row0 = block_page(bt_row, lb, PS, BS, lb >= 0)
+            for t0 in tl.static_range(0, BS, BLOCK_T):
+                t = t0 + offs_t
+                tpos = lb * BS + t
+                t_ok = tpos <= p_max
+                rows = (row0 + t).to(tl.int64)
+                kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
+                             mask=t_ok[:, None], other=0.0)
+                qk = tl.dot(q, tl.trans(kt)) * qk_scale
+                qk = tl.where(tpos[None, :] <= pos_m[:, None], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(qk - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
+                             mask=t_ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+                m_i = m_new
 
-    # 2b. the union blocks (complete, before the local window)
-    for j in range(0, nu):
-        # the block id as a BLOCK_T vector (one address): a tensor load the pipeliner can prefetch
-        phys = tl.load(ublk_row + j + 0 * offs_t).to(tl.int64)
-        bias = tl.load(ubias_row + j * QT + u_m)
-        page = phys // ppb
-        row0 = (phys % ppb) * BS
-        for t0 in tl.static_range(0, BS, BLOCK_T):
-            rows = row0 + t0 + offs_t
-            kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
-            qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias[:, None]
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+        # 2b. the union blocks (complete, before the local window)
+        for j in range(0, nu):
+            # the block id as a BLOCK_T vector (one address): a tensor load the pipeliner can prefetch
+            phys = tl.load(ublk_row + j + 0 * offs_t).to(tl.int64)
+            bias = tl.load(ubias_row + j * QT + u_m)
+            page = phys // ppb
+            row0 = (phys % ppb) * BS
+            for t0 in tl.static_range(0, BS, BLOCK_T):
+                rows = row0 + t0 + offs_t
+                kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
+                qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias[:, None]
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(qk - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :])
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+                m_i = m_new
 
-    good = l_i > 0
-    o = acc / tl.where(good, l_i, 1.0)[:, None]
-    o = tl.where(good[:, None], o, 0.0)
-    tl.store(o_ptr + tok_m[:, None] * so_t + heads[:, None] * so_h + offs_d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=in_m[:, None])
+        good = l_i > 0
+        o = acc / tl.where(good, l_i, 1.0)[:, None]
+        o = tl.where(good[:, None], o, 0.0)
+        tl.store(o_ptr + tok_m[:, None] * so_t + heads[:, None] * so_h + offs_d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=in_m[:, None])
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

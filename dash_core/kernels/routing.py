@@ -23,12 +23,14 @@ on the fp32 bit patterns (positive floats order like their bits), ties go to the
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from .common import block_page, decode_bounds, summary_index
+from .kv_write import write_token
 
 PRIOR_EPS = 1e-20  # SPEC.md section 5
 HALLEY_SLACK = 1e-5  # SPEC.md section 4
@@ -200,8 +202,11 @@ def route_tile(
 def _decode_scores_kernel(
     q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT,
+    w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
+    w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
+    w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr,
 ):
     """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates.
 
@@ -209,10 +214,19 @@ def _decode_scores_kernel(
     summaries ``[BLOCK_N, D]`` per step through the page table, writes
     ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
     maximum of its share per head to ``pmax [n, Hq, NSPLIT]`` (-inf for an empty share).
+    FUSE_WRITE: program (i, h, 0) also writes the new K/V of request i, head h (and the summary of
+    the block it completes): nothing in this step's routing reads them (that block is in the local
+    window), and the attention launch that does comes after this kernel.
     """
     i = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    if FUSE_WRITE:
+        if s == 0:
+            write_token(i, h, w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
+                        w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
+                        w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
+                        D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
     _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
     per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
     c_start = s * per
@@ -279,6 +293,11 @@ def _pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
+    """Placeholders for the score kernel's write arguments (never dereferenced)."""
+    return (q, q, 0, 0, 0, 0, q, q, 0, 0, 0, 0, 0, 0, q, 0, 0, q, 0, dummy, 0, 1.0)
+
+
 # Elements of the largest register tile of the select kernel (8 warps, no spills at sm_90 for G <= 8;
 # halved for 16+ score rows).
 SELECT_TILE_BUDGET = 8192
@@ -289,7 +308,7 @@ ONE_TILE_MAX = 8192  # up to this many candidates the cap keeps every mp in regi
 def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
                  sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
-                 *, num_splits: int) -> None:
+                 *, num_splits: int, write: Optional[tuple] = None, write_summarize: bool = False) -> None:
     """Route one decode token per request (two launches, no host synchronisation).
 
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
@@ -301,6 +320,8 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     candidate blocks (logical index, physical block, log prior) in increasing order.
     ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
     bounded by the number of candidates).
+    write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
+    the summaries they complete when ``write_summarize``) in the score launch.
     """
     n, hq, d = q.shape
     hkv = summaries.shape[1]
@@ -319,8 +340,9 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
         params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
+        *(write if write is not None else _NO_WRITE(q, seq_lens)),
         G_PAD=max(16, _pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
-        num_warps=4, num_stages=3,
+        FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, num_warps=4, num_stages=3,
     )
     nh_pad = _pow2(nrows)
     budget = SELECT_TILE_BUDGET if nh_pad < 16 else SELECT_TILE_BUDGET // 2  # wide 3-D tiles spill otherwise
