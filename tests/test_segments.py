@@ -39,9 +39,11 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
 
 
 def make_case(seed, *, router="kv_head", dtype=torch.float32, hq=4, hkv=2, d=16, bs=16, local=32, topk=3,
-              length=200, page_size=32, positions=(3, 20, 47, 48, 95, 150, 199), sf=4.0, layout="nhd"):
+              length=200, page_size=32, positions=(3, 20, 47, 48, 95, 150, 199), sf=4.0, layout="nhd",
+              device="cpu"):
     """layout: the cache's storage, ``nhd`` (token-major, SGLang-like), ``hnd`` (head-major) or
-    ``vllm`` (``[blocks, Hkv + 1 head slots, page, 2D + 8]`` viewed through ``from_vllm``)."""
+    ``vllm`` (``[blocks, Hkv + 1 head slots, page, 2D + 8]`` viewed through ``from_vllm``); the
+    cache lives on ``device``, everything else on the CPU."""
     g = torch.Generator().manual_seed(seed)
     params = DashParams(block_size=bs, local=local, topk=topk, router=router, scaling_factor=sf)
     q = torch.randn(hq, len(positions), d, generator=g).to(dtype)
@@ -52,17 +54,18 @@ def make_case(seed, *, router="kv_head", dtype=torch.float32, hq=4, hkv=2, d=16,
     npages = -(-length // page_size)
     perm = torch.randperm(npages + 3, generator=g)[:npages]
     if layout == "nhd":
-        cache = PagedKVCache(torch.zeros(npages + 3, page_size, hkv, d, dtype=dtype),
-                             torch.zeros(npages + 3, page_size, hkv, d, dtype=dtype))
+        cache = PagedKVCache(torch.zeros(npages + 3, page_size, hkv, d, dtype=dtype, device=device),
+                             torch.zeros(npages + 3, page_size, hkv, d, dtype=dtype, device=device))
     elif layout == "hnd":
-        cache = PagedKVCache(torch.zeros(npages + 3, hkv, page_size, d, dtype=dtype).permute(0, 2, 1, 3),
-                             torch.zeros(npages + 3, hkv, page_size, d, dtype=dtype).permute(0, 2, 1, 3))
+        cache = PagedKVCache(torch.zeros(npages + 3, hkv, page_size, d, dtype=dtype, device=device).permute(0, 2, 1, 3),
+                             torch.zeros(npages + 3, hkv, page_size, d, dtype=dtype, device=device).permute(0, 2, 1, 3))
     else:
-        cache = PagedKVCache.from_vllm(torch.zeros(npages + 3, hkv + 1, page_size, 2 * d + 8, dtype=dtype), hkv, d)
+        cache = PagedKVCache.from_vllm(torch.zeros(npages + 3, hkv + 1, page_size, 2 * d + 8, dtype=dtype, device=device),
+                                       hkv, d)
     pad = npages * page_size - length
     kf = torch.cat([k, k.new_zeros(hkv, pad, d)], 1).permute(1, 0, 2).reshape(npages, page_size, hkv, d)
     vf = torch.cat([v, v.new_zeros(hkv, pad, d)], 1).permute(1, 0, 2).reshape(npages, page_size, hkv, d)
-    cache.k_pages[perm], cache.v_pages[perm] = kf, vf  # writes through the views into the storage
+    cache.k_pages[perm.to(device)], cache.v_pages[perm.to(device)] = kf.to(device), vf.to(device)  # through the views
     block_table = perm.to(torch.int32)[None].expand(len(positions), npages).contiguous()
     return params, q, k, v, pos, cache, block_table
 

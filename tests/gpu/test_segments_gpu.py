@@ -89,7 +89,7 @@ def scenario(kind, router, dtype, seed=11):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("router", ["kv_head", "shared"])
 @pytest.mark.parametrize("kind", ["route", "random"])
-def test_backend_matches_oracle_and_triton(backend, router, kind):
+def test_backend_vs_oracle_and_kernel(backend, router, kind):
     dtype = torch.bfloat16
     params, q, k, v, pos, cache, bt, routing = scenario(kind, router, dtype)
     qc, kk, vv, used, bias = to_cuda(params, q, k, v, pos, cache, bt, routing)
@@ -100,6 +100,25 @@ def test_backend_matches_oracle_and_triton(backend, router, kind):
     torch.testing.assert_close(out.double().cpu(), want, atol=TOL[dtype], rtol=0)
     triton_out = seg.flash_dash_attention(qc, kk, vv, used, bias, "TRITON", params.block_size, params.local)
     torch.testing.assert_close(out.float(), triton_out.float(), atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("router,layout", [("kv_head", "hnd"), ("kv_head", "vllm"), ("shared", "nhd")])
+def test_zero_copy_matches_oracle(backend, router, layout):
+    """Segments read in place through page tables (page size = block size, KV heads folded)."""
+    dtype = torch.bfloat16
+    hkv = 2 if router == "kv_head" else 4
+    params, q, k, v, pos, cache, bt = make_case(
+        13, router=router, dtype=dtype, hq=8, hkv=hkv, d=128, bs=64, local=128, topk=4, length=2200,
+        page_size=64, positions=(5, 130, 191, 192, 700, 1500, 2199, 64), sf=8.0, layout=layout, device="cuda")
+    routing = oracle_routing(params, q, k, pos)
+    sel_idx, sel_bias, count = selection_of(routing, params)
+    kp, vp, table, used, bias = seg.segment_pages(cache, bt.cuda(), (pos + 1).to(torch.int32).cuda(),
+                                                  sel_idx.cuda(), sel_bias.cuda(), count.cuda(), params)
+    qc = q.permute(1, 0, 2).contiguous().cuda()
+    out = seg.flash_dash_attention_paged(qc, kp, vp, table, used, bias, backend, 64, 128)
+    assert not bool(out.isnan().any())
+    torch.testing.assert_close(out.double().cpu(), oracle_out(params, q, k, v, pos, routing), atol=TOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["TRITON", "TORCH"])  # library fp16 modules would double the JIT time
@@ -136,9 +155,10 @@ def test_flashinfer_plan_cache_keeps_pinned_plans():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("router", ["kv_head", "shared"])
-def test_decode_graph_replay_equals_eager(backend, router):
-    """gather_segments + flash_dash_attention captured once (plans made before capture), replayed
-    over new queries, K/V data, lengths, page tables and selections (empty segments included)."""
+@pytest.mark.parametrize("variant", ["gathered", "zero-copy"])
+def test_decode_graph_replay_equals_eager(backend, router, variant):
+    """Segment layout + attention captured once (plans made before capture), replayed over new
+    queries, K/V data, lengths, page tables and selections (empty segments, padded rows)."""
     torch.manual_seed(3)
     dev, dtype = "cuda", torch.bfloat16
     n, hq, d, bs, local, topk, ps, max_pages = 6, 8, 128, 64, 128, 4, 64, 40
@@ -146,8 +166,8 @@ def test_decode_graph_replay_equals_eager(backend, router):
     hsel = hkv if router == "kv_head" else 1
     params = DashParams(block_size=bs, local=local, topk=topk, router=router, attention_backend="TRITON")
     num_pages = n * max_pages + 4
-    cache = PagedKVCache(torch.randn(num_pages, ps, hkv, d, device=dev, dtype=dtype),
-                         torch.randn(num_pages, ps, hkv, d, device=dev, dtype=dtype))
+    cache = PagedKVCache(torch.randn(num_pages, hkv, ps, d, device=dev, dtype=dtype).permute(0, 2, 1, 3),
+                         torch.randn(num_pages, hkv, ps, d, device=dev, dtype=dtype).permute(0, 2, 1, 3))
     # static inputs of the captured step
     q = torch.empty(n, hq, d, device=dev, dtype=dtype)
     block_table = torch.empty(n, max_pages, device=dev, dtype=torch.int32)
@@ -176,12 +196,22 @@ def test_decode_graph_replay_equals_eager(backend, router):
         sel_bias.copy_(torch.log(torch.rand(n, hsel, topk, generator=g) * 0.9 + 0.1))
 
     def step():
+        if variant == "zero-copy":
+            kp, vp, table, used, bias = seg.segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count,
+                                                          params)
+            return seg.flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local,
+                                                  plan_cache=plan_cache)
         kk, vv, used, bias = seg.gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
         return seg.flash_dash_attention(q, kk, vv, used, bias, backend, bs, local, plan_cache=plan_cache)
 
     refill(0)
-    kk, vv, used, bias = seg.gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
-    key = seg.prepare_flash_dash_attention(q, kk, vv, used, bias, backend, bs, local, plan_cache=plan_cache)
+    if variant == "zero-copy":
+        kp, vp, table, used, bias = seg.segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
+        key = seg.prepare_flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local,
+                                                     plan_cache=plan_cache)
+    else:
+        kk, vv, used, bias = seg.gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
+        key = seg.prepare_flash_dash_attention(q, kk, vv, used, bias, backend, bs, local, plan_cache=plan_cache)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up: JIT compilation and first-call work happen outside capture
