@@ -43,6 +43,15 @@ case "$backend" in
     if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
       CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"); export CUDA_HOME
     fi
+    # The JIT links with -lcuda: without an unversioned libcuda.so (driver-only images) point the
+    # linker at the driver's libcuda.so.1 through a private symlink.
+    if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so '; then
+      lib1=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+      if [ -n "$lib1" ]; then
+        mkdir -p /tmp/dash_cuda_link && ln -sf "$lib1" /tmp/dash_cuda_link/libcuda.so
+        export FLASHINFER_EXTRA_LDFLAGS="-L/tmp/dash_cuda_link${FLASHINFER_EXTRA_LDFLAGS:+ $FLASHINFER_EXTRA_LDFLAGS}"
+      fi
+    fi
     select="FLASHINFER or flashinfer"
     extra_tests=()
     ;;
