@@ -8,6 +8,7 @@
 #   bash ci/gpu_segments.sh FLASH_ATTN stage     # call 1, carry .whl/fa4/part1: keeps the first half of the
 #                                                #   cutlass-dsl cu13 wheel in /tmp/dash_fa4 (the machine must stay warm)
 #   bash ci/gpu_segments.sh FLASH_ATTN           # call 2, carry .whl/fa4/part2: rejoins, installs FA4, runs
+#   SEGMENTS_K="not graph" bash ci/gpu_segments.sh ...   # a subset (pytest -k), e.g. when JIT time is tight
 #
 # The wheels are built on the development machine (docs/segments.md, "Wheels for the GPU machine").
 set -uo pipefail
@@ -111,6 +112,8 @@ for mod in ("flashinfer", "flash_attn.cute", "cutlass", "quack", "tvm_ffi"):
 EOF
 } 2>&1 | tee "$out/env_${backend}.txt"
 
+# SEGMENTS_K narrows the selection (e.g. SEGMENTS_K="not graph" to split a long first run).
+[ -z "${SEGMENTS_K:-}" ] || select="($select) and ($SEGMENTS_K)"
 start=$SECONDS
 "$py" -m pytest -v -rs -p no:cacheprovider tests/gpu/test_segments_gpu.py -k "$select" \
   --junitxml="$out/segments_${backend}.xml" 2>&1 | tee "$log"
