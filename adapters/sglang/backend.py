@@ -86,6 +86,8 @@ class DashAttnBackend(AttentionBackend):
     multiple of the DASH block size (``--page-size``).
     """
 
+    takes_head_cls = True  # DashLlamaAttention passes head_cls= only to backends that declare this
+
     def __init__(self, model_runner):
         super().__init__()
         self.device = model_runner.device

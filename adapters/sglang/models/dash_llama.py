@@ -9,36 +9,28 @@ Each attention layer keeps ``head_cls [Hkv_local, D]``, the rows of the KV heads
 tensor-parallel rank holds (the rows ``QKVParallelLinear`` gives it for ``k_proj``; replicated
 where SGLang replicates KV heads), and passes it to the attention backend as a keyword:
 ``self.attn(q, k, v, forward_batch, head_cls=self.head_cls)``. Under another attention backend
-(e.g. ``torch_native``) the weight is loaded but not passed, and attention is dense.
+(e.g. ``torch_native``, which takes no extra keywords) the weight is loaded but not passed, and
+attention is dense: the engine's own dense run of the same checkpoint.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Tuple
 
 import torch
 from torch import nn
 
 from sglang.srt.distributed.utils import get_group_rank_size
+from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-
-logger = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "self_attn.indexer_q"  # the published per-layer DASH weight
 PARAM_NAME = "self_attn.head_cls"
 
 
-def _backend_is_dash() -> bool:
-    """Whether this process serves with ``--attention-backend dash`` (True when no server args exist)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        from adapters.sglang.plugin import uses_dash
-
-        return uses_dash(get_server_args())
-    except Exception:  # noqa: BLE001 - no published server args (unit construction): assume DASH
-        return True
+def _backend_takes_head_cls() -> bool:
+    """Whether the attention backend of the running forward is DASH's (it declares ``takes_head_cls``)."""
+    return getattr(get_attn_backend(), "takes_head_cls", False)
 
 
 class DashLlamaAttention(LlamaAttention):
@@ -49,17 +41,15 @@ class DashLlamaAttention(LlamaAttention):
     """
 
     head_cls: nn.Parameter
-    pass_head_cls: bool
 
     @classmethod
-    def adopt(cls, attn: LlamaAttention, pass_head_cls: bool) -> "DashLlamaAttention":
+    def adopt(cls, attn: LlamaAttention) -> "DashLlamaAttention":
         """Turn ``attn`` into a ``DashLlamaAttention`` in place with a ``head_cls [Hkv_local, D]`` parameter."""
         attn.__class__ = cls
         dtype = attn.qkv_proj.weight.dtype if attn.qkv_proj.weight.is_floating_point() else None
         attn.head_cls = nn.Parameter(torch.zeros(attn.num_kv_heads, attn.head_dim, dtype=dtype,
                                                  device=attn.qkv_proj.weight.device), requires_grad=False)
         attn.head_cls.weight_loader = attn.load_head_cls
-        attn.pass_head_cls = pass_head_cls
         return attn
 
     def head_cls_rows(self) -> Tuple[int, int]:
@@ -87,7 +77,7 @@ class DashLlamaAttention(LlamaAttention):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
         q, k, v = self.forward_prepare_native(positions=positions, hidden_states=hidden_states)
-        if self.pass_head_cls:
+        if _backend_takes_head_cls():
             attn_output = self.attn(q, k, v, forward_batch, head_cls=self.head_cls)
         else:
             attn_output = self.attn(q, k, v, forward_batch)
@@ -100,14 +90,10 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
-        pass_head_cls = _backend_is_dash()
-        if not pass_head_cls:
-            logger.warning("DashLlamaForCausalLM runs without --attention-backend dash: the DASH weights are "
-                           "loaded but unused, attention is dense")
         self.dash_layers = {}
         for layer in self.model.layers:
             if isinstance(layer, LlamaDecoderLayer):
-                attn = DashLlamaAttention.adopt(layer.self_attn, pass_head_cls)
+                attn = DashLlamaAttention.adopt(layer.self_attn)
                 self.dash_layers[attn.attn.layer_id] = attn
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):

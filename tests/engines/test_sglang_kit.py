@@ -1,0 +1,212 @@
+"""The ``dash`` backend inside SGLang's own attention test kit (real pools, ForwardBatch, RadixAttention).
+
+- Dense-equivalent configuration (SPEC.md section 1): extend and decode equal the kit's dense
+  reference, on shuffled pages at page sizes 16 and 64 with block size 16.
+- The kit's CUDA-graph contract (init_cuda_graph_state -> out_graph(in_capture) -> forward ->
+  replay metadata from a padded SimpleNamespace view -> forward), at batch sizes 1 and 4.
+- A sparse configuration (small topk, several blocks): a prefix prefill, a chunked extend over paged
+  history and decode steps through the backend equal the float64 oracle ``dash_reference``.
+- Start-up errors (page size, unsupported modes) and the pool-attached summary store.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine_sglang
+pytest.importorskip("sglang")
+
+from dash_core import DashParams, dash_reference  # noqa: E402
+from tests.engines._sglang_support import KitTestCase, budget, dash_kit  # noqa: E402,F401
+
+_budget = budget("kit", 90)
+
+BS = 16
+DENSE = DashParams.dense_equivalent(block_size=BS)
+F32 = dict(dtype=torch.float32, device="cpu")
+# Both sides compute in float32 (the kit's reference) or float64 cast to float32 (DASH's CPU path), then
+# apply the same o_proj over 4 heads x 16 dims: the outputs agree to a few float32 ulps of values of
+# order 1; 1e-4 leaves a margin of about 100x and still catches any wrong key, block or weight.
+ATOL = RTOL = 1e-4
+
+
+def _case(kit, name, mode, page_size, prefix_lens, extend_lens=(), heads=(4, 2)):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return kit.DenseAttentionCase(name=name, backend="dash", forward_mode=getattr(ForwardMode, mode),
+                                  num_heads=heads[0], num_kv_heads=heads[1], page_size=page_size,
+                                  prefix_lens=prefix_lens, extend_lens=extend_lens)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("mode,prefix_lens,extend_lens", [
+    ("EXTEND", (0, 16, 35), (40, 9, 17)),  # fresh prompts, a page-aligned prefix, a prefix inside a block
+    ("DECODE", (14, 15, 47, 63), ()),      # decode rows that end, start and straddle blocks
+])
+def test_dense_equivalent_matches_kit_reference(dash_kit, page_size, mode, prefix_lens, extend_lens):
+    kit = dash_kit(DENSE)
+    case = _case(kit, f"dash_{mode.lower()}_p{page_size}", mode, page_size, prefix_lens, extend_lens)
+    fx = kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=128, **F32)
+    actual = kit.run_dense_fixture_eager(fx)
+    expected = kit.expected_dense_fixture_output(fx)
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("prefix_lens", [(37,), (14, 15, 16, 47)], ids=["bs1", "bs4"])
+def test_cuda_graph_capture_replay_contract(dash_kit, page_size, prefix_lens):
+    """SGLang's capture -> replay simulation; the replay must equal the dense reference and eager."""
+    from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
+        run_dense_cuda_graph_decode_case,
+    )
+
+    kit = dash_kit(DENSE)
+    case = _case(kit, f"dash_graph_p{page_size}_bs{len(prefix_lens)}", "DECODE", page_size, prefix_lens)
+    run_dense_cuda_graph_decode_case(KitTestCase(), case, max_context_len=128, cuda_graph_capture_batch_size=4,
+                                     **F32)
+
+
+def test_graph_buffers_are_static_and_refilled_in_place(dash_kit):
+    """out_graph writes the live batch into the buffers init_cuda_graph_state made, never new ones."""
+    kit = dash_kit(DENSE)
+    case = _case(kit, "dash_graph_static", "DECODE", 16, (20, 40, 5))
+    fx = kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=128, runner_batch_size=4, **F32)
+    be, fb = fx.backend, fx.forward_batch
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    ptrs = (be.cg_block_table.data_ptr(), be.cg_seq_lens.data_ptr(), be.cg_cu_seqlens_q.data_ptr())
+    view = types.SimpleNamespace(batch_size=3, forward_mode=fb.forward_mode, req_pool_indices=fb.req_pool_indices,
+                                 seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu, out_cache_loc=fb.out_cache_loc)
+    be.init_forward_metadata_out_graph(view, in_capture=True)
+    md = be.forward_metadata
+    assert (md.block_table.data_ptr(), md.seq_lens.data_ptr(), md.cu_seqlens_q.data_ptr()) == ptrs
+    r2t = fx.runner.req_to_token_pool.req_to_token
+    want = r2t[fb.req_pool_indices.long(), ::16] // 16
+    assert torch.equal(md.block_table, want.to(torch.int32))
+    assert md.seq_lens.tolist() == [21, 41, 6]
+    # A second step with other lengths lands in the same storage.
+    view.seq_lens = fb.seq_lens + 1
+    be.init_forward_metadata_out_graph(view)
+    assert be.forward_metadata.seq_lens.data_ptr() == ptrs[1] and be.cg_seq_lens[:3].tolist() == [22, 42, 7]
+    assert be.get_cuda_graph_seq_len_fill_value() == 1
+
+
+# ---- sparse configuration against the oracle ------------------------------------------------------
+
+SPARSE = DashParams(block_size=BS, topk=2, scaling_factor=4.0)
+
+
+def _run_steps(kit, fx, steps, loc_fn, max_context_len):
+    """Run ``steps`` [(mode, prefix_lens, extend_lens, hidden)] through the fixture's module and backend.
+
+    Returns the attention module's outputs per step. Every step is a real ForwardBatch over the same
+    pools and req_to_token rows, so later steps read the K/V and summaries earlier steps wrote.
+    """
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    outs = []
+    for mode, prefix_lens, extend_lens, hidden in steps:
+        case = _case(kit, "step", mode, fx.case.page_size, prefix_lens, extend_lens)
+        batch = kit._make_forward_batch(case, fx.runner, max_context_len=max_context_len, device="cpu",
+                                        loc_fn=loc_fn)
+        with forward_context(ForwardContext(attn_backend=fx.backend)):
+            fx.backend.init_forward_metadata(batch)
+            outs.append(fx.actual_module(hidden, batch))
+    return outs
+
+
+def _oracle(module, hidden_per_req, params):
+    """Per request: the oracle's attention output through o_proj for every position, ``[L, hidden]``."""
+    res = []
+    for h in hidden_per_req:
+        q, k, v = module.project_qkv(h)
+        t = h.shape[0]
+        q4 = q.view(t, module.num_heads, module.head_dim).permute(1, 0, 2)[None]
+        k4 = k.view(t, module.num_kv_heads, module.head_dim).permute(1, 0, 2)[None]
+        v4 = v.view(t, module.num_kv_heads, module.head_dim).permute(1, 0, 2)[None]
+        o, _ = dash_reference(q4, k4, v4, module.dash_head_cls, params)
+        res.append(module.o_proj(o[0].permute(1, 0, 2).reshape(t, -1)))
+    return res
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_sparse_prefill_chunked_extend_and_decode_match_oracle(dash_kit, page_size):
+    """Prefill 40 and 23 tokens, extend by 57 and 30 on that paged history, then decode 3 steps."""
+    kit = dash_kit(SPARSE)
+    max_ctx = 192
+    lens = [(40, 57), (23, 30)]
+    decode_steps = 3
+    case = _case(kit, f"dash_sparse_p{page_size}", "EXTEND", page_size, (0, 0), tuple(a for a, _ in lens))
+    fx = kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=max_ctx, **F32)
+    total = [a + b + decode_steps for a, b in lens]
+    loc_fn = kit.make_loc_fn("shuffled_pages", batch_size=2, seq_lens=tuple(total), prefix_lens=(0, 0),
+                             page_size=page_size, max_context_len=max_ctx, seed=11)
+    g = torch.Generator().manual_seed(3)
+    hidden = [torch.randn(n, fx.actual_module.hidden_size, generator=g) for n in total]
+
+    def rows(lo, hi):
+        return torch.cat([h[lo[i]:hi[i]] for i, h in enumerate(hidden)])
+
+    first = [a for a, _ in lens]
+    second = [a + b for a, b in lens]
+    steps = [("EXTEND", (0, 0), tuple(first), rows([0, 0], first)),
+             ("EXTEND", tuple(first), tuple(b for _, b in lens), rows(first, second))]
+    for s in range(decode_steps):
+        pos = [n + s for n in second]
+        steps.append(("DECODE", tuple(pos), (), rows(pos, [p + 1 for p in pos])))
+    outs = _run_steps(kit, fx, steps, loc_fn, max_ctx)
+
+    ref = _oracle(fx.actual_module, hidden, SPARSE)
+    got = [[] for _ in lens]
+    for (mode, prefix_lens, extend_lens, _), out in zip(steps, outs):
+        n = extend_lens if mode == "EXTEND" else (1,) * len(lens)
+        for i, part in enumerate(out.split(list(n))):
+            got[i].append(part)
+    for i in range(len(lens)):
+        torch.testing.assert_close(torch.cat(got[i]), ref[i], atol=ATOL, rtol=RTOL)
+    # The configuration is really sparse: dense attention gives a different answer on these inputs.
+    dense = _oracle(fx.actual_module, hidden, DENSE)
+    assert max((d - r).abs().max().item() for d, r in zip(dense, ref)) > 100 * ATOL
+
+
+# ---- start-up errors, modes, summary store ------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 8, 24])
+def test_page_size_not_multiple_of_block_fails_at_startup(dash_kit, page_size):
+    kit = dash_kit(DENSE)
+    case = _case(kit, "dash_bad_page", "DECODE", page_size, (4,))
+    with pytest.raises(ValueError, match="page size must be a multiple of the DASH block size") as err:
+        kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=48, **F32)
+    assert "--page-size" in str(err.value) and str(page_size) in str(err.value)
+
+
+def test_unsupported_modes_and_missing_head_cls(dash_kit):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    kit = dash_kit(DENSE)
+    fx = kit.build_dense_attention_fixture(KitTestCase(), _case(kit, "dash_modes", "DECODE", 16, (4,)),
+                                           max_context_len=48, **F32)
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2):
+        with pytest.raises(NotImplementedError, match="speculative"):
+            fx.backend.init_forward_metadata(types.SimpleNamespace(forward_mode=mode))
+    fx.backend.init_forward_metadata(fx.forward_batch)
+    q = torch.zeros(1, 4 * 16)
+    k = v = torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="needs head_cls"):
+        fx.backend.forward_decode(q, k, v, fx.actual_module.attn, fx.forward_batch)
+
+
+def test_summary_store_lives_on_the_pool_and_is_shared(dash_kit):
+    from adapters.sglang.backend import DashAttnBackend
+
+    kit = dash_kit(DENSE)
+    fx = kit.build_dense_attention_fixture(KitTestCase(), _case(kit, "dash_store", "DECODE", 32, (4,)),
+                                           max_context_len=64, **F32)
+    pool = fx.runner.token_to_kv_pool
+    other = DashAttnBackend(fx.runner)  # e.g. a second runner over the same pool (TBO, draft, PD-multiplex)
+    assert other.summaries is fx.backend.summaries is pool.dash_summaries
+    assert len(pool.dash_summaries) == pool.layer_num
+    assert pool.dash_summaries[0].shape == ((pool.size + pool.page_size) // BS, 2, 16)
+    assert pool.dash_summaries[0].dtype == pool.dtype
