@@ -16,6 +16,9 @@ Gathered layout (this module's input; ``gather_segments`` builds it from a paged
   above the capacity are clamped on the device (nothing is read back to the host).
 - ``bias``: ``[n, Hsel, topk]`` float, the log prior of the routed segments.
 
+Zero-copy variant: ``segment_pages`` + ``flash_dash_attention_paged`` address the same segments
+through page tables into the engine's cache when its page size equals the block size.
+
 Backends: ``"TRITON"`` (``dash_core.kernels.segment_attention``; on CPU tensors the PyTorch
 segment attention below runs instead, as the ops do), ``"TORCH"`` (the PyTorch path on any
 device), ``"FLASHINFER"`` (ragged prefill wrapper, custom mask, plans from ``plan_cache``) and
