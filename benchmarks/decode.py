@@ -282,6 +282,30 @@ def run_case(a, b, ctx, hkv, topk, sf, device, bw, records, dtype=torch.bfloat16
             add("dash-triton", "zero-copy", ms, write=write, graph=True)
             del graphs
 
+    if cuda and not a.no_graph:  # where the time goes: each stage alone, replayed from a graph
+        def stage(fn):
+            graphs = []
+            for layer in layers:
+                f = (lambda lay=layer: fn(lay))
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    f()
+                torch.cuda.current_stream().wait_stream(s)
+                gr = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(gr):
+                    f()
+                graphs.append(gr)
+            return time_calls([gr.replay for gr in graphs], it, wu, cuda)
+
+        sb = b * hkv * ((ctx - 1) // bs) * d * esize + b * hq * d * esize
+        ms = stage(lambda lay: launcher.route(q, lay.cache, lay.block_table, seq, params, bufs))
+        add("dash-triton", "route-only", ms, graph=True, fl=sb / bw * 1e3, by=sb)
+        kvb = nbytes - sb
+        ms = stage(lambda lay: launcher.attend(q, lay.cache, lay.block_table, seq, params, bufs, out))
+        add("dash-triton", "attend-only", ms, graph=True, fl=kvb / bw * 1e3, by=kvb,
+            note="attends the selection left in the buffers by the last routing (the same blocks every call)")
+
     peers = set(a.peers.split(",")) if a.peers else set()
     kc = vc = None
     if "sdpa" in peers or ("published" in peers and topk is None):

@@ -18,6 +18,8 @@ import os
 
 import torch
 
+import sys
+
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -26,7 +28,25 @@ try:
     import triton  # noqa: F401
 except ImportError:  # the kernel suite is not collected (conftest.py)
     triton = None
-INTERPRET = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _interpreted_here() -> bool:
+    """True when this process runs jit functions in the interpreter: triton's own helpers and ours
+    were decorated after TRITON_INTERPRET was set. (``--doctest-modules dash_core`` imports the
+    kernels, and triton, before this file runs: then only a fresh process can interpret them.)"""
+    if triton is None or os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    ours = sys.modules.get("dash_core.kernels.routing")
+    return isinstance(std.max, InterpretedFunction) and (
+        ours is None or isinstance(ours._decode_select_kernel, InterpretedFunction))
+
+
+INTERPRET = _interpreted_here()
+# no CUDA and the interpreter unusable in this process: the suite runs in a fresh one instead
+NEEDS_FRESH_PROCESS = triton is not None and not CUDA and not INTERPRET
 
 if INTERPRET:
     from triton.runtime import interpreter as _interp
