@@ -133,6 +133,11 @@ class DashAttnBackend(AttentionBackend):
             raise _reject(f"a hybrid prefill/decode backend pair {sorted(names)}",
                           "DASH must see every K/V write to keep its block summaries; use "
                           "--attention-backend dash for both")
+        model = getattr(runner, "model", None)
+        if getattr(model, "config", None) is not None and not getattr(model, "dash_layers", None):
+            raise _reject(f"the model {type(model).__name__}",
+                          "it passes no head_cls to attention; serve a DASH checkpoint "
+                          "(\"architectures\": [\"DashLlamaForCausalLM\"])")
         tp = self._attn_tp_size()
         if self.params.router == "shared" and tp > 1:
             raise _reject(f"router 'shared' with attention tensor parallelism {tp}",

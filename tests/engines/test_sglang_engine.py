@@ -16,6 +16,7 @@ The page-size start-up error is tested with the HTTP server (test_sglang_server.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 
@@ -149,7 +150,7 @@ def test_recorded_batches_are_consistent(sparse_engine):
     mapping is exactly what the block table (from req_to_token) says. They become the GPU replay fixtures."""
     from dash_core.recorder import load_batches
 
-    batches = load_batches(os.path.join(sparse_engine.record_dir, "*.pt"))
+    batches = load_batches(os.path.join(sparse_engine.record_dir, "*.pt"))  # sorted by file name = call order
     assert batches, "DASH_RECORD_DIR produced no batches"
     ops = {b["op"] for b in batches}
     assert ops == {"prefill", "decode"}
@@ -166,6 +167,17 @@ def test_recorded_batches_are_consistent(sparse_engine):
     assert chunked > 0  # some extend ran over paged history (chunked prefill or a prefix-cache hit)
     save = os.environ.get("DASH_SGLANG_SAVE_BATCHES")
     if save:  # refresh tests/fixtures/engine_batches/sglang (see its README)
-        os.makedirs(save, exist_ok=True)
-        for name in sorted(os.listdir(sparse_engine.record_dir)):
-            shutil.copy(os.path.join(sparse_engine.record_dir, name), save)
+        _save_distinct(sorted(glob.glob(os.path.join(sparse_engine.record_dir, "*.pt"))), batches, save)
+
+
+def _save_distinct(paths, batches, out_dir):
+    """Copy the batches to ``out_dir`` as ``NN_<op>.pt``, skipping a batch equal to the previous one
+    (each forward calls the op once per layer with the same metadata)."""
+    os.makedirs(out_dir, exist_ok=True)
+    prev, n = None, 0
+    for path, b in zip(paths, batches):
+        key = [b["op"]] + [b[k].tolist() for k in ("block_table", "cu_seqlens_q", "seq_lens", "slot_mapping")]
+        if key != prev:
+            shutil.copy(path, os.path.join(out_dir, f"{n:02d}_{b['op']}.pt"))
+            n += 1
+        prev = key

@@ -210,3 +210,17 @@ def test_summary_store_lives_on_the_pool_and_is_shared(dash_kit):
     assert len(pool.dash_summaries) == pool.layer_num
     assert pool.dash_summaries[0].shape == ((pool.size + pool.page_size) // BS, 2, 16)
     assert pool.dash_summaries[0].dtype == pool.dtype
+
+
+def test_a_model_without_dash_layers_is_refused(dash_kit):
+    """--attention-backend dash on a plain Llama would get no head_cls: refused when the backend is built."""
+    from adapters.sglang.backend import DashAttnBackend
+
+    kit = dash_kit(DENSE)
+    fx = kit.build_dense_attention_fixture(KitTestCase(), _case(kit, "dash_plain_model", "DECODE", 16, (4,)),
+                                           max_context_len=48, **F32)
+    fx.runner.model = types.SimpleNamespace(config=object())  # a real model has a config, a DASH one dash_layers
+    with pytest.raises(ValueError, match="passes no head_cls"):
+        DashAttnBackend(fx.runner)
+    fx.runner.model.dash_layers = {0: object()}
+    DashAttnBackend(fx.runner)
