@@ -74,7 +74,14 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
     cu_seqlens_q: ``[n + 1]`` int32 row offsets of each request's new tokens;
     seq_lens: ``[n]`` int32 KV lengths after the extend; head_cls: ``[Hkv, D]``.
     Returns ``out [T, Hq, D]`` in ``q.dtype`` (rows of padded requests are zero).
+    On CUDA with bf16/fp16 this runs the Triton prefill kernels (``dash_core.kernels.prefill``:
+    routing scratch bounded per wave of query tiles, no host synchronisation).
     """
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # fp32 stays on the torch path
+        from .kernels.prefill import paged_dash_prefill_triton
+        _check_query(q, cache, head_cls, block_table, seq_lens)
+        return paged_dash_prefill_triton(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping,
+                                         head_cls, params, out=out)
     return _paged_dash("prefill", q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls,
                        params, out)
 

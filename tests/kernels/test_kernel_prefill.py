@@ -1,0 +1,407 @@
+"""Triton prefill / extend (``dash_core.kernels.prefill``) against the oracle, stage by stage, then
+end to end; under the interpreter on the CPU, compiled on a GPU (``-m gpu``).
+
+Stages (DESIGN.md, "Tests"): the K/V + summary write (summaries bit-identical to the decode kernel's),
+routing fed the very same summaries and ``sf * q`` (kept sets equal except SPEC.md section 7's
+near-threshold entries), attention fed the oracle's selection (attention tolerance), row ``p`` of a
+prefill against a decode step at ``p``, and whole extends whose routing may differ from a float64
+oracle on a bounded fraction of rows. Shapes are small: the interpreter runs every program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from dash_core import DashParams
+from dash_core.kernels import launcher
+from dash_core.kernels import prefill as pf
+from dash_core.kernels.kv_write import write_kv_and_summaries
+from dash_core.reference import attend, block_summaries
+from tests.kernels._kernel_env import KERNEL_DEVICE
+from tests.kernels._kernel_scenarios import summary_tolerance
+from tests.kernels._prefill_scenarios import (exempt, make_prefill_case, oracle_routing, oracle_rows, plan_and_scratch,
+                                              stored_summaries, token_slots, wipe_new_tokens)
+from tests.kernels.test_kernel_decode_attention import TOL
+
+EXAMPLES = int(os.environ.get("DASH_PREFILL_EXAMPLES", "3"))
+DEV = KERNEL_DEVICE
+# End to end, routing is discontinuous in the summaries' rounding (a bf16 summary one ulp from the
+# float64 oracle's moves a block sitting at the entmax threshold): at most this fraction of
+# (token, query head) rows may miss the attention tolerance (as the decode end-to-end tests).
+MAX_DIFFERING_ROWS = 0.05
+
+
+def prefill(case, scratch_bytes=None, write=True):
+    args = (case.k, case.v, case.slot_mapping) if write else (None, None, None)
+    return pf.paged_dash_prefill_triton(case.q, args[0], args[1], case.cache, case.block_table, case.cu,
+                                        case.seq_lens, args[2], case.head_cls, case.params,
+                                        scratch_bytes=scratch_bytes)
+
+
+def count_differing_rows(case, out) -> tuple:
+    """(rows checked, rows outside the attention tolerance) against the float64 oracle."""
+    out = out.cpu()
+    tol = TOL[case.q.dtype]
+    checked = bad = 0
+    for i, (_, new) in enumerate(case.reqs):
+        if not new:
+            continue
+        ref = oracle_rows(case, i)  # [R, Hq, D]
+        err = (out[case.rows(i)].double() - ref).abs() - tol["rtol"] * ref.abs()
+        checked += err.shape[0] * err.shape[1]
+        bad += int((err.amax(-1) > tol["atol"]).sum())
+    assert torch.isfinite(out).all()
+    return checked, bad
+
+
+# --- stage 1: K/V + summaries --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunks", [[40, 23, 1, 16, 17], [64], [5, 70]])
+def test_summaries_identical_whichever_path(chunks):
+    """A prompt written by the prefill kernel in chunks (starting and ending mid-block and on block
+    boundaries) and the same prompt written one decode token at a time give bit-identical summaries,
+    within one ulp of the oracle; every block the prompt completes is summarised, no other."""
+    total = sum(chunks)
+    case = make_prefill_case(3, [(total, total)], bs=16, pages_per_block=2, hkv=2, d=64).to(DEV)
+    wipe_new_tokens(case)
+    summ0 = case.cache.summaries.clone()
+    start = 0
+    for c in chunks:  # prefill path, chunk by chunk (the cache keeps earlier chunks)
+        sl = slice(start, start + c)
+        launcher.cache_dash_prefill_triton(case.k[sl], case.v[sl], case.cache, case.slot_mapping[sl], case.params,
+                                           case.head_cls)
+        start += c
+    by_prefill = case.cache.summaries.clone()
+    k_prefill = case.cache.k_pages.clone()
+    case.cache.summaries.copy_(summ0)
+    wipe_new_tokens(case)
+    for t in range(total):  # decode path: one token per launch, OWN_ROW summaries
+        write_kv_and_summaries(case.k[t:t + 1], case.v[t:t + 1], case.cache, case.slot_mapping[t:t + 1],
+                               case.head_cls, 16, decode=True)
+    assert torch.equal(case.cache.k_pages, k_prefill)
+    assert torch.equal(case.cache.summaries, by_prefill), "summaries differ between the prefill and decode paths"
+    nblk = total // 16
+    ref = block_summaries(case.sc.k_full[0][:, : nblk * 16], case.head_cls.cpu(), 16)  # [Hkv, nblk, D]
+    torch.testing.assert_close(stored_summaries(case, 0), ref, **summary_tolerance(case.q.dtype))
+    untouched = torch.ones(by_prefill.shape[0], dtype=torch.bool)
+    untouched[case.slots(0, torch.arange(nblk) * 16) // 16] = False
+    assert torch.equal(by_prefill.cpu()[untouched], summ0.cpu()[untouched])
+
+
+# --- stage 2: routing ----------------------------------------------------------------------------
+
+
+def check_routing(case, plan, scratch) -> None:
+    """Every new token's kept blocks (kernel) against the oracle's, fed the stored summaries and the
+    kernels' ``sf * q``; physical ids and log priors of the blocks both keep."""
+    p = case.params
+    slots = token_slots(case, plan)
+    hsel = scratch.sel_count.shape[1]
+    sel_count, sel_idx = scratch.sel_count.cpu(), scratch.sel_idx.cpu()
+    sel_blk, sel_bias = scratch.sel_blk.cpu(), scratch.sel_bias.cpu()
+    for i, (total, new) in enumerate(case.reqs):
+        if not new:
+            continue
+        rt, x = oracle_routing(case, i)
+        for r, pos in enumerate(case.positions(i).tolist()):
+            ncand = max(0, pos // p.block_size - p.local_blocks + 1)
+            slot = slots[(i, pos)]
+            for u in range(hsel):
+                c = int(sel_count[slot, u])
+                idx = sel_idx[slot, u, :c].tolist()
+                assert idx == sorted(set(idx)) and all(0 <= j < ncand for j in idx), (i, pos, u, idx)
+                if p.topk is not None:
+                    assert c <= p.topk
+                oracle = set(torch.nonzero(rt.kept[u, r]).flatten().tolist()) if ncand else set()
+                diff = sorted(set(idx) ^ oracle)
+                if diff:
+                    ex = exempt(case, rt, x, u, r, ncand)
+                    bad = [j for j in diff if not ex[j]]
+                    assert not bad, f"request {i} position {pos} unit {u}: blocks {bad} differ ({idx} vs {oracle})"
+                if not idx:
+                    continue
+                phys = case.slots(i, torch.tensor(idx) * p.block_size) // p.block_size
+                assert sel_blk[slot, u, :c].tolist() == phys.tolist()
+                both = [n for n, j in enumerate(idx) if j in oracle]
+                # pi = (x - tau)^2 / G in fp32 against float64: 1e-5 absolute + 1e-3 relative (as decode)
+                torch.testing.assert_close(sel_bias[slot, u, both].double().exp(),
+                                           rt.prior[u, r, [idx[n] for n in both]], atol=1e-5, rtol=1e-3)
+
+
+REQS = st.lists(st.tuples(st.integers(0, 140), st.integers(0, 50)).map(lambda t: (t[0] + t[1], t[1])),
+                min_size=1, max_size=3)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), reqs=REQS, router=st.sampled_from(["kv_head", "shared"]),
+       topk=st.one_of(st.none(), st.integers(1, 6)), est=st.booleans(), sf=st.sampled_from([0.7, 2.0, 4.0]),
+       local_blocks=st.integers(1, 2), ppb=st.integers(1, 3), layout=st.sampled_from(["sglang", "vllm"]),
+       group=st.sampled_from([1, 2, 3]), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_routing_matches_oracle(seed, reqs, router, topk, est, sf, local_blocks, ppb, layout, group, dtype):
+    p = DashParams(block_size=16, topk=topk, local=16 * local_blocks, scaling_factor=sf, estimate_diagonal=est,
+                   router=router)
+    case = make_prefill_case(seed, reqs, hq=2 * group, hkv=2, bs=16, pages_per_block=ppb, layout=layout,
+                             dtype=dtype, params=p, shared_prefix_pages=1).to(DEV)
+    plan, scratch = plan_and_scratch(case)
+    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    check_routing(case, plan, scratch)
+
+
+def test_routing_wide_rows_and_caps():
+    """More candidates than one route tile (several tiles per pass), topk below and above the support,
+    a GQA group of 4 (one tile = 16 tokens x 4 heads)."""
+    for topk in (None, 3, 30):
+        p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
+        case = make_prefill_case(21, [(16 * 45 + 5, 20), (40, 40)], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
+        plan, scratch = plan_and_scratch(case)
+        old = pf.ROUTE_TILE_BUDGET
+        pf.ROUTE_TILE_BUDGET = 256  # 16-wide tiles: several per pass over 44 candidates
+        try:
+            pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
+                          plan.num_tiles)
+        finally:
+            pf.ROUTE_TILE_BUDGET = old
+        check_routing(case, plan, scratch)
+
+
+# --- stage 3: attention given the oracle's selection ---------------------------------------------
+
+
+def fill_selection(case, plan, scratch) -> list:
+    """The oracle's routing (stored summaries, kernels' ``sf * q``) written into the scratch."""
+    p = case.params
+    slots = token_slots(case, plan)
+    hsel = scratch.sel_count.shape[1]
+    scratch.sel_count.zero_()
+    routings = []
+    for i, (total, new) in enumerate(case.reqs):
+        rt = oracle_routing(case, i)[0] if new else None
+        routings.append(rt)
+        for r, pos in enumerate(case.positions(i).tolist() if new else []):
+            slot = slots[(i, pos)]
+            for u in range(hsel):
+                js = torch.nonzero(rt.kept[u, r]).flatten() if rt.kept.shape[-1] else torch.zeros(0, dtype=torch.long)
+                c = js.numel()
+                scratch.sel_count[slot, u] = c
+                if c:
+                    scratch.sel_idx[slot, u, :c] = js.to(torch.int32).to(DEV)
+                    scratch.sel_blk[slot, u, :c] = (case.slots(i, js * p.block_size) // p.block_size).to(
+                        torch.int32).to(DEV)
+                    scratch.sel_bias[slot, u, :c] = rt.prior[u, r, js].log().float().to(DEV)
+    return routings
+
+
+def check_attention(case) -> None:
+    plan, scratch = plan_and_scratch(case)
+    routings = fill_selection(case, plan, scratch)
+    out = torch.full_like(case.q, float("nan"))
+    pf.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, out, 0,
+                   plan.num_tiles)
+    out = out.cpu()
+    for i, (total, new) in enumerate(case.reqs):
+        if not new:
+            continue
+        q = case.q[case.rows(i)].cpu().permute(1, 0, 2)
+        ref = attend(q, case.sc.k_full[i], case.sc.v_full[i], case.positions(i), routings[i], case.params)
+        torch.testing.assert_close(out[case.rows(i)].double(), ref.permute(1, 0, 2), **TOL[case.q.dtype])
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), reqs=REQS, router=st.sampled_from(["kv_head", "shared"]),
+       topk=st.one_of(st.none(), st.integers(1, 5)), est=st.booleans(), sigma=st.sampled_from([1.0, 1e6]),
+       local_blocks=st.integers(1, 3), bs=st.sampled_from([16, 32]), ppb=st.integers(1, 2),
+       layout=st.sampled_from(["sglang", "vllm"]), group=st.sampled_from([1, 3, 4]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_attention_matches_oracle(seed, reqs, router, topk, est, sigma, local_blocks, bs, ppb, layout, group, dtype):
+    p = DashParams(block_size=bs, topk=topk, local=bs * local_blocks, scaling_factor=2.0, estimate_diagonal=est,
+                   sigma=sigma, router=router)
+    case = make_prefill_case(seed, reqs, hq=2 * group, hkv=2, bs=bs, pages_per_block=ppb, layout=layout,
+                             dtype=dtype, params=p, shared_prefix_pages=1).to(DEV)
+    check_attention(case)
+
+
+def test_attention_head_dims():
+    """Head sizes 128 and 256 (sub-tiles of a block), block size 64, G = 8 (4 tokens per tile)."""
+    for d, bs in ((128, 64), (256, 32)):
+        p = DashParams(block_size=bs, topk=2, scaling_factor=1.0)
+        case = make_prefill_case(5, [(2 * bs + 3, bs // 2 + 3), (bs, 2)], hq=16, hkv=2, d=d, bs=bs, params=p).to(DEV)
+        check_attention(case)
+
+
+# --- prefill row p == decode step at p -------------------------------------------------------------
+
+
+def test_prefill_row_equals_decode_step():
+    """Same cache and summaries: the prefill's selection of every new token equals the decode kernels'
+    at that position (one routing routine; SPEC.md section 7, near-threshold entries exempt), with the
+    same log priors, and the outputs of rows routed alike agree to the attention tolerance."""
+    p = DashParams(block_size=16, scaling_factor=3.0, topk=3, estimate_diagonal=True, sigma=2.0)
+    case = make_prefill_case(9, [(102, 12)], hq=8, hkv=2, params=p, q_scale=1.3).to(DEV)
+    plan, scratch = plan_and_scratch(case)
+    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    out_pf = torch.empty_like(case.q)
+    pf.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, out_pf, 0,
+                   plan.num_tiles)
+    # a decode batch with one row per new position (90 .. 101), all on request 0's pages
+    pos = case.positions(0)
+    n = pos.numel()
+    bt = case.block_table[:1].expand(n, -1).contiguous()
+    seq = (pos + 1).to(torch.int32).to(DEV)
+    bufs = launcher.DecodeBuffers.for_step(case.q, case.cache, bt, p, splits=(2, 2))
+    launcher.route(case.q, case.cache, bt, seq, p, bufs)
+    out_dec = torch.empty_like(case.q)
+    launcher.attend(case.q, case.cache, bt, seq, p, bufs, out_dec)
+    slots = token_slots(case, plan)
+    rt, x = oracle_routing(case, 0)
+    hsel = bufs.sel_count.shape[1]
+    alike = 0
+    for r, ps in enumerate(pos.tolist()):
+        slot = slots[(0, ps)]
+        ncand = max(0, ps // 16 - p.local_blocks + 1)
+        row_alike = True
+        for u in range(hsel):
+            c_pf, c_dec = int(scratch.sel_count[slot, u]), int(bufs.sel_count[r, u])
+            kp = scratch.sel_idx[slot, u, :c_pf].cpu().tolist()
+            kd = bufs.sel_idx[r, u, :c_dec].cpu().tolist()
+            if kp == kd:
+                torch.testing.assert_close(scratch.sel_bias[slot, u, :c_pf].cpu(), bufs.sel_bias[r, u, :c_dec].cpu(),
+                                           atol=1e-6, rtol=1e-5)
+                continue
+            row_alike = False
+            ex = exempt(case, rt, x, u, r, ncand)
+            bad = [j for j in sorted(set(kp) ^ set(kd)) if not ex[j]]
+            assert not bad, f"position {ps} unit {u}: prefill {kp} vs decode {kd}"
+        if row_alike:
+            alike += 1
+            torch.testing.assert_close(out_pf[r].cpu().double(), out_dec[r].cpu().double(), **TOL[case.q.dtype])
+    assert alike >= 0.9 * n
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+
+def test_dense_equivalent_is_causal_attention():
+    """sf = 0 with estimate_diagonal routes every candidate with prior 1 (SPEC.md section 1): every row
+    of an extend on paged history equals dense causal attention (no routing discontinuity)."""
+    p = DashParams.dense_equivalent(16, local=32)
+    case = make_prefill_case(4, [(90, 40), (33, 33), (0, 0), (50, 1)], hq=4, hkv=2, params=p,
+                             pages_per_block=2, shared_prefix_pages=1).to(DEV)
+    wipe_new_tokens(case)
+    out = prefill(case).cpu()
+    for i, (total, new) in enumerate(case.reqs):
+        if not new:
+            continue
+        k = case.sc.k_full[i].double().repeat_interleave(2, 0)
+        v = case.sc.v_full[i].double().repeat_interleave(2, 0)
+        q = case.q[case.rows(i)].cpu().double().permute(1, 0, 2)
+        mask = torch.arange(total)[None, :] <= case.positions(i)[:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(out[case.rows(i)].double(), ref.permute(1, 0, 2), **TOL[case.q.dtype])
+
+
+CASES = [  # (requests (total, new), DashParams kwargs, scenario kwargs)
+    # history 0; mid-block start and end; one-token extend; a request without new tokens; a padded one
+    ([(60, 60), (70, 21), (45, 1), (50, 0), (0, 0)], dict(scaling_factor=2.0), dict()),
+    ([(110, 30), (40, 17)], dict(scaling_factor=4.0, topk=3), dict(layout="vllm", pages_per_block=2)),
+    ([(100, 20), (100, 7)], dict(scaling_factor=1.0, estimate_diagonal=True, router="shared"),
+     dict(shared_prefix_pages=3)),
+    ([(90, 25), (65, 10)], dict(scaling_factor=3.0, topk=5, local=32), dict(hq=8, pages_per_block=4)),
+    ([(96, 30)], dict(scaling_factor=2.0, estimate_diagonal=True, sigma=1.0, topk=4),
+     dict(dtype=torch.float16, layout="vllm")),
+]
+
+
+def test_extends_match_oracle_on_most_rows():
+    """Varlen extends written and attended by the op, against the float64 oracle (summaries recomputed
+    from the keys): most rows within the attention tolerance; a multi-wave run (tiny scratch) equals
+    the one-wave run exactly; rows past ``cu_seqlens_q[n]`` are zero."""
+    checked = bad = 0
+    for n, (reqs, pk, sk) in enumerate(CASES):
+        p = DashParams(block_size=16, **pk)
+        case = make_prefill_case(200 + n, reqs, params=p, **sk).to(DEV)
+        wipe_new_tokens(case)
+        out = prefill(case)
+        c, b = count_differing_rows(case, out)
+        checked, bad = checked + c, bad + b
+        if n == 0:  # two tiles per wave
+            plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p)
+            per_tile = pf.PrefillScratch.bytes_per_tile(plan.qt, case.q.shape[1], case.cache.num_kv_heads,
+                                                        plan.max_cand, p)
+            again = prefill(case, scratch_bytes=2 * per_tile, write=False)
+            assert torch.equal(again, out)
+    assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
+
+
+def test_chunked_prompt_every_boundary_class():
+    """One prompt extended chunk by chunk through the op (each chunk on the history the previous ones
+    wrote, summaries included): chunks that start and end on block boundaries, start mid-block, end
+    mid-block, lie inside one block, hold one token, span several blocks (local window of two blocks,
+    so a chunk's first tokens attend the previous chunk's block locally). Every row against the oracle
+    on the whole prompt."""
+    chunks = [16, 7, 1, 8, 20, 12, 1, 15, 9]  # boundaries at 16, 23, 24, 32, 52, 64, 65, 80, 89
+    total = sum(chunks)
+    p = DashParams(block_size=16, scaling_factor=2.5, topk=4, local=32)
+    full = make_prefill_case(31, [(total, total)], hq=4, hkv=2, params=p, pages_per_block=2).to(DEV)
+    wipe_new_tokens(full)
+    out = torch.empty_like(full.q)
+    start = 0
+    for c in chunks:
+        sl = slice(start, start + c)
+        cu = torch.tensor([0, c], dtype=torch.int32, device=full.q.device)
+        seq = torch.tensor([start + c], dtype=torch.int32, device=full.q.device)
+        out[sl] = pf.paged_dash_prefill_triton(full.q[sl], full.k[sl], full.v[sl], full.cache, full.block_table,
+                                               cu, seq, full.slot_mapping[sl], full.head_cls, p)
+        start += c
+    checked, bad = count_differing_rows(full, out)
+    assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
+
+
+def test_tail_rows_and_inconsistent_requests_are_zero():
+    """Token rows past ``cu_seqlens_q[n]`` and rows of a request whose new tokens outnumber its length
+    are written as zeros (never NaN, never left stale)."""
+    p = DashParams(block_size=16, scaling_factor=2.0)
+    case = make_prefill_case(8, [(40, 20), (30, 10)], params=p).to(DEV)
+    t = case.q.shape[0]
+    q = torch.cat([case.q, torch.randn(3, *case.q.shape[1:]).to(case.q)])
+    seq = case.seq_lens.clone()
+    seq[1] = 5  # 10 new tokens cannot end at length 5
+    out = torch.full_like(q, float("nan"))
+    pf.paged_dash_prefill_triton(q, None, None, case.cache, case.block_table, case.cu, seq, None, case.head_cls, p,
+                                 out=out)
+    out = out.cpu()
+    assert torch.equal(out[20:], torch.zeros_like(out[20:]))
+    assert torch.isfinite(out[:20]).all() and out[:20].abs().sum() > 0
+    assert out.shape[0] == t + 3
+
+
+def test_validation_errors_before_any_write():
+    p = DashParams(block_size=16)
+    case = make_prefill_case(1, [(40, 20)], params=p).to(DEV)
+    before = case.cache.k_pages.clone()
+    good = dict(q=case.q, k=case.k, v=case.v, cache=case.cache, block_table=case.block_table, cu_seqlens_q=case.cu,
+                seq_lens=case.seq_lens, slot_mapping=case.slot_mapping, head_cls=case.head_cls, params=p)
+
+    def call(**kw):
+        a = dict(good, **kw)
+        return pf.paged_dash_prefill_triton(a["q"], a["k"], a["v"], a["cache"], a["block_table"], a["cu_seqlens_q"],
+                                            a["seq_lens"], a["slot_mapping"], a["head_cls"], a["params"])
+
+    bad = [
+        (dict(q=case.q.float()), "dtype"),
+        (dict(cu_seqlens_q=case.cu[:1]), "cu_seqlens_q"),
+        (dict(block_table=case.block_table.long()), "block_table"),
+        (dict(k=case.k[:3]), "k must be"),
+        (dict(slot_mapping=None), "together"),
+        (dict(head_cls=case.head_cls[:1]), "head_cls"),
+        (dict(params=DashParams(block_size=256)), "block_size"),
+        (dict(q=case.q.reshape(case.q.shape[0], -1, 32)), "head_dim"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            call(**kw)
+    assert torch.equal(case.cache.k_pages, before)
