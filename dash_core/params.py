@@ -19,6 +19,7 @@ CONFIG_KEYS = {
     "estimate_diagonal": "estimate_diagonal",
     "router": "dash_router",
     "attention_backend": "dash_attention_backend",
+    "page_rope_tok_pairs": "dash_page_rope_tok_pairs",
 }
 
 
@@ -52,6 +53,8 @@ class DashParams:
         router: ``"kv_head"`` (one selection per KV head) or ``"shared"`` (one for all heads).
         attention_backend: what runs the attention stage, ``"TRITON"`` (native kernels) or the
             segment backends ``"FLASH_ATTN"``, ``"FLASHINFER"`` (``dash_core.segments``; need ``topk``).
+        page_rope_tok_pairs: page mode (SPEC.md section 9): rotary pairs ``0 .. r - 1`` rotate by the
+            in-page offset, the rest by the page index; None = a quarter of the rotary dim.
     """
 
     block_size: int = 64
@@ -62,6 +65,7 @@ class DashParams:
     estimate_diagonal: bool = False
     router: str = "kv_head"
     attention_backend: str = "TRITON"
+    page_rope_tok_pairs: Optional[int] = None
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -87,6 +91,9 @@ class DashParams:
             raise _bad("router", self.router, f"one of {ROUTERS}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise _bad("attention_backend", self.attention_backend, f"one of {ATTENTION_BACKENDS}")
+        r = self.page_rope_tok_pairs
+        if r is not None and (not _is_int(r) or r < 0):
+            raise _bad("page_rope_tok_pairs", r, "None or an integer >= 0 (at most rotary_dim / 2)")
 
     @property
     def local_blocks(self) -> int:

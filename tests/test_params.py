@@ -61,3 +61,13 @@ def test_attention_backend_option():
     with pytest.raises(ValueError) as e:
         DashParams(attention_backend="flashinfer")
     assert "attention_backend" in str(e.value) and "'flashinfer'" in str(e.value) and "FLASH_ATTN" in str(e.value)
+
+
+def test_page_rope_tok_pairs():
+    assert DashParams().page_rope_tok_pairs is None  # None = a quarter of the rotary dim (SPEC.md 9)
+    assert DashParams(page_rope_tok_pairs=0).page_rope_tok_pairs == 0
+    assert DashParams.from_config({"dash_page_rope_tok_pairs": 8}).page_rope_tok_pairs == 8
+    for bad in (-1, 2.0, True, "8"):
+        with pytest.raises(ValueError) as e:
+            DashParams(page_rope_tok_pairs=bad)
+        assert "page_rope_tok_pairs" in str(e.value) and repr(bad) in str(e.value)
