@@ -122,3 +122,172 @@ def slots_of(block_table: torch.Tensor, positions: torch.Tensor, page_size: int)
 def block_table_from_req_to_token(req_to_token: torch.Tensor, page_size: int) -> torch.Tensor:
     """SGLang ``req_to_token [rows, max_ctx]`` -> page table ``[rows, ceil(max_ctx / page_size)]`` int32."""
     return (req_to_token[:, ::page_size] // page_size).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The auxiliary head (SPEC.md sections 8-9): one extra per-token row next to K and V.
+#
+# A row has ``2 * D`` elements in the KV dtype (the width of one vLLM head slot, K and V together):
+#
+#   elements            what                                          encoding
+#   [0, D)              the rotated indexer key ``ik``                 the KV dtype (rounded)
+#   D                   role (0 text, 1 page start, 2 page token)      one byte
+#   D + 1 .. D + 4      tok, the offset inside the page                4 bytes, little-endian
+#   D + 5 .. D + 8      page index                                     4 bytes
+#   D + 9 .. D + 12     page count P of the request's prompt           4 bytes
+#   D + 13 .. D + 16    query page (P + 1, or 0 without pages)         4 bytes
+#   D + 17 .. D + 28    token counts of pages 3s, 3s+1, 3s+2 in the    3 x 4 bytes
+#                       row of prompt token s, s < ceil((P + 2) / 3);
+#                       zeros in every other row
+#   D + 29 .. 2D - 1    zero
+#
+# "One byte" is one element holding an integer 0..255, which bf16 (8 significant bits), fp16 and
+# fp32 store exactly, so every integer round-trips through any KV dtype; 4 bytes hold 0 .. 2^32 - 1
+# (offsets, page indices and counts up to the largest context). Needs D >= AUX_MIN_HEAD_DIM.
+# Three counts per row (SPEC.md: "in the slots of the first P + 2 prompt tokens") keep the counts
+# inside the prompt even when it has fewer than P + 2 tokens (a prompt holds at least P tokens, and
+# ceil((P + 2) / 3) <= P for P >= 1).
+#
+# vLLM: the layer cache gets ``Hkv + 1`` head slots; slot ``Hkv`` is this row (``C = 2D`` elements),
+# so the auxiliary head costs ``1 / Hkv`` of the KV memory (Hkv = 8: +12.5 %; Hkv = 1: +100 %).
+# SGLang: a buffer ``[num_slots, 2D]`` in the KV dtype attached to the token pool and indexed by the
+# same slot as K and V (``req_to_token``), the same cost. ``aux_view_vllm`` / ``aux_view_sglang``.
+# ---------------------------------------------------------------------------------------------
+
+AUX_INT_BYTES = 4
+AUX_MAX_INT = (1 << (8 * AUX_INT_BYTES)) - 1
+AUX_COUNTS_PER_ROW = 3
+AUX_ROLE, AUX_TOK, AUX_PAGE, AUX_NUM_PAGES, AUX_QUERY_PAGE, AUX_COUNTS = 0, 1, 5, 9, 13, 17
+AUX_STATE_ELEMS = AUX_COUNTS + AUX_COUNTS_PER_ROW * AUX_INT_BYTES  # 29
+AUX_MIN_HEAD_DIM = AUX_STATE_ELEMS
+
+
+@dataclass
+class AuxState:
+    """The decoded auxiliary rows of T tokens (all int64 ``[T]`` except where noted).
+
+    ik: ``[T, D]`` in the storage dtype; counts: ``[T, 3]`` (page counts held by the row, else 0).
+    """
+
+    ik: torch.Tensor
+    role: torch.Tensor
+    tok: torch.Tensor
+    page: torch.Tensor
+    num_pages: torch.Tensor
+    query_page: torch.Tensor
+    counts: torch.Tensor
+
+
+def aux_row_width(head_dim: int) -> int:
+    """Elements of one auxiliary row: ``2 * head_dim`` (one vLLM head slot)."""
+    if head_dim < AUX_MIN_HEAD_DIM:
+        raise ValueError(f"head_dim = {head_dim} is too small for the auxiliary head: expected >= {AUX_MIN_HEAD_DIM}")
+    return 2 * head_dim
+
+
+def aux_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes the auxiliary head adds per KV slot (``1 / Hkv`` of the K+V bytes)."""
+    return aux_row_width(head_dim) * torch.empty((), dtype=dtype).element_size()
+
+
+def int_to_bytes(x: torch.Tensor, nbytes: int = AUX_INT_BYTES) -> torch.Tensor:
+    """Integers ``[...]`` in ``0 .. 256**nbytes - 1`` -> little-endian bytes ``[..., nbytes]`` int64."""
+    x = x.to(torch.long)
+    shifts = 8 * torch.arange(nbytes, device=x.device)
+    return (x[..., None] >> shifts) & 0xFF
+
+
+def bytes_to_int(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian bytes ``[..., nbytes]`` (any dtype holding 0..255 exactly) -> int64 ``[...]``."""
+    shifts = 8 * torch.arange(b.shape[-1], device=b.device)
+    return (b.to(torch.long) << shifts).sum(-1)
+
+
+def page_count_rows(counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Per-page token counts ``[P + 2]`` -> the count field of the prompt rows ``[num_tokens, 3]`` int64."""
+    counts = torch.as_tensor(counts, dtype=torch.long)
+    need = -(-counts.numel() // AUX_COUNTS_PER_ROW)
+    if need > num_tokens:
+        raise ValueError(f"{counts.numel()} page counts need {need} prompt rows, the prompt has {num_tokens}")
+    out = torch.zeros(num_tokens * AUX_COUNTS_PER_ROW, dtype=torch.long, device=counts.device)
+    out[: counts.numel()] = counts
+    return out.reshape(num_tokens, AUX_COUNTS_PER_ROW)
+
+
+def encode_aux(ik: Optional[torch.Tensor], role: torch.Tensor, tok: torch.Tensor, page: torch.Tensor,
+               num_pages: torch.Tensor, query_page: torch.Tensor, *, head_dim: int, dtype: torch.dtype,
+               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Auxiliary rows ``[T, 2 * head_dim]`` in ``dtype`` (layout table above).
+
+    ik: ``[T, head_dim]`` or None (no indexer: zeros); role, tok, page, num_pages, query_page: ``[T]``
+    integers (or scalars, broadcast); counts: ``[T, 3]`` from ``page_count_rows`` or None (zeros).
+    Raises ValueError for an integer outside ``0 .. 2^32 - 1`` or a role outside 0..2.
+    """
+    width = aux_row_width(head_dim)
+    role = torch.as_tensor(role, dtype=torch.long)
+    t = role.numel()
+    fields = {"tok": tok, "page": page, "num_pages": num_pages, "query_page": query_page}
+    ints = {}
+    for name, v in fields.items():
+        v = torch.as_tensor(v, dtype=torch.long, device=role.device).expand(t) if t else torch.zeros(0, dtype=torch.long)
+        if v.numel() and (int(v.min()) < 0 or int(v.max()) > AUX_MAX_INT):
+            raise ValueError(f"{name} must lie in 0..{AUX_MAX_INT}, got {int(v.min())}..{int(v.max())}")
+        ints[name] = v
+    if t and (int(role.min()) < 0 or int(role.max()) > 2):
+        raise ValueError(f"role must be 0, 1 or 2, got {int(role.min())}..{int(role.max())}")
+    rows = torch.zeros(t, width, dtype=dtype, device=role.device)
+    if ik is not None:
+        if tuple(ik.shape) != (t, head_dim):
+            raise ValueError(f"ik must be [T, D] = {(t, head_dim)}, got {tuple(ik.shape)}")
+        rows[:, :head_dim] = ik.to(dtype)
+    base = head_dim
+    rows[:, base + AUX_ROLE] = role.to(dtype)
+    for off, name in ((AUX_TOK, "tok"), (AUX_PAGE, "page"), (AUX_NUM_PAGES, "num_pages"),
+                      (AUX_QUERY_PAGE, "query_page")):
+        rows[:, base + off: base + off + AUX_INT_BYTES] = int_to_bytes(ints[name]).to(dtype)
+    if counts is not None:
+        counts = torch.as_tensor(counts, dtype=torch.long)
+        if tuple(counts.shape) != (t, AUX_COUNTS_PER_ROW):
+            raise ValueError(f"counts must be [T, 3] = {(t, AUX_COUNTS_PER_ROW)}, got {tuple(counts.shape)}")
+        if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > AUX_MAX_INT):
+            raise ValueError(f"counts must lie in 0..{AUX_MAX_INT}, got {int(counts.min())}..{int(counts.max())}")
+        c0 = base + AUX_COUNTS
+        rows[:, c0: c0 + AUX_COUNTS_PER_ROW * AUX_INT_BYTES] = int_to_bytes(counts).reshape(t, -1).to(dtype)
+    return rows
+
+
+def decode_aux(rows: torch.Tensor, head_dim: int) -> AuxState:
+    """Auxiliary rows ``[T, 2 * head_dim]`` -> ``AuxState``. Tensor ops only (no host reads)."""
+    if rows.dim() != 2 or rows.shape[1] != aux_row_width(head_dim):
+        raise ValueError(f"rows must be [T, {2 * head_dim}], got {tuple(rows.shape)}")
+    b = rows[:, head_dim:]
+
+    def field(off: int) -> torch.Tensor:
+        return bytes_to_int(b[:, off: off + AUX_INT_BYTES])
+
+    c = b[:, AUX_COUNTS: AUX_COUNTS + AUX_COUNTS_PER_ROW * AUX_INT_BYTES]
+    counts = bytes_to_int(c.reshape(-1, AUX_COUNTS_PER_ROW, AUX_INT_BYTES))
+    return AuxState(ik=rows[:, :head_dim], role=b[:, AUX_ROLE].to(torch.long), tok=field(AUX_TOK),
+                    page=field(AUX_PAGE), num_pages=field(AUX_NUM_PAGES), query_page=field(AUX_QUERY_PAGE),
+                    counts=counts)
+
+
+def decode_page_counts(prompt_rows: torch.Tensor, head_dim: int, num_pages: int) -> torch.Tensor:
+    """The per-page token counts ``[P + 2]`` int64 from the rows of a request's first prompt tokens."""
+    need = -(-(num_pages + 2) // AUX_COUNTS_PER_ROW)
+    return decode_aux(prompt_rows[:need], head_dim).counts.reshape(-1)[: num_pages + 2]
+
+
+def aux_view_vllm(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The auxiliary rows of a vLLM layer cache ``[num_blocks, Hkv + 1, block_size, C >= 2D]``
+    as a strided view ``[num_blocks, block_size, 2D]`` (no copy; slot s -> ``[s // bs, s % bs]``)."""
+    width = aux_row_width(head_dim)
+    if kv_cache.dim() != 4 or kv_cache.shape[1] < num_kv_heads + 1 or kv_cache.shape[3] < width:
+        raise ValueError(f"vLLM cache with an auxiliary head must be [num_blocks, >= {num_kv_heads + 1}, "
+                         f"block_size, >= {width}]; got {tuple(kv_cache.shape)}")
+    return kv_cache[:, num_kv_heads, :, :width]
+
+
+def alloc_aux_sglang(num_slots: int, head_dim: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """A zeroed SGLang auxiliary buffer ``[num_slots, 2D]``, indexed by the same slot as K and V."""
+    return torch.zeros(num_slots, aux_row_width(head_dim), dtype=dtype, device=device)
