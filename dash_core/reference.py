@@ -21,7 +21,7 @@ Example (dense-equivalent parameters reduce DASH to causal attention)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
@@ -174,11 +174,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
 
 
 def dash_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, summaries: torch.Tensor,
-              positions: torch.Tensor, params: DashParams) -> tuple[torch.Tensor, torch.Tensor]:
+              positions: torch.Tensor, params: DashParams, iq: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """DASH for chosen query rows of one sequence, given the block summaries.
 
     q: ``[Hq, R, D]`` queries at ``positions [R]``; k, v: ``[Hkv, L, D]`` (L > max position);
     summaries: ``[Hkv, >= L // bs, D]``. Rows are processed in chunks so memory stays linear in L.
+    With an indexer (SPEC.md section 9), iq: ``[Hi, R, Di]`` routes instead of q, summaries are the
+    indexer's ``[1, >= L // bs, Di]`` and the one shared selection applies to every KV head.
     Returns ``out [Hq, R, D]`` float64 and ``active [Hkv, R]`` int32 (SPEC.md section 5).
     """
     hq, r, d = q.shape
@@ -187,7 +190,10 @@ def dash_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, summaries: torc
     pos = torch.as_tensor(positions, dtype=torch.long)
     out = torch.empty(hq, r, d, dtype=F64)
     active = torch.empty(hkv, r, dtype=torch.int32)
-    q_scaled = (q * params.scaling_factor).to(q.dtype)  # sf * q rounded to q's dtype (SPEC.md 4)
+    qr = q if iq is None else iq
+    if iq is not None:
+        params = replace(params, router="shared")  # the mean over the Hi indexer heads
+    q_scaled = (qr * params.scaling_factor).to(qr.dtype)  # sf * q rounded to q's dtype (SPEC.md 4)
     for lo, hi in _row_chunks(pos, hq):
         p = pos[lo:hi]
         n = int(p.max()) + 1
@@ -220,17 +226,22 @@ def _row_chunks(pos: torch.Tensor, hq: int):
 
 
 def dash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: torch.Tensor,
-                   params: DashParams, rows: Optional[Union[Sequence[int], torch.Tensor]] = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   params: DashParams, rows: Optional[Union[Sequence[int], torch.Tensor]] = None,
+                   iq: Optional[torch.Tensor] = None, ik: Optional[torch.Tensor] = None,
+                   head_cls_i: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal DASH over whole prompts: every position attends to ``0..p``.
 
     q: ``[B, Hq, N, D]``; k, v: ``[B, Hkv, N, D]`` (post-RoPE); head_cls: ``[Hkv, D]``.
     rows: optional query positions to evaluate (same code path, memory linear in N); the output
     then has ``len(rows)`` rows in that order. A decode step at position N is the last row of a
     call on N + 1 tokens.
+    Indexer (SPEC.md section 9; all three or none): iq ``[B, Hi, N, Di]``, ik ``[B, N, Di]``
+    (post-RoPE), head_cls_i ``[Di]``. Routing then uses the summaries of ``ik`` and ``sf * iq``,
+    averaged over the Hi heads into one selection for every KV head (``head_cls`` is unused).
     Returns ``out [B, Hq, R, D]`` in ``q.dtype`` and ``active [B, Hkv, R]`` int32.
     """
     _check_shapes(q, k, v, head_cls)
+    indexer = _check_indexer(q, iq, ik, head_cls_i)
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     pos = torch.arange(n) if rows is None else torch.as_tensor(rows, dtype=torch.long).reshape(-1)
@@ -239,8 +250,12 @@ def dash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: 
     out = torch.empty(b, hq, pos.numel(), d, dtype=q.dtype)
     active = torch.empty(b, hkv, pos.numel(), dtype=torch.int32)
     for i in range(b):
-        summ = block_summaries(k[i], head_cls, params.block_size)
-        o, a = dash_rows(q[i][:, pos], k[i], v[i], summ, pos, params)
+        if indexer:
+            summ = block_summaries(ik[i][None], head_cls_i[None], params.block_size)
+            o, a = dash_rows(q[i][:, pos], k[i], v[i], summ, pos, params, iq=iq[i][:, pos])
+        else:
+            summ = block_summaries(k[i], head_cls, params.block_size)
+            o, a = dash_rows(q[i][:, pos], k[i], v[i], summ, pos, params)
         out[i], active[i] = o.to(q.dtype), a
     return out, active
 
@@ -254,3 +269,19 @@ def _check_shapes(q, k, v, head_cls) -> None:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree (Hq must be a multiple of Hkv)")
     if tuple(head_cls.shape) != (k.shape[1], d):
         raise ValueError(f"head_cls must be [Hkv, D] = {(k.shape[1], d)}, got {tuple(head_cls.shape)}")
+
+
+def _check_indexer(q, iq, ik, head_cls_i) -> bool:
+    given = [x is not None for x in (iq, ik, head_cls_i)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError(f"iq, ik and head_cls_i go together; got iq {given[0]}, ik {given[1]}, head_cls_i {given[2]}")
+    b, _, n, _ = q.shape
+    if iq.dim() != 4 or iq.shape[0] != b or iq.shape[2] != n:
+        raise ValueError(f"iq must be [B, Hi, N, Di] with B, N = {b}, {n}; got {tuple(iq.shape)}")
+    di = iq.shape[3]
+    if tuple(ik.shape) != (b, n, di) or tuple(head_cls_i.shape) != (di,):
+        raise ValueError(f"ik must be [B, N, Di] = {(b, n, di)} and head_cls_i [Di] = {(di,)}; got "
+                         f"{tuple(ik.shape)} and {tuple(head_cls_i.shape)}")
+    return True
