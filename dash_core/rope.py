@@ -169,3 +169,16 @@ def page_rope(x: torch.Tensor, tok: torch.Tensor, page: torch.Tensor,
     x1, x2 = xf[..., :half], xf[..., half:rd]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rd:]], dim=-1)
     return out.to(x.dtype)
+
+
+def decode_coordinates_from_aux(prev_rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tok, page)`` ``[n]`` of each request's new token from its previous token's auxiliary row.
+
+    prev_rows: ``[n, 2 * head_dim]`` rows as ``dash_core.layout.encode_aux`` wrote them (any KV
+    dtype). Device-side tensor ops only. The new token's row carries the same page count and
+    query page, with role 0.
+    """
+    from .layout import decode_aux
+
+    s = decode_aux(prev_rows, head_dim)
+    return decode_coordinates(s.tok, s.page, s.query_page)

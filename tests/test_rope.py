@@ -182,3 +182,45 @@ def test_page_invariance(dtype):
             outs.append(rk[start: start + page_len])
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
     assert not torch.equal(outs[0], page_keys)  # it did rotate
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_through_the_auxiliary_rows(dtype):
+    """Prefill writes the rows, each decode step reads the previous row and writes its own: the
+    coordinates equal the prefill derivation with the generated tokens appended."""
+    from dash_core.layout import encode_aux
+    from dash_core.rope import decode_coordinates_from_aux
+
+    d = 64
+    for roles in ([0, 1, 2, 2, 0, 1, 2], [0, 0, 0], [1, 2, 0, 1, 2, 2, 0, 0], [0] * 300 + [1] + [2] * 300):
+        gen = 5
+        tok, page = page_coordinates(torch.tensor(roles), generated=gen)
+        p, qp = page_state(roles)
+        n = len(roles)
+        rows = encode_aux(None, torch.tensor(roles), tok[:n], page[:n], p, qp, head_dim=d, dtype=dtype)
+        for i in range(gen):
+            t, pg = decode_coordinates_from_aux(rows[-1:], d)
+            assert (t.item(), pg.item()) == (tok[n + i].item(), page[n + i].item())
+            rows = torch.cat([rows, encode_aux(None, torch.zeros(1, dtype=torch.long), t, pg, p, qp,
+                                               head_dim=d, dtype=dtype)])
+
+
+def test_page_invariance_of_summaries():
+    """A page that starts on a block boundary gives the same block summaries at two prompt offsets."""
+    from dash_core.reference import block_summaries
+
+    torch.manual_seed(3)
+    bs, page_len = 16, 32
+    page_keys = torch.randn(page_len, 2, 64).to(torch.bfloat16)
+    hc = torch.randn(2, 64)
+    s = RotarySettings(theta=10000.0)
+    got = []
+    for start in (16, 48):
+        roles = [0] * start + [1] + [2] * (page_len - 1) + [0] * 5
+        tok, page = page_coordinates(torch.tensor(roles))
+        keys = torch.randn(len(roles), 2, 64).to(torch.bfloat16)
+        keys[start: start + page_len] = page_keys
+        rk = page_rope(keys, tok, page, s)
+        summ = block_summaries(rk.transpose(0, 1), hc, bs)  # [Hkv, nblk, D]
+        got.append(summ[:, start // bs: (start + page_len) // bs])
+    assert torch.equal(got[0], got[1])
