@@ -38,6 +38,15 @@ INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
 
 
 @triton.jit
+def _halley_sums(x, tau):
+    """Per row of a ``[QT, NH_PAD, T]`` score tile: sum of ``(x - tau)^2``, of ``x - tau`` and the count,
+    over the entries strictly above ``tau [QT, NH_PAD]``."""
+    above = x > tau[:, :, None]
+    diff = tl.where(above, x - tau[:, :, None], 0.0)
+    return tl.sum(diff * diff, axis=2), tl.sum(diff, axis=2), tl.sum(above.to(tl.float32), axis=2)
+
+
+@triton.jit
 def route_tile(
     x_ptr, x_unit, x_row_stride, nrows, ncand, m,
     mp_ptr, mp_unit, bt_ptr, bt_unit,
@@ -45,6 +54,7 @@ def route_tile(
     count_ptr, count_unit, topk, inv_sigma,
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
+    X_IN_REGS: tl.constexpr = False,
 ):
     """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
 
@@ -56,7 +66,8 @@ def route_tile(
     index = physical block (``sel_blk``), ``log`` prior (``sel_bias``), at ``sel_unit[u] + j`` for
     ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
     Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TS]`` mp, ``[QT, NPIV, TS]`` pivot counts; ONE_TILE
-    (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes.
+    (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes;
+    X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
     """
     offs_r = tl.arange(0, NH_PAD)
     offs_c = tl.arange(0, TC)
@@ -66,22 +77,28 @@ def route_tile(
     x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * x_row_stride
 
     # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
+    if X_IN_REGS:  # every candidate in one [TC] tile: the scores are read once for all passes
+        x_all = tl.load(x_rows + offs_c[None, None, :],
+                        mask=row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None]),
+                        other=float("-inf"))
     lo = m - 1.0
     hi = m
     tau = (lo + hi) * 0.5
     for _ in tl.static_range(3):
-        ssq = tl.zeros([QT, NH_PAD], tl.float32)
-        sdf = tl.zeros([QT, NH_PAD], tl.float32)
-        cnt = tl.zeros([QT, NH_PAD], tl.float32)
-        for c0 in range(0, nmax, TC):
-            c = c0 + offs_c
-            ok = row_ok[None, :, None] & (c[None, None, :] < ncand[:, None, None])
-            x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
-            above = x > tau[:, :, None]
-            diff = tl.where(above, x - tau[:, :, None], 0.0)
-            ssq += tl.sum(diff * diff, axis=2)
-            sdf += tl.sum(diff, axis=2)
-            cnt += tl.sum(above.to(tl.float32), axis=2)
+        if X_IN_REGS:
+            ssq, sdf, cnt = _halley_sums(x_all, tau)
+        else:
+            ssq = tl.zeros([QT, NH_PAD], tl.float32)
+            sdf = tl.zeros([QT, NH_PAD], tl.float32)
+            cnt = tl.zeros([QT, NH_PAD], tl.float32)
+            for c0 in range(0, nmax, TC):
+                c = c0 + offs_c
+                ok = row_ok[None, :, None] & (c[None, None, :] < ncand[:, None, None])
+                x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
+                t_ssq, t_sdf, t_cnt = _halley_sums(x, tau)
+                ssq += t_ssq
+                sdf += t_sdf
+                cnt += t_cnt
         f = ssq - 1.0
         df = -2.0 * sdf
         ddf = 2.0 * cnt
@@ -95,16 +112,23 @@ def route_tile(
 
     # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
     nrows_f = nrows * 1.0  # (a runtime int, or a constexpr where Triton specialises it)
-    npos = tl.zeros([QT], tl.int32)
-    for c0 in range(0, nmax, TC):
-        c = c0 + offs_c
-        cok = c[None, :] < ncand[:, None]
-        ok = row_ok[None, :, None] & cok[:, None, :]
-        x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
-        diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
-        mp = tl.sum(diff * diff, axis=1) / nrows_f
-        tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
-        npos += tl.sum(((mp > 0) & cok).to(tl.int32), axis=1)
+    if X_IN_REGS:
+        cok = offs_c[None, :] < ncand[:, None]
+        diff = tl.where(x_all > tau[:, :, None], x_all - tau[:, :, None], 0.0)
+        mp_regs = tl.sum(diff * diff, axis=1) / nrows_f
+        tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
+        npos = tl.sum(((mp_regs > 0) & cok).to(tl.int32), axis=1)
+    else:
+        npos = tl.zeros([QT], tl.int32)
+        for c0 in range(0, nmax, TC):
+            c = c0 + offs_c
+            cok = c[None, :] < ncand[:, None]
+            ok = row_ok[None, :, None] & cok[:, None, :]
+            x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
+            diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
+            mp = tl.sum(diff * diff, axis=1) / nrows_f
+            tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
+            npos += tl.sum(((mp > 0) & cok).to(tl.int32), axis=1)
     tl.debug_barrier()  # mp is read back by other threads of this program
 
     # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
@@ -116,8 +140,12 @@ def route_tile(
         hi_k = tl.where(need, 0x7F800000, 1)
         offs_p = tl.arange(0, NPIV)
         if ONE_TILE:  # every candidate fits one tile: keep the keys in registers for all passes
-            key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
-                              other=0.0).to(tl.int32, bitcast=True)
+            if X_IN_REGS:
+                tl.static_assert(TS == TC, "X_IN_REGS with ONE_TILE needs TS == TC")
+                key_all = mp_regs.to(tl.int32, bitcast=True)
+            else:
+                key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
+                                  other=0.0).to(tl.int32, bitcast=True)
         while tl.max(hi_k - lo_k, axis=0) > 1:
             span = (hi_k - lo_k).to(tl.int64)
             piv = lo_k[:, None] + (span[:, None] * (offs_p[None, :] + 1) // (NPIV + 1)).to(tl.int32)
@@ -260,7 +288,7 @@ def _decode_select_kernel(
     count_ptr, scnt_n, NROWS, topk, inv_sigma,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr,
 ):
     """Grid ``(n, Hsel)``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
@@ -285,7 +313,7 @@ def _decode_select_kernel(
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
         count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
         QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-        ONE_TILE=ONE_TILE,
+        ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS,
     )
 
 
@@ -362,5 +390,5 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma,
         NH_PAD=nh_pad, NS_PAD=_pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, BS=bs, PS=page_size,
-        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, num_warps=8,
+        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, num_warps=8,
     )

@@ -83,10 +83,12 @@ def test_topk_ties_go_to_lower_blocks():
 
 def test_wide_topk_and_long_rows():
     """More candidates than one select tile, topk above and below the support size, a padded row,
-    with the cap's keys in registers (one tile) and reloaded tile by tile (several tiles per pass)."""
+    through each of route_tile's register/reload paths."""
     from dash_core.kernels import routing
 
-    for budget, one_tile_max in ((64, 0), (routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX)):
+    # (tiles reloaded every pass), (cap keys in registers, scores reloaded), (both in registers)
+    for budget, one_tile_max in ((64, 0), (64, routing.ONE_TILE_MAX),
+                                 (routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX)):
         for topk in (None, 5, 40):
             p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
             sc = make_scenario(11, [16 * 70 + 5, 0, 33], params=p, q_scale=1.5).to(DEV)
