@@ -300,4 +300,6 @@ def cache_dash_prefill_triton(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCa
         if params.block_size not in BLOCK_SIZES or cache.summaries.stride(-1) != 1:
             raise ValueError(f"block_size = {params.block_size} is not supported by the Triton summary kernel; "
                              f"use one of {BLOCK_SIZES}")
+    k = k if k.stride(-1) == 1 else k.contiguous()  # the kernel reads whole [D] rows
+    v = v if v.stride(-1) == 1 else v.contiguous()
     write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=False)
