@@ -204,132 +204,133 @@ def calibrate_sf(layer: Layer, q, ctx: int, params: DashParams, target: float, l
     return sf
 
 
-def run_case(a, b, ctx, hkv, topk, sf, device, bw, records, dtype=torch.bfloat16):
+def capture(fn) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``fn`` (warmed up on a side stream first)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fn()
+    return gr
+
+
+def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat16):
+    """Every ``topk`` of one shape on the same rotated caches, then the dense peers once."""
     hq, d, bs, ps = a.hq, a.head_dim, a.block_size, a.page_size
     cuda = device.type == "cuda"
     esize = torch.empty((), dtype=dtype).element_size()
-    log(f"case B={b} ctx={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs} topk={topk}: building caches")
-    est_step = b * hkv * ((topk or 128) * bs * d * 2 * esize + (ctx // bs) * d * esize)
+    log(f"shape B={b} ctx={ctx} Hq={hq} Hkv={hkv} D={d} bs={bs}: building caches")
+    small_topk = min([t for t in topks if t is not None], default=128)
+    est_step = b * hkv * (small_topk * bs * d * 2 * esize + (ctx // bs) * d * esize)
     nlayers = max(2, min(a.max_layers, math.ceil(4 * L2_BYTES / max(est_step, 1))))
     if cuda:
         free = torch.cuda.mem_get_info(device)[0]
         per_layer = (b * ctx + 4 * ps) * hkv * d * 2 * esize * (1 + 1 / (2 * bs))
-        nlayers = max(1, min(nlayers, int(0.5 * free // per_layer)))
+        nlayers = max(1, min(nlayers, int(0.4 * free // per_layer)))
     layers = [Layer(b, ctx, hkv, d, bs, ps, dtype, device, seed=1000 + i) for i in range(nlayers)]
     g = torch.Generator(device=device).manual_seed(7)
     q = torch.randn(b, hq, d, device=device, generator=g).to(dtype)
     k_new = torch.randn(b, hkv, d, device=device, generator=g).to(dtype)
     v_new = torch.randn(b, hkv, d, device=device, generator=g).to(dtype)
     seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
-    base = DashParams(block_size=bs)
     if sf is None:
-        sf = calibrate_sf(layers[0], q, ctx, base, a.target_fraction)
+        sf = calibrate_sf(layers[0], q, ctx, DashParams(block_size=bs), a.target_fraction)
         log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the blocks uncapped")
-    params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
-    common = dict(phase="decode", batch=b, context=ctx, hq=hq, hkv=hkv, head_dim=d, bs=bs, topk=topk,
-                  scaling_factor=round(sf, 4), device=dev_name, command=a.command, page_size=ps,
-                  layers_rotated=nlayers)
-    bufs = launcher.DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params)
+    it, wu = (a.iters, a.warmup) if cuda else (2, 1)
     out = torch.empty_like(q)
+    graphs_on = cuda and not a.no_graph
 
-    def dash_fn(layer, write):
-        if write:
-            return lambda: launcher.paged_dash_decode_triton(q, k_new, v_new, layer.cache, layer.block_table, seq,
-                                                             layer.slot_mapping, layer.head_cls, params, out=out,
-                                                             buffers=bufs)
-        return lambda: launcher.paged_dash_decode_triton(q, None, None, layer.cache, layer.block_table, seq, None,
-                                                         layer.head_cls, params, out=out, buffers=bufs)
-
-    dash_fn(layers[0], False)()
-    sel = bufs.sel_count[:b].clone()
-    nbytes, kv_frac = dash_bytes(b, ctx, hq, hkv, d, bs, params.local_blocks, sel, esize)
-    floor = nbytes / bw * 1e3
-    dbytes = dense_bytes(b, ctx, hq, hkv, d, esize)
-    dfloor = dbytes / bw * 1e3
-    log(f"  {nlayers} layers rotated; mean routed blocks per (request, KV head) {float(sel.double().mean()):.1f} "
-        f"of {(ctx - 1) // bs}; KV fraction {kv_frac:.3%}; floor {floor * 1e3:.1f} us")
-
-    def add(method, variant, ms, *, write=False, graph=False, fl=floor, frac=kv_frac, by=nbytes, note=None):
+    def add(common, method, variant, ms, fl, frac, by, *, write=False, graph=False, note=None):
         rec = dict(common, method=method, variant=variant, includes_write=write, graph=graph, ms=round(ms, 5),
                    kv_fraction=round(frac, 5), floor_ms=round(fl, 5), floor_fraction=round(fl / ms, 4),
                    achieved_tbps=round(by / (ms * 1e-3) / 1e12, 3))
         if note:
             rec["note"] = note
         records.append(rec)
-        log(f"  {method:16s} {variant:22s} write={int(write)} graph={int(graph)}  {ms * 1e3:9.1f} us  "
-            f"({fl / ms:.0%} of floor)")
+        log(f"  {method:16s} {variant:12s} topk={str(common['topk']):5s} write={int(write)} graph={int(graph)}  "
+            f"{ms * 1e3:9.1f} us  ({fl / ms:.0%} of floor)")
 
-    it, wu = (a.iters, a.warmup) if cuda else (2, 1)
-    for write in (False, True):
-        ms = time_calls([dash_fn(layer, write) for layer in layers], it, wu, cuda)
-        add("dash-triton", "zero-copy", ms, write=write)
-    if cuda and not a.no_graph:
+    base = dict(phase="decode", batch=b, context=ctx, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
+                device=dev_name, command=a.command, page_size=ps, layers_rotated=nlayers)
+    for topk in topks:
+        params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
+        common = dict(base, topk=topk)
+        bufs = launcher.DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params)
+
+        def dash_fn(layer, write, params=params, bufs=bufs):
+            if write:
+                return lambda: launcher.paged_dash_decode_triton(
+                    q, k_new, v_new, layer.cache, layer.block_table, seq, layer.slot_mapping, layer.head_cls, params,
+                    out=out, buffers=bufs)
+            return lambda: launcher.paged_dash_decode_triton(
+                q, None, None, layer.cache, layer.block_table, seq, None, layer.head_cls, params, out=out,
+                buffers=bufs)
+
+        dash_fn(layers[0], False)()
+        sel = bufs.sel_count[:b].clone()
+        nbytes, kv_frac = dash_bytes(b, ctx, hq, hkv, d, bs, params.local_blocks, sel, esize)
+        floor = nbytes / bw * 1e3
+        log(f"  topk {topk}: mean routed blocks per (request, KV head) {float(sel.double().mean()):.1f} of "
+            f"{(ctx - 1) // bs}; KV fraction {kv_frac:.3%}; floor {floor * 1e3:.1f} us; {nlayers} layers rotated")
         for write in (False, True):
-            graphs = []
-            for layer in layers:
-                fn = dash_fn(layer, write)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    fn()
-                graphs.append(gr)
+            ms = time_calls([dash_fn(layer, write) for layer in layers], it, wu, cuda)
+            add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write)
+        if graphs_on:
+            for write in (False, True):
+                graphs = [capture(dash_fn(layer, write)) for layer in layers]
+                ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+                add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write, graph=True)
+                del graphs
+            # where the time goes: each stage alone, replayed from a graph
+            sb = b * hkv * ((ctx - 1) // bs) * d * esize + b * hq * d * esize
+            graphs = [capture(lambda lay=lay: launcher.route(q, lay.cache, lay.block_table, seq, params, bufs))
+                      for lay in layers]
             ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
-            add("dash-triton", "zero-copy", ms, write=write, graph=True)
+            add(common, "dash-triton", "route-only", ms, sb / bw * 1e3, kv_frac, sb, graph=True)
+            kvb = nbytes - sb
+            graphs = [capture(lambda lay=lay: launcher.attend(q, lay.cache, lay.block_table, seq, params, bufs, out))
+                      for lay in layers]
+            ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+            add(common, "dash-triton", "attend-only", ms, kvb / bw * 1e3, kv_frac, kvb, graph=True,
+                note="attends the selection left in the buffers by the last routing")
             del graphs
 
-    if cuda and not a.no_graph:  # where the time goes: each stage alone, replayed from a graph
-        def stage(fn):
-            graphs = []
-            for layer in layers:
-                f = (lambda lay=layer: fn(lay))
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    f()
-                torch.cuda.current_stream().wait_stream(s)
-                gr = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(gr):
-                    f()
-                graphs.append(gr)
-            return time_calls([gr.replay for gr in graphs], it, wu, cuda)
-
-        sb = b * hkv * ((ctx - 1) // bs) * d * esize + b * hq * d * esize
-        ms = stage(lambda lay: launcher.route(q, lay.cache, lay.block_table, seq, params, bufs))
-        add("dash-triton", "route-only", ms, graph=True, fl=sb / bw * 1e3, by=sb)
-        kvb = nbytes - sb
-        ms = stage(lambda lay: launcher.attend(q, lay.cache, lay.block_table, seq, params, bufs, out))
-        add("dash-triton", "attend-only", ms, graph=True, fl=kvb / bw * 1e3, by=kvb,
-            note="attends the selection left in the buffers by the last routing (the same blocks every call)")
-
     peers = set(a.peers.split(",")) if a.peers else set()
+    dbytes = dense_bytes(b, ctx, hq, hkv, d, esize)
+    dfloor = dbytes / bw * 1e3
+    dense = dict(base, topk=None)
     kc = vc = None
-    if "sdpa" in peers or ("published" in peers and topk is None):
+    if "sdpa" in peers or ("published" in peers and None in topks):
         kc, vc = layers[0].contiguous_kv(ctx)
     if "sdpa" in peers:
         q4 = q[:, :, None, :]
         fn = lambda: torch.nn.functional.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)  # noqa: E731
-        add("dense-sdpa", "contiguous", time_calls([fn], it, wu, cuda), fl=dfloor, frac=1.0, by=dbytes)
+        add(dense, "dense-sdpa", "contiguous", time_calls([fn], it, wu, cuda), dfloor, 1.0, dbytes)
     if "flashinfer" in peers:
         try:
             fn = flashinfer_decode(layers[0], q, ctx, hq, hkv, d, ps)
             fn()
-            add("dense-flashinfer", "paged", time_calls([fn], it, wu, cuda), fl=dfloor, frac=1.0, by=dbytes)
+            add(dense, "dense-flashinfer", "paged", time_calls([fn], it, wu, cuda), dfloor, 1.0, dbytes)
         except Exception as e:  # optional peer: report, do not fail the run
             log(f"  dense-flashinfer skipped: {type(e).__name__}: {e}")
-    if "published" in peers and topk is None:
+    if "published" in peers and None in topks:
         try:
+            params = DashParams(block_size=bs, scaling_factor=sf)
             fn = published_decode(layers[0], q, ctx, params, kc, vc)
             t0 = time.time()
             fn()  # compile + autotune at the timed shapes, outside the timed region
             if cuda:
                 torch.cuda.synchronize()
             log(f"  published-dash compiled and autotuned in {time.time() - t0:.0f} s")
-            add("published-dash", "contiguous", time_calls([fn], it, wu, cuda),
+            bufs = launcher.DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params)
+            launcher.route(q, layers[0].cache, layers[0].block_table, seq, params, bufs)
+            nbytes, kv_frac = dash_bytes(b, ctx, hq, hkv, d, bs, 1, bufs.sel_count[:b].clone(), esize)
+            add(dict(base, topk=None), "published-dash", "contiguous", time_calls([fn], it, wu, cuda),
+                nbytes / bw * 1e3, kv_frac, nbytes,
                 note="stages 2+3 on contiguous K/V and summaries; sf*q formed outside the timed call")
         except Exception as e:
             log(f"  published-dash skipped: {type(e).__name__}: {e}")
@@ -477,13 +478,11 @@ def main(argv=None) -> int:
     for hkv in [int(x) for x in a.hkv.split(",")]:
         for ctx in [int(x) for x in a.context.split(",")]:
             for b in [int(x) for x in a.batch.split(",")]:
-                sf = a.sf
-                for topk in sorted(topks, key=lambda t: -1 if t is None else t):  # uncapped first: calibrates sf
-                    try:
-                        sf = run_case(a, b, ctx, hkv, topk, sf, device, bw, records)
-                    except torch.cuda.OutOfMemoryError as e:
-                        log(f"  out of memory, case skipped: {e}")
-                        torch.cuda.empty_cache()
+                try:
+                    run_shape(a, b, ctx, hkv, topks, a.sf, device, bw, records)
+                except torch.cuda.OutOfMemoryError as e:
+                    log(f"  out of memory, shape skipped: {e}")
+                    torch.cuda.empty_cache()
                 log(f"elapsed {time.time() - t0:.0f} s")
     print("\n" + table(records) + "\n", flush=True)
     if not a.no_write_docs and not a.smoke:
