@@ -11,13 +11,16 @@ Decode uses two kernels:
 
 - ``_decode_scores_kernel``, grid ``(n, Hkv, splits)``: each program scores a contiguous share of
   one request's candidates for the G query heads of one KV head (summaries read through the page
-  table) into the score scratch, and writes the row maxima of its share.
+  table) into the score scratch, and writes the row maxima of its share (split over the
+  candidates for occupancy: 2048 summaries per KV head at 128k / bs 64). It can also write the
+  step's new K/V (``kv_write.write_token``), which this step's routing never reads.
 - ``_decode_select_kernel``, grid ``(n, Hsel)``: one unit per program, calls ``route_tile``.
 
 All arithmetic is fp32 (scores accumulate fp32 from products of the query/summary dtype). The
-entmax keeps the score rows in the scratch (L2-resident at decode sizes) and takes one pass per
-Halley step. The cap never sorts: the ``topk``-th largest ``mp`` is found by a multi-pivot search
-on the fp32 bit patterns (positive floats order like their bits), ties go to the lower block.
+entmax reads the score rows from the scratch (L2-resident at decode sizes) once when a unit's
+candidates fit one register tile, else once per Halley step. The cap never sorts: the
+``topk``-th largest ``mp`` is found by a multi-pivot search on the fp32 bit patterns (positive
+floats order like their bits), ties go to the lower block.
 """
 
 from __future__ import annotations
