@@ -317,48 +317,49 @@ def _prefill_attn_kernel(
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
 
-        # 2a. local window: blocks first_local .. a0 // BS, causal at each row's position
+        # 2a. local window: blocks first_local .. a0 // BS, causal at each row's position; one
+        # [BLOCK_T, D] sub-tile per iteration (a flat loop keeps one K/V tile per pipeline stage)
+        NSUB: tl.constexpr = BS // BLOCK_T
         last_local = tl.where(ok, a0 // BS, first_local - 1)
-        for lb in range(first_local, last_local + 1):
+        for it in range(first_local * NSUB, (last_local + 1) * NSUB):
+            lb = it // NSUB
             page, row0 = block_page(bt_row, lb, PS, BS, lb >= 0)
-            for t0 in tl.static_range(0, BS, BLOCK_T):
-                t = t0 + offs_t
-                tpos = lb * BS + t
-                t_ok = tpos <= p_max
-                rows = (row0 + t).to(tl.int64)
-                kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
-                             mask=t_ok[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(kt)) * qk_scale
-                qk = tl.where(tpos[None, :] <= pos_m[:, None], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(qk - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
-                             mask=t_ok[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-                m_i = m_new
+            t = (it % NSUB) * BLOCK_T + offs_t
+            tpos = lb * BS + t
+            t_ok = tpos <= p_max
+            rows = (row0 + t).to(tl.int64)
+            kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
+                         mask=t_ok[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(kt)) * qk_scale
+            qk = tl.where(tpos[None, :] <= pos_m[:, None], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
+                         mask=t_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
 
-        # 2b. the union blocks (complete, before the local window)
-        for j in range(0, nu):
+        # 2b. the union blocks (complete, before the local window), one sub-tile per iteration
+        for it in range(0, nu * NSUB):
+            j = it // NSUB
             # the block id as a BLOCK_T vector (one address): a tensor load the pipeliner can prefetch
             phys = tl.load(ublk_row + j + 0 * offs_t).to(tl.int64)
             bias = tl.load(ubias_row + j * QT + u_m)
             page = phys // ppb
-            row0 = (phys % ppb) * BS
-            for t0 in tl.static_range(0, BS, BLOCK_T):
-                rows = row0 + t0 + offs_t
-                kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
-                qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias[:, None]
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(qk - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :])
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-                m_i = m_new
+            rows = (phys % ppb) * BS + (it % NSUB) * BLOCK_T + offs_t
+            kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
+            qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias[:, None]
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
 
         good = l_i > 0
         o = acc / tl.where(good, l_i, 1.0)[:, None]
@@ -560,7 +561,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         s.union_bias.stride(1), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32),
-        num_warps=ATTN_WARPS, num_stages=ATTN_STAGES,
+        num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
 
 

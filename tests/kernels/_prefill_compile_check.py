@@ -1,0 +1,80 @@
+"""Compile every prefill kernel launch for sm_90 (H200) on a machine without a GPU.
+
+The prefill counterpart of ``_kernel_compile_check`` (whose recorder and compiler it reuses): records
+the launches ``paged_dash_prefill_triton`` makes for a set of supported configurations (kernels
+replaced by recorders, K/V already written so nothing else runs), compiles each distinct one for
+``cuda:90`` and prints one JSON line per variant (shared memory, ptxas registers and spills).
+Run without ``TRITON_INTERPRET``:
+
+    python -m tests.kernels._prefill_compile_check
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from dash_core import DashParams
+from dash_core.kernels import prefill as pf
+from dash_core.layout import PagedKVCache, alloc_summaries
+from tests.kernels import _kernel_compile_check as kc
+
+PREFILL_KERNELS = ("_prefill_route_kernel", "_prefill_attn_kernel", "_zero_tail_kernel")
+kc.KERNELS.update({name: pf for name in PREFILL_KERNELS})  # the shared compiler looks kernels up here
+
+CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
+    (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64)),  # the benchmark's shape
+    (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(estimate_diagonal=True)),
+    (torch.bfloat16, 32, 2, 128, 64, 128, 1024, dict(topk=256)),  # G = 16
+    (torch.float16, 16, 1, 64, 16, 256, 64, dict(topk=16, router="shared")),
+    (torch.bfloat16, 32, 2, 256, 128, 256, 40, dict(local=256)),  # D 256: 8 warps
+    (torch.bfloat16, 24, 24, 64, 32, 32, 100, dict(topk=1, estimate_diagonal=True)),  # G = 1, 32 tokens a tile
+]
+
+
+def record_launches() -> dict:
+    calls: dict = {}
+    saved = {name: getattr(pf, name) for name in PREFILL_KERNELS}
+    for name in PREFILL_KERNELS:
+        setattr(pf, name, kc._Recorder(name, saved[name], calls))
+    try:
+        for dtype, hq, hkv, d, bs, ps, max_pages, pk in CONFIGS:
+            p = DashParams(block_size=bs, **pk)
+            num_pages = 4
+            kb = torch.zeros(num_pages * ps, hkv, d, dtype=dtype)
+            cache = PagedKVCache.from_sglang(kb, kb.clone(), ps, alloc_summaries(num_pages * ps, bs, hkv, d, dtype))
+            for t, n in ((40, 2),):
+                q = torch.zeros(t, hq, d, dtype=dtype)
+                bt = torch.zeros(n, max_pages, dtype=torch.int32)
+                cu = torch.linspace(0, t, n + 1).to(torch.int32)
+                seq = torch.full((n,), t, dtype=torch.int32)
+                hc = torch.zeros(hkv, d, dtype=dtype)
+                pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, scratch_bytes=1 << 24)
+    finally:
+        for name in PREFILL_KERNELS:
+            setattr(pf, name, saved[name])
+    return calls
+
+
+def compile_one(item):
+    """``kc._compile`` in a worker that imported this module (so the prefill kernels are registered)."""
+    return kc._compile(item)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("run without TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
+        return 2
+    calls = record_launches()
+    with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
+        for rec in ex.map(compile_one, calls.values()):
+            print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
