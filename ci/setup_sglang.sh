@@ -43,18 +43,10 @@ if check_venv; then
     exit 0
 fi
 
-# Free disk where the venv goes (its parent if it does not exist yet) and in pip's cache.
-PARENT=$VENV_DIR
-while [[ ! -d "$PARENT" ]]; do PARENT=$(dirname "$PARENT"); done
-free_gb() { df -Pk "$1" | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
-FREE=$(free_gb "$PARENT")
-if (( FREE < NEED_GB )); then
-    echo "setup_sglang: ERROR: only ${FREE} GB free on the filesystem of $PARENT; the SGLang venv needs about" \
-         "${NEED_GB} GB (sglang $SGLANG_VERSION with its CUDA wheels is ~11 GB). Free some disk or choose another" \
-         "VENV_DIR (override the threshold with DASH_SGLANG_NEED_GB)." >&2
-    exit 1
-fi
-echo "setup_sglang: ${FREE} GB free at $PARENT (need ${NEED_GB} GB); creating $VENV_DIR"
+# Free disk where the venv goes (ci/lib.sh's need_disk fails with a clear message when it is short).
+. "$REPO_DIR/ci/lib.sh"
+need_disk "$NEED_GB" "$(dirname "$VENV_DIR")"
+echo "setup_sglang: enough free disk for the SGLang venv (about ${NEED_GB} GB); creating $VENV_DIR"
 
 "$PYTHON" -m venv "$VENV_DIR"
 # pip, with the noise of local find-links directories that lack a package filtered out.
@@ -64,8 +56,11 @@ pip_install() {
 pip_install --upgrade pip
 pip_install "sglang==$SGLANG_VERSION" "pytest>=8" "hypothesis>=6.100" "safetensors>=0.4" numpy requests
 elapsed "sglang $SGLANG_VERSION installed"
-# --no-deps: this project must not change SGLang's pinned torch or triton.
-pip_install --no-deps -e "$REPO_DIR"
+# --no-deps: this project must not change SGLang's pinned torch or triton. Its build noise goes to a log.
+if ! "$VENV_DIR/bin/python" -m pip install --quiet --no-deps -e "$REPO_DIR" > "$VENV_DIR/dash-editable-install.log" 2>&1; then
+    cat "$VENV_DIR/dash-editable-install.log" >&2
+    exit 1
+fi
 
 # Test-only rope shim: SGLang's RotaryEmbedding on a non-CUDA device without the CPU engine imports
 # vllm._custom_ops.rotary_embedding. This pure-torch version works in place like the original op.

@@ -37,6 +37,7 @@ from dash_core.layout import PagedKVCache, alloc_summaries, block_table_from_req
 from dash_core.ops import SUPPORTED_DTYPES, paged_dash_decode, paged_dash_prefill
 from dash_core.params import DashParams
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.runtime_context import get_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +148,6 @@ class DashAttnBackend(AttentionBackend):
     @staticmethod
     def _attn_tp_size() -> int:
         try:
-            from sglang.srt.runtime_context import get_parallel
-
             return int(get_parallel().attn_tp_size)
         except Exception:  # noqa: BLE001 - the parallel context is unpublished in unit fixtures
             return 1
@@ -185,7 +184,7 @@ class DashAttnBackend(AttentionBackend):
             cu = torch.arange(n + 1, dtype=torch.int32, device=seq_lens.device)
         else:
             cu = torch.zeros(n + 1, dtype=torch.int32, device=seq_lens.device)
-            torch.cumsum(forward_batch.extend_seq_lens, 0, out=cu[1:])
+            cu[1:] = torch.cumsum(forward_batch.extend_seq_lens, 0)
         self.forward_metadata = DashForwardMetadata(
             self._block_table(forward_batch.req_pool_indices, num_pages), seq_lens, cu)
 
@@ -237,7 +236,7 @@ class DashAttnBackend(AttentionBackend):
                           "cross attention, sliding windows and logit caps are not part of DASH")
         md = self.forward_metadata
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
-        q3 = q.view(-1, hq, d)
+        q3 = q.reshape(-1, hq, d)
         cache = self._cache(layer)
         # K/V and summaries are written together by the op. When the model already stored K/V
         # (save_kv_cache=False) the op rewrites the same values, which keeps the summaries current.

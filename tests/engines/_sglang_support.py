@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -53,6 +54,26 @@ def dash_config_keys(params: DashParams) -> dict:
     return dict(chunk_size=params.block_size, scaling_factor=params.scaling_factor, sigma=params.sigma,
                 estimate_diagonal=params.estimate_diagonal, dash_topk=params.topk, dash_local=params.local,
                 dash_router=params.router)
+
+
+@contextlib.contextmanager
+def fake_tp(tp: int, rank: int, **extra):
+    """SGLang's parallel context as rank ``rank`` of a TP ``tp`` job (one node, no DP/CP/EP, no PP).
+
+    Scoped overrides win over whatever configuration the test process published earlier (an engine
+    started in-process publishes TP 1), so every width is stated consistently here. Process groups
+    are stand-ins carrying only ``rank_in_group`` and ``world_size``, which is all that building and
+    loading a model reads.
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    group = types.SimpleNamespace(rank_in_group=rank, world_size=tp, cpu_group=None, device_group=None)
+    pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, rank_in_group=0, world_size=1)
+    with get_parallel().override(tp_size=tp, tp_rank=rank, attn_tp_size=tp, attn_tp_rank=rank, attn_dp_size=1,
+                                 attn_dp_rank=0, attn_cp_size=1, attn_cp_rank=0, moe_ep_size=1, moe_dp_size=1,
+                                 moe_tp_size=tp, pp_size=1, pp_rank=0, tp_group=group, attn_tp_group=group,
+                                 moe_tp_group=None, pp_group=pp_group, **extra):
+        yield
 
 
 class KitTestCase:

@@ -15,7 +15,7 @@ import torch
 pytestmark = pytest.mark.engine_sglang
 pytest.importorskip("sglang")
 
-from tests.engines._sglang_support import budget  # noqa: E402
+from tests.engines._sglang_support import budget, fake_tp  # noqa: E402
 
 _budget = budget("plugin", 60)
 
@@ -82,19 +82,17 @@ def _kvc(backend: str, dtype=torch.bfloat16, chunk_size=16):
 
 
 def test_summary_store_bytes_are_added_to_the_kv_cell_size():
-    from sglang.srt.runtime_context import get_parallel
-
     from adapters.sglang.plugin import add_summary_bytes
 
     layers = 32
     kv_cell = 8 * (128 + 128) * layers * 2  # SGLang's K+V bytes per token: Hkv * (D + Dv) * layers * bf16
-    with get_parallel().override(attn_tp_size=1):
+    with fake_tp(1, 0):
         got = add_summary_bytes(kv_cell, _kvc("dash"), layers)
         # One [Hkv, D] bf16 summary per 16 tokens and layer: 8 * 128 * 2 / 16 = 128 bytes per token and layer,
         # 1 / (2 * 16) of the K+V bytes (SPEC.md section 8).
         assert got - kv_cell == 128 * layers == kv_cell // 32
         assert add_summary_bytes(kv_cell, _kvc("torch_native"), layers) == kv_cell
-    with get_parallel().override(attn_tp_size=2):  # KV heads (and summaries) are split across TP ranks
+    with fake_tp(2, 0):  # KV heads (and summaries) are split across TP ranks
         assert add_summary_bytes(kv_cell // 2, _kvc("dash"), layers) - kv_cell // 2 == 64 * layers
 
 

@@ -10,8 +10,6 @@ communication between ranks.
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -19,7 +17,13 @@ pytestmark = pytest.mark.engine_sglang
 pytest.importorskip("sglang")
 
 from dash_core import DashParams  # noqa: E402
-from tests.engines._sglang_support import KitTestCase, budget, dash_kit, write_tiny_checkpoint  # noqa: E402,F401
+from tests.engines._sglang_support import (  # noqa: E402,F401
+    KitTestCase,
+    budget,
+    dash_kit,
+    fake_tp,
+    write_tiny_checkpoint,
+)
 
 _budget = budget("tp", 90)
 
@@ -27,18 +31,13 @@ _budget = budget("tp", 90)
 def _model_for_rank(path: str, tp: int, rank: int):
     """Build the DASH Llama as rank ``rank`` of ``tp`` would, and load the checkpoint into it."""
     from safetensors.torch import load_file
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_context
     from transformers import LlamaConfig
 
     from adapters.sglang.models.dash_llama import DashLlamaForCausalLM
 
     cfg = LlamaConfig.from_pretrained(path)
-    # Stand-ins for process groups: only ranks and sizes are read while building and loading.
-    tp_group = types.SimpleNamespace(rank_in_group=rank, world_size=tp, cpu_group=None, device_group=None)
-    pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, rank_in_group=0, world_size=1)
-    with get_context().override_server_args(tp_size=tp, device="cpu", attention_backend="dash"), \
-            get_parallel().override(tp_rank=rank, attn_tp_rank=rank, pp_rank=0, tp_group=tp_group,
-                                    attn_tp_group=tp_group, moe_tp_group=None, pp_group=pp_group):
+    with get_context().override_server_args(tp_size=tp, device="cpu", attention_backend="dash"), fake_tp(tp, rank):
         model = DashLlamaForCausalLM(cfg)
         model.load_weights(iter(load_file(f"{path}/model.safetensors").items()))
     return model
@@ -101,12 +100,11 @@ def test_router_shared_is_refused_under_tensor_parallelism(dash_kit):
     """Router ``shared`` averages over all query heads: with heads split across ranks it would need an
     all-reduce of routing probabilities in every layer, which the adapter does not do."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.runtime_context import get_parallel
 
     kit = dash_kit(DashParams(block_size=16, router="shared"))
     case = kit.DenseAttentionCase(name="dash_shared_tp", backend="dash", forward_mode=ForwardMode.DECODE,
                                   num_heads=4, num_kv_heads=2, page_size=16, prefix_lens=(4,))
-    with get_parallel().override(attn_tp_size=2):
+    with fake_tp(2, 0):
         with pytest.raises(ValueError, match="router 'shared' with attention tensor parallelism 2"):
             kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=48, dtype=torch.float32,
                                               device="cpu")
