@@ -1,13 +1,11 @@
 """Decode kernels on the GPU only: 128k contexts on sampled rows, CUDA-graph capture and replay,
-no host synchronisation, and the engines' recorded batches replayed through the op.
+and no host synchronisation. (The engines' recorded batches: test_kernel_engine_batches.py.)
 
 (Every other test in this directory also runs here, compiled, when CUDA is present.)
 """
 
 from __future__ import annotations
 
-import glob
-import pathlib
 
 import pytest
 import torch
@@ -15,7 +13,6 @@ import torch
 from dash_core import DashParams, dash_reference, ops
 from dash_core.kernels import launcher
 from dash_core.kernels.kv_write import write_kv_and_summaries
-from dash_core.layout import PagedKVCache, alloc_summaries
 from tests.kernels._kernel_scenarios import (forget_summaries_from, make_scenario, summary_tolerance,
                                              truncated)
 from tests.kernels.test_kernel_decode_attention import TOL, check_attention
@@ -24,7 +21,6 @@ from tests.kernels.test_kernel_routing import check_routing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "engine_batches"
 
 
 def decode_op(sc, **kw):
@@ -149,78 +145,3 @@ def test_decode_step_never_synchronises(with_buffers):
     torch.cuda.synchronize()
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.isfinite(out).all()
-
-
-def _recorded(engine: str) -> list:
-    return sorted(glob.glob(str(FIXTURES / engine / "*.pt")))
-
-
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_replay_recorded_engine_batches(engine):
-    """Every batch an engine recorded (``DASH_RECORD_DIR``, metadata only: page tables, lengths,
-    slot mappings, shapes, params) replayed through the CUDA ops on random K/V: decode batches
-    against the torch paged path on the same cache (same stored summaries), prefill batches'
-    K/V + summary writes against the torch write."""
-    files = _recorded(engine)
-    if not files:
-        pytest.skip(f"no recorded {engine} batches under {FIXTURES / engine}")
-    from dash_core import paged
-
-    checked = bad = replayed = 0
-    for path in files:
-        rec = torch.load(path, weights_only=True)
-        pd = {k: v for k, v in rec["params"].items() if k in DashParams.__dataclass_fields__}
-        p = DashParams(**pd)
-        hq, hkv, d, ps = rec["num_heads"], rec["num_kv_heads"], rec["head_dim"], rec["page_size"]
-        if not rec.get("has_summaries", True):
-            continue  # no summary store: the torch path's territory
-        dtype = torch.float16 if rec.get("dtype") == "float16" else torch.bfloat16
-        g = torch.Generator(device="cuda").manual_seed(len(path))
-        slots = rec["num_pages"] * ps
-        kb = torch.randn(slots, hkv, d, device="cuda", generator=g).to(dtype)
-        vb = torch.randn(slots, hkv, d, device="cuda", generator=g).to(dtype)
-        hc = torch.randn(hkv, d, device="cuda", generator=g).to(dtype)
-        cache = PagedKVCache.from_sglang(kb, vb, ps, alloc_summaries(slots, p.block_size, hkv, d, dtype, "cuda"))
-        try:
-            launcher.check_kernel_config(dtype, hq, cache, p)
-        except ValueError:
-            continue  # a configuration the kernels reject (tested in test_kernel_validation.py)
-        # summaries of every block of the random cache (kernel), mirrored on the CPU for the torch path
-        write_kv_and_summaries(None, None, cache, torch.arange(slots, device="cuda"), hc, p.block_size, decode=False)
-        sm = rec["slot_mapping"]
-        if rec["op"] == "decode":
-            n = rec["seq_lens"].shape[0]
-            q = torch.randn(n, hq, d, device="cuda", generator=g).to(dtype)
-            k = v = None
-            if sm is not None:
-                k = torch.randn(n, hkv, d, device="cuda", generator=g).to(dtype)
-                v = torch.randn(n, hkv, d, device="cuda", generator=g).to(dtype)
-            bt, sl = rec["block_table"].to(torch.int32).cuda(), rec["seq_lens"].to(torch.int32).cuda()
-            cpu_cache = PagedKVCache.from_sglang(kb.cpu().clone(), vb.cpu().clone(), ps, cache.summaries.cpu().clone())
-            out = ops.paged_dash_decode(q, k, v, cache, bt, sl, None if sm is None else sm.cuda(), hc, p).cpu()
-            if k is not None:
-                paged.write_kv(cpu_cache, k.cpu(), v.cpu(), sm)
-                paged.write_summaries(cpu_cache, sm, hc.cpu(), p)
-            ref = torch.empty_like(q.cpu())
-            paged.paged_dash_torch(q.cpu(), cpu_cache, bt.cpu(), torch.arange(n + 1, dtype=torch.int32), sl.cpu(),
-                                   hc.cpu(), p, ref)
-            # both outputs are rounded to bf16/fp16: up to one ulp apart (2^-7 relative for bf16)
-            err = ((out.double() - ref.double()).abs() - 1e-2 * ref.double().abs()).amax(-1)
-            checked += err.numel()
-            bad += int((err > 1e-2).sum())
-            replayed += 1
-        elif sm is not None:  # prefill: the K/V + summary write of the batch
-            t = sm.shape[0]
-            k = torch.randn(t, hkv, d, device="cuda", generator=g).to(dtype)
-            v = torch.randn(t, hkv, d, device="cuda", generator=g).to(dtype)
-            cpu_cache = PagedKVCache.from_sglang(kb.cpu().clone(), vb.cpu().clone(), ps, cache.summaries.cpu().clone())
-            ops.cache_dash_prefill(k, v, cache, sm.cuda(), p, head_cls=hc)
-            paged.write_kv(cpu_cache, k.cpu(), v.cpu(), sm)
-            paged.write_summaries(cpu_cache, sm, hc.cpu(), p)
-            assert torch.equal(cache.k_pages.cpu(), cpu_cache.k_pages)
-            torch.testing.assert_close(cache.summaries.cpu().double(), cpu_cache.summaries.double(),
-                                       **summary_tolerance(dtype))
-            replayed += 1
-    if not replayed:
-        pytest.skip(f"no {engine} batch the kernels support among {len(files)} files")
-    assert bad <= 0.05 * max(checked, 1), f"{bad} of {checked} decode rows differ from the torch paged path"
