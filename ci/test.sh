@@ -22,7 +22,7 @@ level() {
 level core-setup 600 bash ci/setup_core.sh "$venvs/core"
 # CI has no GPU: every Triton kernel runs under the interpreter (set before anything imports triton).
 level core 1200 env TRITON_INTERPRET=1 "$venvs/core/bin/python" -m pytest -q -rs -m "not gpu and not engine_sglang and not engine_vllm" \
-  --doctest-modules dash_core tests
+  --ignore=tests/engines --doctest-modules dash_core tests
 
 if ls tests/engines/test_sglang_*.py >/dev/null 2>&1; then
   level sglang-setup 900 bash ci/setup_sglang.sh "$venvs/sglang"
