@@ -98,22 +98,56 @@ def test_graph_buffers_are_static_and_refilled_in_place(dash_kit):
 SPARSE = DashParams(block_size=BS, topk=2, scaling_factor=4.0)
 
 
-def _run_steps(kit, fx, steps, loc_fn, max_context_len):
+def _run_steps(kit, fx, steps, loc_fn, max_context_len, graph_bs=0):
     """Run ``steps`` [(mode, prefix_lens, extend_lens, hidden)] through the fixture's module and backend.
 
     Returns the attention module's outputs per step. Every step is a real ForwardBatch over the same
-    pools and req_to_token rows, so later steps read the K/V and summaries earlier steps wrote.
+    pools and req_to_token rows, so later steps read the K/V and summaries earlier steps wrote. With
+    ``graph_bs``, decode steps take the CUDA-graph route: static buffers from ``init_cuda_graph_state``,
+    a capture pass on an all-padding batch, then per step ``init_forward_metadata_out_graph`` on a
+    replay view padded to ``graph_bs`` rows the way SGLang pads (req_pool_indices 0, seq_lens 1,
+    out_cache_loc 0), and the backend's ``forward_decode`` on that view.
     """
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
+    mod, be = fx.actual_module, fx.backend
+
+    def padded_view(batch, n):
+        pad = graph_bs - n
+        zeros = torch.zeros(pad, dtype=torch.int64)
+        return types.SimpleNamespace(
+            batch_size=graph_bs, forward_mode=ForwardMode.DECODE,
+            req_pool_indices=torch.cat([batch.req_pool_indices[:n].long(), zeros]),
+            seq_lens=torch.cat([batch.seq_lens[:n].long(), zeros + be.get_cuda_graph_seq_len_fill_value()]),
+            out_cache_loc=torch.cat([batch.out_cache_loc[:n], zeros]))
+
+    def graph_decode(view, hidden, in_capture=False):
+        rows = torch.cat([hidden, torch.zeros(graph_bs - hidden.shape[0], hidden.shape[1])])
+        q, k, v = mod.project_qkv(rows)
+        be.init_forward_metadata_out_graph(view, in_capture=in_capture)
+        out = be.forward_decode(q, k.view(-1, mod.num_kv_heads, mod.head_dim), v.view(-1, mod.num_kv_heads,
+                                mod.head_dim), mod.attn, view, head_cls=mod.dash_head_cls)
+        assert be.forward_metadata.block_table.data_ptr() == be.cg_block_table.data_ptr()  # the static buffers
+        assert torch.isfinite(out).all()  # padded rows attend to one token of the padding slot: no NaN
+        return mod.o_proj(out)[: hidden.shape[0]]
+
     outs = []
-    for mode, prefix_lens, extend_lens, hidden in steps:
-        case = _case(kit, "step", mode, fx.case.page_size, prefix_lens, extend_lens)
-        batch = kit._make_forward_batch(case, fx.runner, max_context_len=max_context_len, device="cpu",
-                                        loc_fn=loc_fn)
-        with forward_context(ForwardContext(attn_backend=fx.backend)):
-            fx.backend.init_forward_metadata(batch)
-            outs.append(fx.actual_module(hidden, batch))
+    with forward_context(ForwardContext(attn_backend=be)):
+        if graph_bs:
+            be.init_cuda_graph_state(max_bs=graph_bs, max_num_tokens=graph_bs)
+        for mode, prefix_lens, extend_lens, hidden in steps:
+            case = _case(kit, "step", mode, fx.case.page_size, prefix_lens, extend_lens)
+            batch = kit._make_forward_batch(case, fx.runner, max_context_len=max_context_len, device="cpu",
+                                            loc_fn=loc_fn)
+            if graph_bs and mode == "DECODE":
+                outs.append(graph_decode(padded_view(batch, len(prefix_lens)), hidden))
+                continue
+            be.init_forward_metadata(batch)
+            outs.append(mod(hidden, batch))
+            if graph_bs and len(outs) == 1:  # capture: a real forward on a batch of padding rows only
+                capture = padded_view(batch, 0)
+                graph_decode(capture, torch.zeros(0, hidden.shape[1]), in_capture=True)
     return outs
 
 
@@ -131,9 +165,11 @@ def _oracle(module, hidden_per_req, params):
     return res
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_sparse_prefill_chunked_extend_and_decode_match_oracle(dash_kit, page_size):
-    """Prefill 40 and 23 tokens, extend by 57 and 30 on that paged history, then decode 3 steps."""
+def test_sparse_prefill_chunked_extend_and_decode_match_oracle(dash_kit, page_size, graph):
+    """Prefill 40 and 23 tokens, extend by 57 and 30 on that paged history, then decode 3 steps (eager,
+    or through the CUDA-graph metadata path with the batch padded to 4 rows)."""
     kit = dash_kit(SPARSE)
     max_ctx = 192
     lens = [(40, 57), (23, 30)]
@@ -156,7 +192,7 @@ def test_sparse_prefill_chunked_extend_and_decode_match_oracle(dash_kit, page_si
     for s in range(decode_steps):
         pos = [n + s for n in second]
         steps.append(("DECODE", tuple(pos), (), rows(pos, [p + 1 for p in pos])))
-    outs = _run_steps(kit, fx, steps, loc_fn, max_ctx)
+    outs = _run_steps(kit, fx, steps, loc_fn, max_ctx, graph_bs=4 if graph else 0)
 
     ref = _oracle(fx.actual_module, hidden, SPARSE)
     got = [[] for _ in lens]
