@@ -1,0 +1,96 @@
+"""Output helpers shared by the benchmarks: JSON records merged by case, a marked section of
+``docs/PERFORMANCE.md`` replaced in place (other sections untouched), and a dependency-free SVG
+bar chart, the crossover of two timing series, and synthetic correlated queries. Timing helpers
+(``time_calls``, ``copy_bandwidth``, ``log``) live in ``decode.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def merge_records(path: Path, new: list, key: Callable[[dict], tuple], order: Callable[[dict], tuple]) -> list:
+    """Records of ``path`` with ``new`` ones replacing those of the same ``key``; written back sorted."""
+    old = json.loads(path.read_text()) if path.exists() else []
+    keep = {key(r): r for r in old}
+    for r in new:
+        keep[key(r)] = r
+    out = sorted(keep.values(), key=order)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def replace_section(path: Path, begin: str, end: str, body: str) -> None:
+    """Put ``body`` between the ``begin``/``end`` markers of ``path`` (appended when absent)."""
+    block = f"{begin}\n{body.rstrip()}\n{end}\n"
+    text = path.read_text() if path.exists() else "# Performance\n\n"
+    if begin in text and end in text:
+        pre, rest = text.split(begin, 1)
+        post = rest.split(end, 1)[1].lstrip("\n")
+        text = pre + block + post
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def svg_bars(path: Path, groups: dict, title: str, unit: str, colors: dict) -> None:
+    """Horizontal bars on a log scale: ``groups = {group label: [(bar label, value), ...]}``; the bar
+    colour is ``colors[first word of the bar label]``."""
+    values = [v for items in groups.values() for _, v in items if v > 0]
+    vmax, vmin = (max(values), min(values)) if values else (1.0, 1.0)
+    lo, hi = math.log10(vmin / 2), math.log10(vmax * 1.5)
+    x0, width, y = 300, 500, 30
+    lines = []
+    for group, items in groups.items():
+        lines.append(f'<text x="5" y="{y}" font-weight="bold">{group}</text>')
+        y += 18
+        for lab, v in items:
+            w = max(1.0, (math.log10(max(v, vmin)) - lo) / (hi - lo) * width)
+            c = colors.get(lab.split()[0], "#9467bd")
+            lines.append(f'<text x="10" y="{y + 11}" font-size="11">{lab}</text>'
+                         f'<rect x="{x0}" y="{y}" width="{w:.1f}" height="13" fill="{c}"/>'
+                         f'<text x="{x0 + w + 4:.1f}" y="{y + 11}" font-size="11">{v:.3g} {unit}</text>')
+            y += 17
+        y += 8
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{x0 + width + 140}" height="{y + 20}" '
+           f'font-family="sans-serif" font-size="12"><text x="5" y="15">{title}</text>{"".join(lines)}</svg>\n')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(svg)
+
+
+def crossover(ours: dict, peer: dict) -> tuple:
+    """``(crossover, losing sizes)`` from ``{size: ms}`` of ours and of the peer: the smallest size from
+    which on ours is faster at every measured size both have (None if never), and where it is slower."""
+    sizes = sorted(set(ours) & set(peer))
+    wins = {s: ours[s] < peer[s] for s in sizes}
+    cross = None
+    for s in reversed(sizes):
+        if not wins[s]:
+            break
+        cross = s
+    return cross, [s for s in sizes if not wins[s]]
+
+
+def ar1_walk(x: torch.Tensor, rho: float, chunk: int = 256) -> torch.Tensor:
+    """``y_t = rho y_{t-1} + sqrt(1 - rho^2) x_t`` along dim 0 (unit variance kept for unit-variance
+    ``x``): synthetic queries whose neighbours are alike. Computed in chunks on ``x``'s device: inside a
+    chunk ``y_j = rho^(j+1) (y_prev + c sum_{i<=j} x_i / rho^(i+1))``, ``c = sqrt(1 - rho^2)``."""
+    out = torch.empty_like(x)
+    out[0] = x[0]
+    c = math.sqrt(1 - rho * rho)
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    prev = x[0].double()
+    for t0 in range(1, x.shape[0], chunk):
+        e = x[t0: t0 + chunk].double()
+        powers = (rho ** torch.arange(1, e.shape[0] + 1, device=x.device, dtype=torch.float64)).view(shape)
+        y = powers * (prev + c * torch.cumsum(e / powers, 0))
+        out[t0: t0 + e.shape[0]] = y.to(x.dtype)
+        prev = y[-1]
+    return out

@@ -1,0 +1,552 @@
+"""Prefill benchmark: DASH Triton prefill / extend against dense causal prefill on long prompts.
+
+Follows DESIGN.md "Performance protocol" with ``benchmarks/decode.py``'s timing helpers: CUDA events
+around every call after warm-up and compilation, the median of several calls (prompts of 2k tokens
+and more are far larger than L2). Per case: one request (B 1) of ``context`` tokens, prefilled at once
+or in chunks on the paged history the earlier chunks wrote (as engines do chunked prefill), with and
+without the K/V + summary write. Peers in the same run: PyTorch SDPA (flash backend, causal; K/V heads
+repeated to Hq outside the timed call), FlashInfer dense causal prefill (if ``import flashinfer``
+works) and the published DashAttention prefill (its three stages, uncapped at the same
+``scaling_factor``, if ``$DASH_PUBLISHED_DIR`` holds the authors' repository: it materialises
+``[B, Hq, N, nblk]`` fp32 scores, so it is skipped, with the reason, where that cannot fit).
+
+Queries follow an AR(1) walk over positions (``--query-correlation``, default 0.9): neighbouring
+queries of trained models are alike, which is what lets a tile of query tokens share the K/V loads of
+their routed blocks; the records carry the measured sharing (``tile_reuse``: routed (token, block)
+pairs per block loaded by a tile) so runs with other data can be compared. Peak GPU memory is
+measured per case (``peak_mb``: the most allocated during one call above what was allocated before
+it; DASH calls get a preallocated output, so theirs is the routing scratch).
+
+The floor of a case is the larger of its bytes over the measured copy bandwidth and its useful FLOPs
+(attention over the attended tokens, plus scoring every candidate summary, for DASH; the causal
+triangle for dense) over the H200's dense bf16 peak (989 TFLOPS).
+
+Writes JSON records to ``docs/perf/prefill.json`` (merged by case), the table with its command to
+``docs/PERFORMANCE.md`` (between prefill markers; the decode section is left alone) and a bar chart
+to ``docs/perf/prefill.svg``.
+
+    python benchmarks/prefill.py --preset required    # B 1, 2k..128k, topk 64 and uncapped, 128k in 8k chunks
+    python benchmarks/prefill.py --context 32768,131072 --hkv 2 --topk 256,64
+    TRITON_INTERPRET=1 python benchmarks/prefill.py --smoke   # CPU check of the code paths (tiny shapes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import ar1_walk, crossover, merge_records, replace_section, svg_bars  # noqa: E402
+from decode import calibrate_sf, copy_bandwidth, log, time_calls  # noqa: E402
+
+from dash_core import DashParams, ops  # noqa: E402
+from dash_core.kernels import launcher  # noqa: E402
+from dash_core.kernels import prefill as pf  # noqa: E402
+from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
+MARK_BEGIN, MARK_END = "<!-- prefill-benchmark:begin -->", "<!-- prefill-benchmark:end -->"
+
+
+class Prompt:
+    """One prompt of ``n`` tokens: ``q [n, Hq, D]``, ``k, v [n, Hkv, D]`` and a paged cache (SGLang
+    layout, pages shuffled) with its summary store; K/V and summaries written once here."""
+
+    def __init__(self, n, hq, hkv, d, bs, ps, dtype, device, seed, q_corr, cuda):
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.n, self.hq, self.hkv, self.d = n, hq, hkv, d
+        k = torch.randn(n, hkv, d, device=device, generator=g)
+        # per-block offsets make some blocks stand out, as trained keys do, so routing is not flat
+        k += 0.5 * torch.randn(-(-n // bs), hkv, d, device=device, generator=g).repeat_interleave(bs, 0)[:n]
+        self.k = k.to(dtype)
+        self.v = torch.randn(n, hkv, d, device=device, generator=g).to(dtype)
+        q = torch.randn(n, hq, d, device=device, generator=g)
+        self.q = (ar1_walk(q, q_corr) if q_corr else q).to(dtype)
+        self.head_cls = torch.randn(hkv, d, device=device, generator=g).to(dtype)
+        npages = -(-n // ps)
+        num_pages = npages + 2
+        slots = num_pages * ps
+        perm = torch.randperm(num_pages, device=device, generator=g)[:npages]
+        self.block_table = perm.view(1, npages).to(torch.int32).contiguous()
+        self.cache = PagedKVCache.from_sglang(torch.zeros(slots, hkv, d, dtype=dtype, device=device),
+                                              torch.zeros(slots, hkv, d, dtype=dtype, device=device), ps,
+                                              alloc_summaries(slots, bs, hkv, d, dtype, device))
+        pos = torch.arange(n, device=device)
+        self.slot_mapping = self.block_table[0, pos // ps].to(torch.int64) * ps + pos % ps
+        self.cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        self.seq = torch.tensor([n], dtype=torch.int32, device=device)
+        self.cuda = cuda
+        self.write(DashParams(block_size=bs))
+
+    def write(self, params, sl=slice(None)):
+        """K/V + summaries of tokens ``sl`` (the op the engine calls before attention)."""
+        if self.cuda:
+            ops.cache_dash_prefill(self.k[sl], self.v[sl], self.cache, self.slot_mapping[sl], params,
+                                   head_cls=self.head_cls)
+        else:  # the interpreter: the Triton write directly (ops would take the PyTorch path on the CPU)
+            launcher.cache_dash_prefill_triton(self.k[sl], self.v[sl], self.cache, self.slot_mapping[sl], params,
+                                               self.head_cls)
+
+
+def prefill_op(cuda):
+    return ops.paged_dash_prefill if cuda else pf.paged_dash_prefill_triton
+
+
+def dash_fn(pr: Prompt, params, write: bool, chunk, out):
+    """One DASH prefill of the whole prompt (at once, or chunk by chunk on the history)."""
+    op = prefill_op(pr.cuda)
+    dev = pr.q.device
+    pieces = []
+    for s in range(0, pr.n, chunk or pr.n):
+        e = min(pr.n, s + (chunk or pr.n))
+        pieces.append((slice(s, e), torch.tensor([0, e - s], dtype=torch.int32, device=dev),
+                       torch.tensor([e], dtype=torch.int32, device=dev)))
+
+    def run():
+        for sl, cu, seq in pieces:
+            if write:
+                op(pr.q[sl], pr.k[sl], pr.v[sl], pr.cache, pr.block_table, cu, seq, pr.slot_mapping[sl],
+                   pr.head_cls, params, out=out[sl])
+            else:
+                op(pr.q[sl], None, None, pr.cache, pr.block_table, cu, seq, None, pr.head_cls, params, out=out[sl])
+    return run
+
+
+def selection_stats(pr: Prompt, params) -> dict:
+    """Routing statistics of the whole prompt (outside any timing): routed (token, unit) blocks, the
+    union per (tile, unit) a tile loads, and the useful / executed attention work."""
+    q, cache, bt = pr.q, pr.cache, pr.block_table
+    bs, lb = params.block_size, params.local_blocks
+    plan = pf.PrefillPlan.build(q, cache, bt, pr.cu, pr.seq, params)
+    scratch = pf.PrefillScratch.allocate(plan.wave, plan.qt, pr.hq, pr.hkv, plan.max_cand, params, q.device)
+    hsel = scratch.sel_count.shape[1]
+    routed = union = 0
+    for tile0 in range(0, plan.num_tiles, plan.wave):
+        tiles = min(plan.wave, plan.num_tiles - tile0)
+        scratch.sel_count.zero_()
+        pf.route_wave(q, cache, bt, pr.cu, pr.seq, params, plan, scratch, tile0, tiles)
+        slots = tiles * plan.qt
+        cnt = scratch.sel_count[:slots].long()
+        routed += int(cnt.sum())
+        cap = scratch.sel_idx.shape[2]
+        idx = scratch.sel_idx[:slots].long()
+        idx = torch.where(torch.arange(cap, device=q.device) < cnt[..., None], idx, plan.max_cand)
+        mark = torch.zeros(tiles, hsel, plan.max_cand + 1, dtype=torch.bool, device=q.device)
+        tile_of = (torch.arange(slots, device=q.device) // plan.qt)[:, None, None].expand_as(idx)
+        unit_of = torch.arange(hsel, device=q.device)[None, :, None].expand_as(idx)
+        mark[tile_of, unit_of, idx] = True
+        union += int(mark[..., : plan.max_cand].sum())
+    pos = torch.arange(pr.n, dtype=torch.float64)
+    cur = torch.div(pos, bs, rounding_mode="floor")
+    first_local = (cur - lb + 1).clamp(min=0)
+    local_tokens = float((pos - first_local * bs + 1).sum())
+    ncand = float(first_local.sum())
+    heads_per_unit = pr.hkv if hsel == 1 else 1  # a shared selection is attended by every KV head
+    routed_tokens = routed * bs * heads_per_unit  # (token, KV head) pairs x tokens
+    g = pr.hq // pr.hkv
+    attended = pr.hkv * local_tokens + routed_tokens  # (token, KV head, key) triples
+    causal = pr.hkv * float((pos + 1).sum())
+    useful_flops = 4 * pr.d * g * attended + 2 * pr.d * pr.hq * ncand
+    ntiles = -(-pr.n // plan.qt)
+    rows = plan.qt * (1 << max(0, g - 1).bit_length())
+    executed = 4 * pr.d * rows * bs * (pr.hkv * ntiles * lb + union * heads_per_unit) + 2 * pr.d * pr.hq * ncand
+    return dict(kv_fraction=attended / causal, useful_flops=useful_flops, executed_flops=executed,
+                routed_per_token=routed / (pr.n * hsel), tile_reuse=routed / max(union, 1), qt=plan.qt,
+                waves=-(-plan.num_tiles // plan.wave), scratch_mb=pf.PrefillScratch.bytes_per_tile(
+                    plan.qt, pr.hq, pr.hkv, plan.max_cand, params) * plan.wave / 2**20)
+
+
+def peak_mb(fn, cuda) -> float:
+    """Most memory allocated during one call above what was allocated before it (MiB)."""
+    if not cuda:
+        return float("nan")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def timed(fn, a, cuda) -> float:
+    """Median ms of ``fn`` after one warm-up call (also the compile), iterations fitted to ~1.5 s."""
+    t = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    first = (time.perf_counter() - t) * 1e3
+    if not cuda:
+        return first
+    one = time_calls([fn], 1, 0, cuda)
+    iters = max(3, min(a.iters, int(1500 / max(one, 1e-3))))
+    return time_calls([fn], iters, 1, cuda)
+
+
+# ---------------------------------------------------------------------------- peers
+
+def sdpa_fn(pr: Prompt, chunk):
+    """PyTorch SDPA causal (flash backend where it applies), K/V heads repeated to Hq beforehand."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    g = pr.hq // pr.hkv
+    qh = pr.q.permute(1, 0, 2)[None].contiguous()
+    kh = pr.k.permute(1, 0, 2)[None].repeat_interleave(g, 1).contiguous()
+    vh = pr.v.permute(1, 0, 2)[None].repeat_interleave(g, 1).contiguous()
+    backends = [SDPBackend.FLASH_ATTENTION] if pr.cuda else [SDPBackend.MATH]
+    if chunk is None:
+        def run():
+            with sdpa_kernel(backends):
+                return sdpa(qh, kh, vh, is_causal=True)
+        return run
+    from torch.nn.attention.bias import causal_lower_right
+
+    pieces = [(s, min(pr.n, s + chunk)) for s in range(0, pr.n, chunk)]
+
+    def run_chunks():
+        with sdpa_kernel(backends):
+            for s, e in pieces:
+                sdpa(qh[:, :, s:e], kh[:, :, :e], vh[:, :, :e], attn_mask=causal_lower_right(e - s, e))
+    return run_chunks
+
+
+def flashinfer_fn(pr: Prompt, chunk):
+    import flashinfer  # optional peer
+
+    if chunk is None:
+        return lambda: flashinfer.single_prefill_with_kv_cache(pr.q, pr.k, pr.v, causal=True)
+    pieces = [(s, min(pr.n, s + chunk)) for s in range(0, pr.n, chunk)]
+
+    def run():  # causal aligned bottom-right: chunk tokens see the whole history
+        for s, e in pieces:
+            flashinfer.single_prefill_with_kv_cache(pr.q[s:e], pr.k[:e], pr.v[:e], causal=True)
+    return run
+
+
+def published_fn(pr: Prompt, params: DashParams):
+    """The authors' prefill, all three stages, on contiguous ``[1, H, N, D]`` tensors."""
+    pub = os.environ.get("DASH_PUBLISHED_DIR")
+    if not pub or not Path(pub, "dash_attn").is_dir():
+        raise RuntimeError("set DASH_PUBLISHED_DIR to a copy of the authors' DashAttention repository")
+    prec = torch.get_float32_matmul_precision()
+    sys.path.insert(0, pub)
+    try:
+        from dash_attn import prefill  # their package sets the fp32 matmul precision globally
+    finally:
+        torch.set_float32_matmul_precision(prec)
+    qh = pr.q.permute(1, 0, 2)[None].contiguous()
+    kh = pr.k.permute(1, 0, 2)[None].contiguous()
+    vh = pr.v.permute(1, 0, 2)[None].contiguous()
+    bs = params.block_size
+
+    def run():
+        kc = prefill.summarize_chunk(kh, pr.head_cls, bs, None)
+        bm, prior = prefill.score_blocks((qh * params.scaling_factor).to(qh.dtype), kc, bs, None,
+                                         estimate_diag=params.estimate_diagonal, sigma=params.sigma)
+        return prefill.full_attn(qh, kh, vh, bm, bs, None, prior)
+    return run
+
+
+def published_bytes(n, hq, hkv, bs) -> float:
+    """The published stage 2's fp32 scores ``[1, Hq, N, nblk]`` and prior ``[1, Hkv, N, nblk]``."""
+    nblk = -(-n // bs)
+    return 4.0 * n * nblk * (hq + hkv)
+
+
+# ---------------------------------------------------------------------------- one prompt length
+
+def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.bfloat16):
+    hq, d, bs, ps = a.hq, a.head_dim, a.block_size, a.page_size
+    cuda = device.type == "cuda"
+    esize = torch.empty((), dtype=dtype).element_size()
+    log(f"prompt {n} tokens, Hq={hq} Hkv={hkv} D={d} bs={bs}: building")
+    pr = Prompt(n, hq, hkv, d, bs, ps, dtype, device, seed=11, q_corr=a.query_correlation, cuda=cuda)
+    if sf is None:  # calibrated on the last queries of the prompt, as decode steps at its end
+        rows = min(8, n)
+        tail = type("Tail", (), {"cache": pr.cache, "block_table": pr.block_table.expand(rows, -1).contiguous()})
+        sf = calibrate_sf(tail, pr.q[n - rows:], n, DashParams(block_size=bs), a.target_fraction)
+        log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the candidates at the prompt's end")
+    dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
+    common = dict(phase="prefill", batch=1, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
+                  device=dev_name, command=a.command, page_size=ps, graph=False,
+                  query_correlation=a.query_correlation)
+    out = torch.empty_like(pr.q)
+    g = hq // hkv
+    io_bytes = 2 * n * hq * d * esize + 2 * n * hkv * d * esize  # q, out; K and V read once
+    dense_flops = 4.0 * d * hq * n * (n + 1) / 2
+    dense_floor = max(io_bytes / bw, dense_flops / PEAK_FLOPS) * 1e3
+
+    def add(method, variant, ms, *, topk=None, write=False, chunk=None, frac=1.0, floor=dense_floor, mem=None,
+            extra=None, note=None):
+        rec = dict(common, method=method, variant=variant, topk=topk, includes_write=write, chunk=chunk,
+                   ms=round(ms, 4), kv_fraction=round(frac, 5), floor_ms=round(floor, 4),
+                   floor_fraction=round(floor / ms, 4), peak_mb=None if mem is None or math.isnan(mem) else round(mem, 1))
+        if extra:
+            rec.update(extra)
+        if note:
+            rec["note"] = note
+        records.append(rec)
+        log(f"  {method:16s} {variant:14s} topk={str(topk):4s} write={int(write)}  {ms:10.2f} ms  "
+            f"({floor / ms:.0%} of floor)  peak {rec['peak_mb']} MiB")
+
+    for topk in topks:
+        params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
+        st = selection_stats(pr, params)
+        floor = max((io_bytes + (2 * n * hkv * d * esize)) / bw, st["useful_flops"] / PEAK_FLOPS) * 1e3
+        extra = dict(tile_reuse=round(st["tile_reuse"], 2), routed_per_token=round(st["routed_per_token"], 2),
+                     executed_tflop=round(st["executed_flops"] / 1e12, 3), useful_tflop=round(st["useful_flops"] / 1e12, 3),
+                     tile_tokens=st["qt"], waves=st["waves"], scratch_alloc_mb=round(st["scratch_mb"], 1))
+        log(f"  topk={topk}: {st['routed_per_token']:.1f} routed blocks per (token, unit), KV read "
+            f"{st['kv_fraction']:.2%} of causal, tile reuse {st['tile_reuse']:.1f} of {st['qt']}, "
+            f"{st['waves']} waves")
+        for chunk in chunks:
+            variant = "one-shot" if chunk is None else f"chunks-{chunk}"
+            for write in (True, False):
+                fn = dash_fn(pr, params, write, chunk, out)
+                ms = timed(fn, a, cuda)
+                add("dash-triton", variant, ms, topk=topk, write=write, chunk=chunk, frac=st["kv_fraction"],
+                    floor=floor, mem=peak_mb(fn, cuda), extra=extra)
+        if cuda:
+            torch.cuda.empty_cache()
+
+    peers = set(a.peers.split(",")) if a.peers else set()
+    for chunk in chunks:
+        variant = "one-shot" if chunk is None else f"chunks-{chunk}"
+        if "sdpa" in peers:
+            try:
+                fn = sdpa_fn(pr, chunk)
+                ms = timed(fn, a, cuda)
+                add("dense-sdpa", variant + (" flash" if cuda else " math"), ms, chunk=chunk, mem=peak_mb(fn, cuda),
+                    note="K/V heads repeated to Hq before the timed calls")
+            except Exception as e:  # a peer must not stop the run
+                log(f"  dense-sdpa {variant} skipped: {type(e).__name__}: {str(e)[:200]}")
+            if cuda:
+                torch.cuda.empty_cache()
+        if "flashinfer" in peers:
+            try:
+                fn = flashinfer_fn(pr, chunk)
+                ms = timed(fn, a, cuda)
+                add("dense-flashinfer", variant, ms, chunk=chunk, mem=peak_mb(fn, cuda))
+            except Exception as e:
+                log(f"  dense-flashinfer {variant} skipped: {type(e).__name__}: {str(e)[:200]}")
+    if "published" in peers and None in topks and None in chunks:
+        params = DashParams(block_size=bs, scaling_factor=sf)
+        need = published_bytes(n, hq, hkv, bs)
+        free = torch.cuda.mem_get_info(device)[0] if cuda else float("inf")
+        if n > a.published_max_context:
+            add_skip = f"not run past --published-max-context {a.published_max_context}"
+            log(f"  published-dash skipped: {add_skip}")
+            records.append(dict(common, method="published-dash", variant="one-shot", topk=None, includes_write=True,
+                                chunk=None, ms=None, note=f"{add_skip}; its stage 2 would hold {need / 2**30:.1f} GiB "
+                                                         "of fp32 scores and prior"))
+        elif need > 0.9 * free:
+            why = (f"out of memory by construction: [1, Hq, N, nblk] fp32 scores + prior = {need / 2**30:.1f} GiB, "
+                   f"{free / 2**30:.1f} GiB free")
+            log(f"  published-dash skipped: {why}")
+            records.append(dict(common, method="published-dash", variant="one-shot", topk=None, includes_write=True,
+                                chunk=None, ms=None, note=why))
+        else:
+            try:
+                fn = published_fn(pr, params)
+                t0 = time.time()
+                fn()  # compile + autotune at the timed shapes, outside the timed region
+                if cuda:
+                    torch.cuda.synchronize()
+                log(f"  published-dash compiled and autotuned in {time.time() - t0:.0f} s")
+                ms = time_calls([fn], 2, 0, cuda) if cuda else float("nan")
+                st = selection_stats(pr, params)
+                add("published-dash", "one-shot", ms, write=True, frac=st["kv_fraction"],
+                    floor=max(io_bytes / bw, st["useful_flops"] / PEAK_FLOPS) * 1e3, mem=peak_mb(fn, cuda),
+                    note="stages 1-3 on contiguous tensors (summaries included, the K/V write is not: none)")
+            except torch.cuda.OutOfMemoryError as e:
+                why = f"out of memory ({need / 2**30:.1f} GiB of stage-2 scores + prior): {str(e)[:160]}"
+                log(f"  published-dash: {why}")
+                records.append(dict(common, method="published-dash", variant="one-shot", topk=None,
+                                    includes_write=True, chunk=None, ms=None, note=why))
+            except Exception as e:
+                log(f"  published-dash skipped: {type(e).__name__}: {str(e)[:300]}")
+            if cuda:
+                torch.cuda.empty_cache()
+    del pr, out
+    if cuda:
+        torch.cuda.empty_cache()
+    return sf
+
+
+# ---------------------------------------------------------------------------- outputs
+
+def _key(r):
+    return (r["device"], r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"], r["bs"], str(r["topk"]),
+            r["method"], r["variant"], r["includes_write"])
+
+
+def _order(r):
+    return (r["device"], r["hkv"], r["context"], str(r.get("chunk")), str(r["topk"]), r["method"],
+            not r["includes_write"])
+
+
+def table(records: list) -> str:
+    head = ("| prompt | chunks | Hq/Hkv | D | bs | topk | sf | method | write | time (ms) | KV read | floor (ms) | "
+            "of floor | peak mem (MiB) | tile reuse | vs best dense |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    dense = {}
+    for r in records:
+        if r["method"].startswith("dense") and r.get("ms"):
+            k = (r["device"], r["context"], r["hq"], r["hkv"], r["head_dim"], r.get("chunk"))
+            dense[k] = min(dense.get(k, float("inf")), r["ms"])
+    rows = [head]
+    for r in records:
+        k = (r["device"], r["context"], r["hq"], r["hkv"], r["head_dim"], r.get("chunk"))
+        if r.get("ms") is None:
+            rows.append(f"| {r['context']} | - | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | none | "
+                        f"{r['scaling_factor']} | {r['method']} | - | not run: {r.get('note', '')} | | | | | | |")
+            continue
+        sp = f"{dense[k] / r['ms']:.2f}x" if k in dense else "-"
+        mem = "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
+        reuse = "-" if r.get("tile_reuse") is None else f"{r['tile_reuse']:.1f}/{r['tile_tokens']}"
+        rows.append(f"| {r['context']} | {r.get('chunk') or '-'} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
+                    f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | {r['method']} | "
+                    f"{'yes' if r['includes_write'] else 'no'} | {r['ms']:.2f} | {r['kv_fraction']:.2%} | "
+                    f"{r['floor_ms']:.2f} | {r['floor_fraction']:.0%} | {mem} | {reuse} | {sp} |")
+    return "\n".join(rows)
+
+
+def summary(records: list) -> str:
+    """Where sparse prefill (with its write) loses to the faster dense peer, and the crossover length,
+    per (device, Hkv, topk, chunking)."""
+    ours, dense = {}, {}
+    for r in records:
+        if not r.get("ms"):
+            continue
+        where = (r["device"], r["hkv"], r.get("chunk"))
+        if r["method"] == "dash-triton" and r["includes_write"]:
+            ours.setdefault(where + (r["topk"],), {})[r["context"]] = r["ms"]
+        elif r["method"].startswith("dense"):
+            d = dense.setdefault(where, {})
+            d[r["context"]] = min(d.get(r["context"], float("inf")), r["ms"])
+    lines = []
+    for (dev, hkv, chunk, topk), series in sorted(ours.items(), key=str):
+        cx, losing = crossover(series, dense.get((dev, hkv, chunk), {}))
+        what = f"Hkv {hkv}, topk {topk if topk is not None else 'none'}, " + (
+            "one shot" if chunk is None else f"in chunks of {chunk}")
+        if cx is not None:
+            line = f"- {what}: faster than the faster dense peer from {cx} tokens on"
+        else:
+            line = f"- {what}: not faster than the faster dense peer at the longest measured prompt"
+        if losing:
+            line += f"; slower at {', '.join(str(s) for s in losing)} tokens"
+        lines.append(line)
+    return "\n".join(lines) if lines else "- no DASH and dense rows to compare"
+
+
+def write_outputs(a, all_recs: list, bw: float, device: str) -> None:
+    recs = [r for r in all_recs if r["device"] == device]
+    body = (f"## Prefill (`benchmarks/prefill.py`)\n\nCommand: `{a.command}`\n\n"
+            f"Device: {device}; measured copy bandwidth {bw / 1e12:.2f} TB/s. One request (B 1) per row: the whole "
+            "prompt at once, or in chunks on the paged history the earlier chunks wrote; `write` = the time includes "
+            "the K/V + summary write. Times are medians of CUDA-event-timed calls after warm-up. The floor is the "
+            "larger of bytes over that bandwidth and useful FLOPs (attended tokens + candidate scoring for DASH, the "
+            "causal triangle for dense) over 989 TFLOPS. `peak mem`: most memory allocated during one call beyond "
+            "its inputs (DASH: the routing scratch; dense SDPA/FlashInfer: their output and workspace). `tile "
+            "reuse`: routed (token, block) pairs per block a tile of query tokens loads, out of the tile's tokens "
+            f"(queries follow an AR(1) walk, correlation {a.query_correlation}). JSON: `docs/perf/prefill.json`; "
+            "chart: `docs/perf/prefill.svg`.\n\n" + table(recs) + "\n\nCrossover (DASH with its write against the "
+            "faster dense peer):\n\n" + summary(recs) + "\n")
+    replace_section(Path(a.markdown), MARK_BEGIN, MARK_END, body)
+    groups = {}
+    for r in recs:
+        if r.get("ms") is None:
+            continue
+        k = (f"{r['context']} tokens{'' if not r.get('chunk') else ' in chunks of ' + str(r['chunk'])}, Hkv {r['hkv']}")
+        lab = (f"{r['method']}{' topk ' + str(r['topk']) if r['method'] == 'dash-triton' else ''}"
+               f"{' +write' if r['includes_write'] and r['method'] == 'dash-triton' else ''}")
+        groups.setdefault(k, []).append((lab, r["ms"]))
+    svg_bars(Path(a.svg), groups, "DASH prefill time per layer, B 1 (log scale)", "ms",
+             {"dash-triton": "#1f77b4", "dense-sdpa": "#7f7f7f", "dense-flashinfer": "#2ca02c",
+              "published-dash": "#d62728"})
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=["required", "matrix"],
+                    help="required: 2k..128k, topk 64 and none, 128k also in 8k chunks")
+    ap.add_argument("--context", default="8192,32768,131072")
+    ap.add_argument("--chunk-contexts", default="131072", help="prompt lengths also run in chunks")
+    ap.add_argument("--chunk", type=int, default=8192)
+    ap.add_argument("--hkv", default="8")
+    ap.add_argument("--topk", default="64,none")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--sf", type=float, default=None, help="scaling_factor (default: calibrated per prompt length)")
+    ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
+    ap.add_argument("--query-correlation", type=float, default=0.9, help="AR(1) coefficient of queries over positions")
+    ap.add_argument("--peers", default="sdpa,flashinfer,published")
+    ap.add_argument("--published-max-context", type=int, default=131072)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--json", default=str(ROOT / "docs/perf/prefill.json"))
+    ap.add_argument("--markdown", default=str(ROOT / "docs/PERFORMANCE.md"))
+    ap.add_argument("--svg", default=str(ROOT / "docs/perf/prefill.svg"))
+    ap.add_argument("--no-write-docs", action="store_true")
+    a = ap.parse_args(argv)
+    raw = list(argv if argv is not None else sys.argv[1:])
+    shown = [x for i, x in enumerate(raw)  # the command as recorded in the docs: output paths left out
+             if x not in ("--json", "--markdown", "--svg") and not (i and raw[i - 1] in ("--json", "--markdown", "--svg"))]
+    a.command = "python benchmarks/prefill.py " + " ".join(shown)
+    if a.preset == "required":
+        a.context, a.chunk_contexts, a.hkv, a.topk = "2048,4096,8192,32768,131072", "131072", "8", "64,none"
+    elif a.preset == "matrix":
+        a.context, a.chunk_contexts, a.hkv, a.topk = "4096,16384,65536,131072", "65536,131072", "8,2", "16,64,256,none"
+    if a.smoke:
+        a.context, a.chunk_contexts, a.chunk, a.hkv, a.topk = "200", "200", 96, "2", "4,none"
+        a.hq, a.head_dim, a.block_size, a.page_size, a.peers = 4, 64, 16, 32, "sdpa,published"
+        a.published_max_context = 0
+    if a.smoke and os.environ.get("TRITON_INTERPRET") == "1":
+        import tests.kernels._kernel_env  # noqa: F401  (the interpreter shims the kernel tests use)
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    if device.type != "cuda" and not a.smoke:
+        log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
+        return 2
+    bw = copy_bandwidth(device)
+    log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; copy bandwidth "
+        f"{bw / 1e12:.2f} TB/s")
+    records: list = []
+    topks = sorted([None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")],
+                   key=lambda t: -1 if t is None else t)
+    chunked = {int(x) for x in a.chunk_contexts.split(",") if x}
+    t0 = time.time()
+    for hkv in [int(x) for x in a.hkv.split(",")]:
+        for n in [int(x) for x in a.context.split(",")]:
+            chunks = [None] + ([a.chunk] if n in chunked and a.chunk < n else [])
+            try:
+                run_context(a, n, hkv, topks, chunks, a.sf, device, bw, records)
+            except torch.cuda.OutOfMemoryError as e:
+                log(f"  out of memory, prompt length {n} skipped: {e}")
+                torch.cuda.empty_cache()
+            log(f"elapsed {time.time() - t0:.0f} s")
+    print("\n" + table(records) + "\n\n" + summary(records) + "\n", flush=True)
+    if a.smoke:
+        tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "dash_prefill_smoke"
+        a.json, a.markdown, a.svg = str(tmp / "prefill.json"), str(tmp / "PERFORMANCE.md"), str(tmp / "prefill.svg")
+    if not a.no_write_docs:
+        all_recs = merge_records(Path(a.json), records, _key, _order)
+        write_outputs(a, all_recs, bw, records[0]["device"] if records else "?")
+        log(f"wrote {a.json}, {a.markdown}, {a.svg}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# GPU run of the prefill kernels (issue 5) on a machine with a CUDA GPU and no package registry:
+# the prefill GPU tests (the CPU prefill tests compiled, 128k prompts on sampled rows, golden cases on
+# scattered pages, recorded engine batches, no-sync, scratch bound), then the prefill benchmark.
+# Everything lands in $OUT (default ./out):
+#   prefill_env.txt                          versions, nvidia-smi
+#   prefill_tests.log, prefill_tests.xml     pytest -m gpu tests/kernels/test_kernel_prefill*.py
+#   prefill_bench.log, prefill.json, PERFORMANCE.md, prefill.svg   benchmarks/prefill.py (merged with the repo's docs)
+#
+#   bash ci/gpu_prefill.sh              # tests, then the required benchmark rows (at most 8 min with the default limits)
+#   bash ci/gpu_prefill.sh tests        # tests only
+#   bash ci/gpu_prefill.sh bench [ARGS] # benchmark only; ARGS go to benchmarks/prefill.py (default: --preset required)
+#
+# Optional peers as in ci/gpu.sh: FlashInfer from a carried wheel under .whl/flashinfer/, the published
+# DashAttention kernels from $DASH_PUBLISHED_DIR or an ignored copy at third_party/dash-attention.
+# Time limits (seconds): TEST_TIMEOUT (default 240), BENCH_TIMEOUT (default 240). DASH_PREFILL_EXAMPLES
+# (default 4) sets the hypothesis examples of the compiled CPU tests (each new shape compiles kernels).
+# If one call may not run that long, run `tests` and `bench` as two calls.
+set -uo pipefail
+mode=${1:-all}
+[ $# -gt 0 ] && shift
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${OUT:-$root/out}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export DASH_PREFILL_EXAMPLES=${DASH_PREFILL_EXAMPLES:-4}
+
+if ls .whl/flashinfer/*.whl >/dev/null 2>&1; then
+  site=/tmp/site
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    .whl/flashinfer/*.whl > "$out/flashinfer_install.log" 2>&1 || echo "flashinfer install failed (see log)"
+  export PYTHONPATH="$site:$PYTHONPATH"
+  export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}
+  export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi}
+  export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+  if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
+    CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"); export CUDA_HOME
+  fi
+fi
+if [ -z "${DASH_PUBLISHED_DIR:-}" ] && [ -d third_party/dash-attention/dash_attn ]; then
+  export DASH_PUBLISHED_DIR="$root/third_party/dash-attention"
+fi
+
+{
+  date -u
+  "$py" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+  "$py" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+  echo "DASH_PUBLISHED_DIR=${DASH_PUBLISHED_DIR:-unset}"
+  nvidia-smi 2>&1 | head -15
+} > "$out/prefill_env.txt" 2>&1
+cat "$out/prefill_env.txt"
+
+rc=0
+if [ "$mode" = all ] || [ "$mode" = tests ]; then
+  echo "== prefill GPU tests, limit ${TEST_TIMEOUT:-240}s"
+  timeout "${TEST_TIMEOUT:-240}" "$py" -m pytest -m gpu tests/kernels/test_kernel_prefill.py \
+    tests/kernels/test_kernel_prefill_gpu.py -q -rs -p no:cacheprovider --durations=25 \
+    --junitxml="$out/prefill_tests.xml" > "$out/prefill_tests.log" 2>&1
+  t=$?
+  tail -40 "$out/prefill_tests.log"
+  echo "tests exit status $t"
+  [ $t -ne 0 ] && rc=$t
+fi
+if [ "$mode" = all ] || [ "$mode" = bench ]; then
+  [ -f docs/perf/prefill.json ] && cp docs/perf/prefill.json "$out/prefill.json"
+  [ -f docs/PERFORMANCE.md ] && cp docs/PERFORMANCE.md "$out/PERFORMANCE.md"
+  args=("$@")
+  [ ${#args[@]} -eq 0 ] && args=(--preset required)
+  echo "== prefill benchmark ${args[*]}, limit ${BENCH_TIMEOUT:-240}s"
+  timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/prefill.py "${args[@]}" --json "$out/prefill.json" \
+    --markdown "$out/PERFORMANCE.md" --svg "$out/prefill.svg" > "$out/prefill_bench.log" 2>&1
+  b=$?
+  tail -45 "$out/prefill_bench.log"
+  echo "benchmark exit status $b"
+  [ $b -ne 0 ] && rc=$b
+fi
+exit $rc
