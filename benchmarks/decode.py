@@ -291,6 +291,13 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
                       for lay in layers]
             ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
             add(common, "dash-triton", "route-only", ms, sb / bw * 1e3, kv_frac, sb, graph=True)
+            for only in ("scores", "select"):  # the two routing launches apart
+                graphs = [capture(lambda lay=lay, only=only: launcher.route(q, lay.cache, lay.block_table, seq,
+                                                                             params, bufs, only=only))
+                          for lay in layers]
+                ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+                add(common, "dash-triton", f"{only}-only", ms, (sb if only == "scores" else 0.0) / bw * 1e3, kv_frac,
+                    sb if only == "scores" else 0.0, graph=True)
             kvb = nbytes - sb
             graphs = [capture(lambda lay=lay: launcher.attend(q, lay.cache, lay.block_table, seq, params, bufs, out))
                       for lay in layers]
@@ -357,8 +364,9 @@ def merge_json(path: Path, new: list) -> list:
 
 
 def table(records: list) -> str:
-    head = ("| B | context | Hq/Hkv | D | bs | topk | sf | method | write | graph | time (us) | KV read | "
-            "floor (us) | of floor | speed-up vs best dense |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| B | context | Hq/Hkv | D | bs | topk | sf | method | variant | write | graph | time (us) | KV read | "
+            "floor (us) | of floor | speed-up vs best dense |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [head]
     dense = {}
     for r in records:
@@ -370,9 +378,10 @@ def table(records: list) -> str:
         sp = f"{dense[k] / r['ms']:.1f}x" if k in dense else "-"
         rows.append(f"| {r['batch']} | {r['context']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
                     f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | {r['method']} | "
+                    f"{r['variant']} | "
                     f"{'yes' if r['includes_write'] else 'no'} | {'yes' if r['graph'] else 'no'} | "
                     f"{r['ms'] * 1e3:.1f} | {r['kv_fraction']:.2%} | {r['floor_ms'] * 1e3:.1f} | "
-                    f"{r['floor_fraction']:.0%} | {sp} |")
+                    f"{r['floor_fraction']:.0%} | {sp if not r['variant'].endswith('-only') else '-'} |")
     return "\n".join(rows)
 
 

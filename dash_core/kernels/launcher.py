@@ -239,15 +239,16 @@ class DecodeBuffers:
 
 
 def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-          params: DashParams, buffers: DecodeBuffers, write: Optional[tuple] = None) -> None:
+          params: DashParams, buffers: DecodeBuffers, write: Optional[tuple] = None,
+          only: Optional[str] = None) -> None:
     """Routing (stage 2 + prior) into ``buffers.sel_*``; ``write``: ``write_args(...)`` of the new
-    K/V, written by the same launch."""
+    K/V, written by the same launch; ``only``: ``"scores"`` / ``"select"`` (stage timings)."""
     n = q.shape[0]
     nsr, _ = buffers.splits(n)
     b = buffers
     route_decode(q, cache.summaries, block_table, seq_lens, params, cache.page_size, b.scores, b.pmax, b.mp,
                  b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr, write=write,
-                 write_summarize=cache.summaries is not None)
+                 write_summarize=cache.summaries is not None, only=only)
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,

@@ -19,8 +19,9 @@ Decode uses two kernels:
 All arithmetic is fp32 (scores accumulate fp32 from products of the query/summary dtype). The
 entmax reads the score rows from the scratch (L2-resident at decode sizes) once when a unit's
 candidates fit one register tile, else once per Halley step. The cap never sorts: the
-``topk``-th largest ``mp`` is found by a multi-pivot search on the fp32 bit patterns (positive
-floats order like their bits), ties go to the lower block.
+``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive floats order like their
+bits), by a radix select on histograms (8 bits a pass) when a unit's candidates fit one register
+tile, else by a multi-pivot search; ties go to the lower block.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def route_tile(
     index = physical block (``sel_blk``), ``log`` prior (``sel_bias``), at ``sel_unit[u] + j`` for
     ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
     Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TS]`` mp, ``[QT, NPIV, TS]`` pivot counts; ONE_TILE
-    (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes;
+    (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes (with
+    one unit: a 4-pass radix select on 256-bin histograms instead of the pivot search);
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
     """
     offs_r = tl.arange(0, NH_PAD)
@@ -149,7 +151,27 @@ def route_tile(
             else:
                 key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
                                   other=0.0).to(tl.int32, bitcast=True)
-        while tl.max(hi_k - lo_k, axis=0) > 1:
+        if ONE_TILE and QT == 1:  # radix select, 8 bits a pass: the topk-th largest key in 4 passes
+            keys = tl.reshape(key_all, [TS])
+            kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
+            bins = tl.arange(0, 512)
+            prefix = tl.sum(lo_k, axis=0) * 0
+            krem = prefix + topk
+            for p in tl.static_range(4):
+                shift = 24 - 8 * p  # a constexpr: p is one
+                if p == 0:
+                    match = kvalid
+                else:  # the bits above this digit equal the prefix found so far
+                    match = kvalid & ((keys >> (shift + 8)) == (prefix >> (shift + 8)))
+                digit = tl.where(match, (keys >> shift) & 255, 256)  # bin 256: not under this prefix
+                hist = tl.where(bins < 256, tl.histogram(digit, 512), 0)
+                at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
+                d_sel = tl.max(tl.where((at_least >= krem) & (bins < 256), bins, -1), axis=0)
+                krem = krem - tl.sum(tl.where(bins == d_sel, at_least - hist, 0), axis=0)  # keys above d_sel go first
+                prefix = prefix | (d_sel << shift)
+            lo_k = tl.where(need, prefix, lo_k)
+            hi_k = lo_k + 1
+        while tl.max(hi_k - lo_k, axis=0) > 1:  # multi-pivot search (tiles, or several units)
             span = (hi_k - lo_k).to(tl.int64)
             piv = lo_k[:, None] + (span[:, None] * (offs_p[None, :] + 1) // (NPIV + 1)).to(tl.int32)
             if ONE_TILE:
@@ -339,7 +361,8 @@ ONE_TILE_MAX = 8192  # up to this many candidates the cap keeps every mp in regi
 def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
                  sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
-                 *, num_splits: int, write: Optional[tuple] = None, write_summarize: bool = False) -> None:
+                 *, num_splits: int, write: Optional[tuple] = None, write_summarize: bool = False,
+                 only: Optional[str] = None) -> None:
     """Route one decode token per request (two launches, no host synchronisation).
 
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
@@ -353,6 +376,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     bounded by the number of candidates).
     write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
     the summaries they complete when ``write_summarize``) in the score launch.
+    only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark).
     """
     n, hq, d = q.shape
     hkv = summaries.shape[1]
@@ -365,6 +389,23 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     hsel = 1 if shared else hkv
     if n == 0:
         return
+    if only != "select":
+        _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
+                      write_summarize)
+    if only == "scores":
+        return
+    _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
+                   sel_bias, sel_count, nrows, hsel, max_cand, n)
+
+
+def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
+                  write_summarize) -> None:
+    n, hq, d = q.shape
+    hkv = summaries.shape[1]
+    g = hq // hkv
+    bs = params.block_size
+    max_pages = block_table.shape[1]
+    max_cand = max_pages * page_size // bs
     block_n = max(16, min(64 if d <= 128 else 32, _pow2(max_cand)))
     _decode_scores_kernel[(n, hkv, num_splits)](
         q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
@@ -375,6 +416,12 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
         G_PAD=max(16, _pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, num_warps=4, num_stages=3,
     )
+
+
+def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
+                   sel_bias, sel_count, nrows, hsel, max_cand, n) -> None:
+    bs = params.block_size
+    max_pages = block_table.shape[1]
     nh_pad = _pow2(nrows)
     budget = SELECT_TILE_BUDGET if nh_pad < 16 else SELECT_TILE_BUDGET // 2  # wide 3-D tiles spill otherwise
     tc = max(16, min(_pow2(max_cand), budget // nh_pad))
