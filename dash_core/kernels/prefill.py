@@ -54,6 +54,7 @@ ROUTE_TILE_BUDGET = 2048  # elements of route_tile's largest register tile (QT u
 ROUTE_WARPS = 8
 ATTN_WARPS = 4
 ATTN_STAGES = 3
+UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # Globals a compiled kernel reads must be constexpr objects.
 _BIG = tl.constexpr(1 << 30)  # "no more blocks" in the union merge
 LOG2E_HOST = 1.4426950408889634
@@ -229,7 +230,8 @@ def _prefill_route_kernel(
             m = tl.reshape(mx, [QT, G_PAD])
             x_unit = slot_u * sx_n + hp * G * sx_h
             hs = hp
-        m = tl.where(unit_ok[:, None] & (ncand > 0), m, 0.0)
+        r_ok = tl.arange(0, NH_PAD) < nrows
+        m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
         route_tile(
             x_ptr, x_unit, sx_h, nrows, ncand_u, m,
             mp_ptr, slot_u * smp_n + hs * smp_h, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
@@ -248,18 +250,19 @@ def _prefill_route_kernel(
 def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
-    sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
-    ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, o_ptr, so_t, so_h, qk_scale, G,
+    sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
+    uidx_ptr, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, sbi_u, o_ptr, so_t, so_h, qk_scale, G,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
 
-    1. Union: merge the tile's per-token sorted selections (``sel_* [slot, Hsel, cap]``, ``count``;
-       ``ssel_h == scnt_h == 0`` for router ``shared``) into the physical blocks ``ublk [w, h, j]``
-       (increasing logical order) and ``ubias [w, h, j, u]``: token u's log2 prior of block j, or
-       ``-inf`` where it did not select it.
+    1. Union, in three parallel passes over the tile's region of the scratch: every candidate's row
+       ``ubias [w, h, u, c]`` set to ``-inf``; each token u's kept blocks (``sel_* [slot, Hsel, cap]``,
+       ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``) scattered there as log2 priors;
+       the candidates some token kept compacted, in increasing order, into ``uidx [w, h, j]`` (logical)
+       and ``ublk [w, h, j]`` (physical block). ``[QT, TU]`` and ``[QT, TJ]`` tiles.
     2. Local window blocks (log prior 0, causal per row), then every union block: ``[BLOCK_T, D]`` K/V
        tiles read from the pages once for the tile (addresses depend on ``j`` only, so loads can be
        pipelined), ``[M, BLOCK_T]`` fp32 logits plus each row's bias, online softmax in base 2.
@@ -289,28 +292,43 @@ def _prefill_attn_kernel(
         slot0 = w.to(tl.int64) * QT
         p_max = p_hi - 1  # last position of the tile: keys after it may not be written yet
 
-        # 1. union of the tile's selections (units: its tokens)
+        # 1. union of the tile's selections (units: its tokens), as a [QT, ncand] bias table
         offs_u = tl.arange(0, QT)
+        offs_c = tl.arange(0, TU)
+        offs_j = tl.arange(0, TJ)
         pos_u = a0 + offs_u
         unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
         sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
         cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
-        ptr_u = tl.zeros([QT], tl.int32)
-        nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
-        c = tl.min(nxt, axis=0)
-        nu = 0
+        ubias_tile = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h
+        ubias_u = ubias_tile + offs_u[:, None].to(tl.int64) * sbi_u
+        uidx_row = uidx_ptr + w.to(tl.int64) * sub_w + h * sub_h
         ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
-        ubias_row = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h
-        while c < _BIG:
-            hit = nxt == c
-            b = tl.load(sel_bias_ptr + sel_u + ptr_u, mask=hit, other=0.0)
-            tl.store(ubias_row + nu * QT + offs_u, tl.where(hit, b * _LOG2E, float("-inf")))
-            phys = tl.load(sel_blk_ptr + sel_u + ptr_u, mask=hit, other=-1)
-            tl.store(ublk_row + nu, tl.max(phys, axis=0))
-            nu += 1
-            ptr_u += hit.to(tl.int32)
-            nxt = tl.load(sel_idx_ptr + sel_u + ptr_u, mask=ptr_u < cnt_u, other=_BIG)
-            c = tl.min(nxt, axis=0)
+        for c0 in range(0, ncand, TU):
+            c = c0 + offs_c
+            tl.store(ubias_u + c[None, :], tl.full([QT, TU], float("-inf"), tl.float32),
+                     mask=(c < ncand)[None, :])
+        tl.debug_barrier()  # the -inf rows are overwritten below by other threads
+        for j0 in range(0, tl.max(cnt_u, axis=0), TJ):
+            jj = j0 + offs_j
+            have = jj[None, :] < cnt_u[:, None]
+            idx = tl.load(sel_idx_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0)
+            b = tl.load(sel_bias_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0.0)
+            tl.store(ubias_u + idx, b * _LOG2E, mask=have & (idx < ncand))
+        tl.debug_barrier()
+        nu = 0
+        ppb_u: tl.constexpr = PS // BS
+        for c0 in range(0, ncand, TU):
+            c = c0 + offs_c
+            cm = c < ncand
+            bt = tl.load(ubias_u + c[None, :], mask=cm[None, :], other=float("-inf"))
+            kept = tl.max(bt, axis=0) > float("-inf")
+            kept_i = kept.to(tl.int32)
+            j = nu + tl.cumsum(kept_i, axis=0) - kept_i
+            page = tl.load(bt_row + c // ppb_u, mask=kept, other=0)
+            tl.store(uidx_row + j, c, mask=kept)
+            tl.store(ublk_row + j, page * ppb_u + c % ppb_u, mask=kept)
+            nu += tl.sum(kept_i, axis=0)
         tl.debug_barrier()  # the union lists are read back by other threads
 
         m_i = tl.full([M], float("-inf"), tl.float32)
@@ -342,12 +360,13 @@ def _prefill_attn_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
 
-        # 2b. the union blocks (complete, before the local window), one sub-tile per iteration
+        # 2b. the union blocks (complete, before the local window), one sub-tile per iteration; the
+        # block ids are loaded as vectors (one address each): tensor loads the pipeliner can prefetch
         for it in range(0, nu * NSUB):
             j = it // NSUB
-            # the block id as a BLOCK_T vector (one address): a tensor load the pipeliner can prefetch
             phys = tl.load(ublk_row + j + 0 * offs_t).to(tl.int64)
-            bias = tl.load(ubias_row + j * QT + u_m)
+            cand = tl.load(uidx_row + j + 0 * offs_m)
+            bias = tl.load(ubias_tile + u_m.to(tl.int64) * sbi_u + cand)
             page = phys // ppb
             rows = (phys % ppb) * BS + (it % NSUB) * BLOCK_T + offs_t
             kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
@@ -392,7 +411,7 @@ class PrefillScratch:
 
     scores ``[slots, Hq, max_cand]`` fp32, mp ``[slots, Hsel, max_cand]`` fp32, sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
-    union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, max_cand, QT]`` fp32.
+    union_idx / union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32.
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
     """
 
@@ -405,6 +424,7 @@ class PrefillScratch:
     sel_blk: torch.Tensor
     sel_bias: torch.Tensor
     sel_count: torch.Tensor
+    union_idx: torch.Tensor
     union_blk: torch.Tensor
     union_bias: torch.Tensor
 
@@ -413,7 +433,7 @@ class PrefillScratch:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         per_slot = 4 * (hq * max_cand + hsel * max_cand + 3 * hsel * cap + hsel)
-        return qt * per_slot + 4 * hkv * max_cand * (1 + qt)
+        return qt * per_slot + 4 * hkv * max_cand * (2 + qt)
 
     @classmethod
     def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
@@ -430,8 +450,9 @@ class PrefillScratch:
             sel_blk=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
             sel_count=torch.empty(slots, hsel, dtype=i32, device=device),
+            union_idx=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
             union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
-            union_bias=torch.empty(tiles, hkv, max_cand, qt, dtype=f32, device=device),
+            union_bias=torch.empty(tiles, hkv, qt, max_cand, dtype=f32, device=device),
         )
 
 
@@ -555,12 +576,13 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         q, q.stride(0), q.stride(1), kp, vp, kp.stride(0), kp.stride(1), kp.stride(2),
         vp.stride(0), vp.stride(1), vp.stride(2), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), 0 if shared else s.sel_idx.stride(1),
+        t, s.sel_idx, s.sel_bias, s.sel_idx.stride(0), 0 if shared else s.sel_idx.stride(1),
         s.sel_count, s.sel_count.stride(0), 0 if shared else s.sel_count.stride(1),
-        s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
-        s.union_bias.stride(1), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
+        s.union_idx, s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
+        s.union_bias.stride(1), s.union_bias.stride(2), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_T=min(bs, 64 if d <= 128 else 32),
+        BLOCK_T=min(bs, 64 if d <= 128 else 32), TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
+        TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
 
