@@ -16,6 +16,8 @@
 # published DashAttention kernels from $DASH_PUBLISHED_DIR or an ignored copy at third_party/dash-attention.
 # Time limits (seconds): TEST_TIMEOUT (default 360), BENCH_TIMEOUT (default 220 after the tests, 540 alone).
 # DASH_KERNEL_EXAMPLES (default 6 here) sets the hypothesis examples per test (each new shape compiles).
+# GPU_TEST_PATHS (default tests/kernels, which includes the prefill kernels' tests); decode only:
+#   GPU_TEST_PATHS="tests/kernels --ignore-glob=*prefill*" bash ci/gpu.sh tests
 set -uo pipefail
 mode=${1:-all}
 [ $# -gt 0 ] && shift
@@ -56,8 +58,10 @@ cat "$out/env.txt"
 
 rc=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  echo "== GPU tests (pytest -m gpu tests/kernels), limit ${TEST_TIMEOUT:-360}s"
-  timeout "${TEST_TIMEOUT:-360}" "$py" -m pytest -m gpu tests/kernels -q -rs -p no:cacheprovider --durations=25 \
+  paths=${GPU_TEST_PATHS:-tests/kernels}
+  echo "== GPU tests (pytest -m gpu $paths), limit ${TEST_TIMEOUT:-360}s"
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT:-360}" "$py" -m pytest -m gpu $paths -q -rs -p no:cacheprovider --durations=25 \
     --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
   t=$?
   tail -40 "$out/gpu_tests.log"
