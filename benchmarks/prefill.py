@@ -121,6 +121,17 @@ def dash_fn(pr: Prompt, params, write: bool, chunk, out):
     return run
 
 
+def route_only_fn(pr: Prompt, params):
+    """The op's routing waves alone (plan, scratch and every route launch, no attention, no write)."""
+    def run():
+        plan = pf.PrefillPlan.build(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params)
+        scratch = pf.PrefillScratch.allocate(plan.wave, plan.qt, pr.hq, pr.hkv, plan.max_cand, params, pr.q.device)
+        for tile0 in range(0, plan.num_tiles, plan.wave):
+            pf.route_wave(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params, plan, scratch, tile0,
+                          min(plan.wave, plan.num_tiles - tile0))
+    return run
+
+
 def selection_stats(pr: Prompt, params) -> dict:
     """Routing statistics of the whole prompt (outside any timing): routed (token, unit) blocks, the
     union per (tile, unit) a tile loads, and the useful / executed attention work."""
@@ -308,13 +319,32 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
         log(f"  topk={topk}: {st['routed_per_token']:.1f} routed blocks per (token, unit), KV read "
             f"{st['kv_fraction']:.2%} of causal, tile reuse {st['tile_reuse']:.1f} of {st['qt']}, "
             f"{st['waves']} waves")
-        for chunk in chunks:
-            variant = "one-shot" if chunk is None else f"chunks-{chunk}"
-            for write in (True, False):
-                fn = dash_fn(pr, params, write, chunk, out)
-                ms = timed(fn, a, cuda)
-                add("dash-triton", variant, ms, topk=topk, write=write, chunk=chunk, frac=st["kv_fraction"],
-                    floor=floor, mem=peak_mb(fn, cuda), extra=extra)
+        for tune in a.tunings:
+            saved = {k: getattr(pf, k) for k in tune}
+            for k, v in tune.items():
+                setattr(pf, k, v)
+            tag = "".join(f" {k.lower()}={v}" for k, v in tune.items())
+            ex = extra
+            if tune:  # tile sizes may change with the settings: their own sharing statistics
+                st_t = selection_stats(pr, params)
+                ex = dict(extra, tile_reuse=round(st_t["tile_reuse"], 2), tile_tokens=st_t["qt"],
+                          executed_tflop=round(st_t["executed_flops"] / 1e12, 3), waves=st_t["waves"])
+            try:
+                for chunk in chunks:
+                    variant = ("one-shot" if chunk is None else f"chunks-{chunk}") + tag
+                    for write in (True, False):
+                        fn = dash_fn(pr, params, write, chunk, out)
+                        ms = timed(fn, a, cuda)
+                        add("dash-triton", variant, ms, topk=topk, write=write, chunk=chunk, frac=st["kv_fraction"],
+                            floor=floor, mem=peak_mb(fn, cuda), extra=ex)
+                if cuda:  # where the time goes: the routing waves alone (attention = the rest)
+                    ms = timed(route_only_fn(pr, params), a, cuda)
+                    add("dash-triton", "route-only" + tag, ms, topk=topk, frac=st["kv_fraction"],
+                        floor=2 * n * hq * d * esize / bw * 1e3, extra=ex,
+                        note="plan, scratch and every routing wave of the one-shot op; no attention, no write")
+            finally:
+                for k, v in saved.items():
+                    setattr(pf, k, v)
         if cuda:
             torch.cuda.empty_cache()
 
@@ -390,12 +420,12 @@ def _key(r):
 
 
 def _order(r):
-    return (r["device"], r["hkv"], r["context"], str(r.get("chunk")), str(r["topk"]), r["method"],
+    return (r["device"], r["hkv"], r["context"], str(r.get("chunk")), str(r["topk"]), r["method"], r["variant"],
             not r["includes_write"])
 
 
 def table(records: list) -> str:
-    head = ("| prompt | chunks | Hq/Hkv | D | bs | topk | sf | method | write | time (ms) | KV read | floor (ms) | "
+    head = ("| prompt | variant | Hq/Hkv | D | bs | topk | sf | method | write | time (ms) | KV read | floor (ms) | "
             "of floor | peak mem (MiB) | tile reuse | vs best dense |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     dense = {}
@@ -407,13 +437,13 @@ def table(records: list) -> str:
     for r in records:
         k = (r["device"], r["context"], r["hq"], r["hkv"], r["head_dim"], r.get("chunk"))
         if r.get("ms") is None:
-            rows.append(f"| {r['context']} | - | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | none | "
+            rows.append(f"| {r['context']} | {r['variant']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | none | "
                         f"{r['scaling_factor']} | {r['method']} | - | not run: {r.get('note', '')} | | | | | | |")
             continue
         sp = f"{dense[k] / r['ms']:.2f}x" if k in dense else "-"
         mem = "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
         reuse = "-" if r.get("tile_reuse") is None else f"{r['tile_reuse']:.1f}/{r['tile_tokens']}"
-        rows.append(f"| {r['context']} | {r.get('chunk') or '-'} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
+        rows.append(f"| {r['context']} | {r['variant']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
                     f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | {r['method']} | "
                     f"{'yes' if r['includes_write'] else 'no'} | {r['ms']:.2f} | {r['kv_fraction']:.2%} | "
                     f"{r['floor_ms']:.2f} | {r['floor_fraction']:.0%} | {mem} | {reuse} | {sp} |")
@@ -429,7 +459,8 @@ def summary(records: list) -> str:
             continue
         where = (r["device"], r["hkv"], r.get("chunk"))
         if r["method"] == "dash-triton" and r["includes_write"]:
-            ours.setdefault(where + (r["topk"],), {})[r["context"]] = r["ms"]
+            o = ours.setdefault(where + (r["topk"],), {})
+            o[r["context"]] = min(o.get(r["context"], float("inf")), r["ms"])
         elif r["method"].startswith("dense"):
             d = dense.setdefault(where, {})
             d[r["context"]] = min(d.get(r["context"], float("inf")), r["ms"])
@@ -496,6 +527,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default="sdpa,flashinfer,published")
     ap.add_argument("--published-max-context", type=int, default=131072)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tune", action="append", default=[],
+                    help="extra DASH kernel settings to time, e.g. --tune ATTN_ROWS=128,ATTN_WARPS=8 (repeatable; "
+                         "names of dash_core.kernels.prefill constants)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--json", default=str(ROOT / "docs/perf/prefill.json"))
     ap.add_argument("--markdown", default=str(ROOT / "docs/PERFORMANCE.md"))
@@ -506,6 +540,13 @@ def main(argv=None) -> int:
     shown = [x for i, x in enumerate(raw)  # the command as recorded in the docs: output paths left out
              if x not in ("--json", "--markdown", "--svg") and not (i and raw[i - 1] in ("--json", "--markdown", "--svg"))]
     a.command = "python benchmarks/prefill.py " + " ".join(shown)
+    a.tunings = [{}]
+    for t in a.tune:
+        kv = dict(x.split("=", 1) for x in t.split(","))
+        unknown = [k for k in kv if not hasattr(pf, k)]
+        if unknown:
+            ap.error(f"--tune: {unknown} are not constants of dash_core.kernels.prefill")
+        a.tunings.append({k: int(v) for k, v in kv.items()})
     if a.preset == "required":
         a.context, a.chunk_contexts, a.hkv, a.topk = "2048,4096,8192,32768,131072", "131072", "8", "64,none"
     elif a.preset == "matrix":
