@@ -10,7 +10,7 @@ works) and the published DashAttention prefill (its three stages, uncapped at th
 ``scaling_factor``, if ``$DASH_PUBLISHED_DIR`` holds the authors' repository: it materialises
 ``[B, Hq, N, nblk]`` fp32 scores, so it is skipped, with the reason, where that cannot fit).
 
-Queries follow an AR(1) walk over positions (``--query-correlation``, default 0.9): neighbouring
+Queries follow an AR(1) walk over positions (``--query-correlation``, default 0.95): neighbouring
 queries of trained models are alike, which is what lets a tile of query tokens share the K/V loads of
 their routed blocks; the records carry the measured sharing (``tile_reuse``: routed (token, block)
 pairs per block loaded by a tile) so runs with other data can be compared. Peak GPU memory is
@@ -523,7 +523,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--sf", type=float, default=None, help="scaling_factor (default: calibrated per prompt length)")
     ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
-    ap.add_argument("--query-correlation", type=float, default=0.9, help="AR(1) coefficient of queries over positions")
+    ap.add_argument("--query-correlation", type=float, default=0.95,
+                    help="AR(1) coefficient of queries over positions (0: independent queries, the worst case)")
     ap.add_argument("--peers", default="sdpa,flashinfer,published")
     ap.add_argument("--published-max-context", type=int, default=131072)
     ap.add_argument("--iters", type=int, default=20)

@@ -19,11 +19,12 @@ for the whole prompt. Each wave is two launches:
 - ``_prefill_route_kernel``, grid ``(W, Hkv)`` (``(W, 1)`` for router ``shared``): scores of the tile's
   tokens against every candidate summary (``tl.dot``, read through the page table) into the scratch,
   then ``routing.route_tile`` with the tile's tokens as units: the one routing routine of decode.
-- ``_prefill_attn_kernel``, grid ``(W, Hkv)``: the union of the tile's selected blocks (a merge of the
-  per-token sorted lists), then attention of the ``QT * G`` rows over the local window (causal) and
-  each union block, loading each K/V block once for the tile; rows that did not select a block get
-  ``-inf`` logits there, the others their log prior. Queries of a tile routed to the same block share
-  the load and the MMA (how much depends on how similar neighbouring tokens' selections are).
+- ``_prefill_attn_kernel``, grid ``(W, Hkv)``: the union of the tile's selected blocks (built in
+  parallel passes: a per-candidate table of each token's log prior, then a scan that compacts the
+  candidates some token kept), then attention of the ``QT * G`` rows over the local window (causal)
+  and each union block, loading each K/V block once for the tile; rows that did not select a block
+  get ``-inf`` logits there, the others their log prior. Queries of a tile routed to the same block
+  share the load and the MMA (how much depends on how similar neighbouring tokens' selections are).
 
 Nothing reads a device value on the host: grid and scratch sizes come from shapes (``T``, ``n``,
 ``max_pages``), tile placement is computed on the device.
@@ -44,11 +45,11 @@ from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_index
 from .launcher import check_kernel_config, _check_on
-from .routing import NUM_PIVOTS, SELECT_TILE_BUDGET, route_tile
+from .routing import NUM_PIVOTS, route_tile
 
 logger = logging.getLogger(__name__)
 
-SCRATCH_BYTES = 512 << 20  # routing scratch of one wave (scores, mp, selection, union lists)
+SCRATCH_BYTES = 896 << 20  # routing scratch of one wave (scores, mp, selection, union lists): < 1 GB
 ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
 ROUTE_TILE_BUDGET = 2048  # elements of route_tile's largest register tile (QT units at once)
 ROUTE_WARPS = 8
@@ -56,7 +57,6 @@ ATTN_WARPS = 4
 ATTN_STAGES = 3
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # Globals a compiled kernel reads must be constexpr objects.
-_BIG = tl.constexpr(1 << 30)  # "no more blocks" in the union merge
 LOG2E_HOST = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E_HOST)
 

@@ -93,6 +93,27 @@ def test_summaries_identical_whichever_path(chunks):
     assert torch.equal(by_prefill.cpu()[untouched], summ0.cpu()[untouched])
 
 
+def test_summaries_identical_prefill_and_decode_op():
+    """The decode op writes a step's K/V and the summary its token completes inside its score launch:
+    a prompt decoded token by token through ``paged_dash_decode_triton`` leaves the same summaries,
+    bit for bit, as the prefill write of the whole prompt."""
+    total, bs = 32, 16
+    p = DashParams(block_size=bs, scaling_factor=2.0)
+    case = make_prefill_case(6, [(total, total)], bs=bs, hq=4, hkv=2, d=64, params=p).to(DEV)
+    wipe_new_tokens(case)
+    summ0 = case.cache.summaries.clone()
+    launcher.cache_dash_prefill_triton(case.k, case.v, case.cache, case.slot_mapping, p, case.head_cls)
+    by_prefill = case.cache.summaries.clone()
+    case.cache.summaries.copy_(summ0)
+    wipe_new_tokens(case)
+    bt = case.block_table[:1]
+    for t in range(total):
+        seq = torch.tensor([t + 1], dtype=torch.int32, device=case.q.device)
+        launcher.paged_dash_decode_triton(case.q[t:t + 1], case.k[t:t + 1], case.v[t:t + 1], case.cache, bt, seq,
+                                          case.slot_mapping[t:t + 1], case.head_cls, p)
+    assert torch.equal(case.cache.summaries, by_prefill), "summaries differ between the prefill write and decode"
+
+
 # --- stage 2: routing ----------------------------------------------------------------------------
 
 
