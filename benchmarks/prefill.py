@@ -368,48 +368,65 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
                 add("dense-flashinfer", variant, ms, chunk=chunk, mem=peak_mb(fn, cuda))
             except Exception as e:
                 log(f"  dense-flashinfer {variant} skipped: {type(e).__name__}: {str(e)[:200]}")
-    if "published" in peers and None in topks and None in chunks:
-        params = DashParams(block_size=bs, scaling_factor=sf)
-        need = published_bytes(n, hq, hkv, bs)
-        free = torch.cuda.mem_get_info(device)[0] if cuda else float("inf")
-        if n > a.published_max_context:
-            add_skip = f"not run past --published-max-context {a.published_max_context}"
-            log(f"  published-dash skipped: {add_skip}")
-            records.append(dict(common, method="published-dash", variant="one-shot", topk=None, includes_write=True,
-                                chunk=None, ms=None, note=f"{add_skip}; its stage 2 would hold {need / 2**30:.1f} GiB "
-                                                         "of fp32 scores and prior"))
-        elif need > 0.9 * free:
-            why = (f"out of memory by construction: [1, Hq, N, nblk] fp32 scores + prior = {need / 2**30:.1f} GiB, "
-                   f"{free / 2**30:.1f} GiB free")
-            log(f"  published-dash skipped: {why}")
-            records.append(dict(common, method="published-dash", variant="one-shot", topk=None, includes_write=True,
-                                chunk=None, ms=None, note=why))
-        else:
-            try:
-                fn = published_fn(pr, params)
-                t0 = time.time()
-                fn()  # compile + autotune at the timed shapes, outside the timed region
-                if cuda:
-                    torch.cuda.synchronize()
-                log(f"  published-dash compiled and autotuned in {time.time() - t0:.0f} s")
-                ms = time_calls([fn], 2, 0, cuda) if cuda else float("nan")
-                st = selection_stats(pr, params)
-                add("published-dash", "one-shot", ms, write=True, frac=st["kv_fraction"],
-                    floor=max(io_bytes / bw, st["useful_flops"] / PEAK_FLOPS) * 1e3, mem=peak_mb(fn, cuda),
-                    note="stages 1-3 on contiguous tensors (summaries included, the K/V write is not: none)")
-            except torch.cuda.OutOfMemoryError as e:
-                why = f"out of memory ({need / 2**30:.1f} GiB of stage-2 scores + prior): {str(e)[:160]}"
-                log(f"  published-dash: {why}")
-                records.append(dict(common, method="published-dash", variant="one-shot", topk=None,
-                                    includes_write=True, chunk=None, ms=None, note=why))
-            except Exception as e:
-                log(f"  published-dash skipped: {type(e).__name__}: {str(e)[:300]}")
-            if cuda:
-                torch.cuda.empty_cache()
     del pr, out
     if cuda:
         torch.cuda.empty_cache()
     return sf
+
+
+def run_published(a, n, hkv, sf, device, bw, records, dtype=torch.bfloat16):
+    """The published prefill, uncapped at the same scaling_factor (run after the other cases, shortest
+    prompts first: its kernels autotune once, at the first shape)."""
+    hq, d, bs, ps = a.hq, a.head_dim, a.block_size, a.page_size
+    cuda = device.type == "cuda"
+    esize = torch.empty((), dtype=dtype).element_size()
+    dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
+    common = dict(phase="prefill", batch=1, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
+                  device=dev_name, command=a.command, page_size=ps, graph=False,
+                  query_correlation=a.query_correlation)
+    params = DashParams(block_size=bs, scaling_factor=sf)
+    need = published_bytes(n, hq, hkv, bs)
+    io_bytes = 2 * n * hq * d * esize + 2 * n * hkv * d * esize
+
+    def skipped(why):
+        log(f"  published-dash at {n} tokens not run: {why}")
+        records.append(dict(common, method="published-dash", variant="one-shot", topk=None, includes_write=True,
+                            chunk=None, ms=None, note=why))
+
+    if n > a.published_max_context:
+        return skipped(f"past --published-max-context {a.published_max_context}; its stage 2 would hold "
+                       f"{need / 2**30:.1f} GiB of fp32 scores and prior")
+    free = torch.cuda.mem_get_info(device)[0] if cuda else float("inf")
+    if need > 0.9 * free:
+        return skipped(f"out of memory by construction: [1, Hq, N, nblk] fp32 scores + prior = "
+                       f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    log(f"prompt {n} tokens: published DashAttention prefill")
+    pr = Prompt(n, hq, hkv, d, bs, ps, dtype, device, seed=11, q_corr=a.query_correlation, cuda=cuda)
+    try:
+        fn = published_fn(pr, params)
+        t0 = time.time()
+        fn()  # compile + autotune at the timed shapes, outside the timed region
+        if cuda:
+            torch.cuda.synchronize()
+        log(f"  published-dash compiled (and autotuned) in {time.time() - t0:.0f} s")
+        ms = time_calls([fn], 2, 0, cuda) if cuda else (time.time() - t0) * 1e3
+        st = selection_stats(pr, params)
+        floor = max(io_bytes / bw, st["useful_flops"] / PEAK_FLOPS) * 1e3
+        rec = dict(common, method="published-dash", variant="one-shot", topk=None, includes_write=True, chunk=None,
+                   ms=round(ms, 4), kv_fraction=round(st["kv_fraction"], 5), floor_ms=round(floor, 4),
+                   floor_fraction=round(floor / ms, 4), peak_mb=None,
+                   note="stages 1-3 on contiguous [1, H, N, D] tensors, summaries included; no paged K/V write")
+        mem = peak_mb(fn, cuda)
+        rec["peak_mb"] = None if math.isnan(mem) else round(mem, 1)
+        records.append(rec)
+        log(f"  published-dash   one-shot       {ms:10.2f} ms  peak {rec['peak_mb']} MiB")
+    except torch.cuda.OutOfMemoryError as e:
+        skipped(f"out of memory ({need / 2**30:.1f} GiB of stage-2 scores + prior): {str(e)[:160]}")
+    except Exception as e:  # an optional peer must not stop the run
+        log(f"  published-dash skipped: {type(e).__name__}: {str(e)[:300]}")
+    del pr
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -508,6 +525,15 @@ def write_outputs(a, all_recs: list, bw: float, device: str) -> None:
 
 # ---------------------------------------------------------------------------- main
 
+def flush_docs(a, records: list, bw: float) -> None:
+    """Merge this run's records into the JSON and rewrite the prefill section and chart (after every
+    prompt length, so that a run cut short by a time limit still leaves its results)."""
+    if a.no_write_docs or not records:
+        return
+    all_recs = merge_records(Path(a.json), records, _key, _order)
+    write_outputs(a, all_recs, bw, records[0]["device"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=["required", "matrix"],
@@ -569,23 +595,33 @@ def main(argv=None) -> int:
     topks = sorted([None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")],
                    key=lambda t: -1 if t is None else t)
     chunked = {int(x) for x in a.chunk_contexts.split(",") if x}
-    t0 = time.time()
-    for hkv in [int(x) for x in a.hkv.split(",")]:
-        for n in [int(x) for x in a.context.split(",")]:
-            chunks = [None] + ([a.chunk] if n in chunked and a.chunk < n else [])
-            try:
-                run_context(a, n, hkv, topks, chunks, a.sf, device, bw, records)
-            except torch.cuda.OutOfMemoryError as e:
-                log(f"  out of memory, prompt length {n} skipped: {e}")
-                torch.cuda.empty_cache()
-            log(f"elapsed {time.time() - t0:.0f} s")
-    print("\n" + table(records) + "\n\n" + summary(records) + "\n", flush=True)
     if a.smoke:
         tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "dash_prefill_smoke"
         a.json, a.markdown, a.svg = str(tmp / "prefill.json"), str(tmp / "PERFORMANCE.md"), str(tmp / "prefill.svg")
+    t0 = time.time()
+    sfs = {}
+    for hkv in [int(x) for x in a.hkv.split(",")]:
+        # longest prompts first: they carry the targets, and the docs are rewritten after every length
+        for n in sorted((int(x) for x in a.context.split(",")), reverse=True):
+            chunks = [None] + ([a.chunk] if n in chunked and a.chunk < n else [])
+            sf_n = None
+            try:
+                sf_n = run_context(a, n, hkv, topks, chunks, a.sf, device, bw, records)
+            except torch.cuda.OutOfMemoryError as e:
+                log(f"  out of memory, prompt length {n} skipped: {e}")
+                torch.cuda.empty_cache()
+            sfs[(hkv, n)] = sf_n
+            flush_docs(a, records, bw)
+            log(f"elapsed {time.time() - t0:.0f} s")
+    peers = set(a.peers.split(",")) if a.peers else set()
+    if "published" in peers and None in topks:
+        for (hkv, n), sf_n in sorted(sfs.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            if sf_n is not None:
+                run_published(a, n, hkv, sf_n, device, bw, records)
+                flush_docs(a, records, bw)
+        log(f"elapsed {time.time() - t0:.0f} s")
+    print("\n" + table(records) + "\n\n" + summary(records) + "\n", flush=True)
     if not a.no_write_docs:
-        all_recs = merge_records(Path(a.json), records, _key, _order)
-        write_outputs(a, all_recs, bw, records[0]["device"] if records else "?")
         log(f"wrote {a.json}, {a.markdown}, {a.svg}")
     return 0
 
