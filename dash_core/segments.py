@@ -167,6 +167,11 @@ def check_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torc
     return SegmentGeometry(n=n, hsel=hsel, topk=topk, bs=bs, local=local, hq=hq, hk=hk, d=d)
 
 
+def _cache_or_default(plan_cache: Optional[PlanCache]) -> PlanCache:
+    """The given plan cache (even when empty: an empty cache is falsy) or the process-wide one."""
+    return plan_cache if plan_cache is not None else default_plan_cache()
+
+
 # ----------------------------------------------------------------------------------------------
 # the merge (the one place where segment results are combined)
 
@@ -179,8 +184,8 @@ def segment_weights_inputs(used: torch.Tensor, bias: torch.Tensor, bs: int, loca
     is > 0 and its log prior is not -inf.
     """
     topk = used.shape[-1] - 1
-    cap = torch.full((topk + 1,), bs, dtype=torch.int32, device=used.device)
-    cap[-1] = local
+    seg = torch.arange(topk + 1, device=used.device)
+    cap = torch.where(seg == topk, local, bs).to(torch.int32)  # no host-to-device copy (graph-safe)
     length = torch.minimum(used.to(torch.int32).clamp(min=0), cap)
     local_prior = torch.zeros(*bias.shape[:-1], 1, dtype=torch.float32, device=bias.device)
     log_prior = torch.cat([bias.float(), local_prior], dim=-1)
@@ -461,7 +466,7 @@ def flash_dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used
     elif backend in ("TRITON", "TORCH"):
         o, lse = segment_attention_torch(q, k, v, used, geo)
     elif backend == "FLASHINFER":
-        plan = _flashinfer_plan(geo, q.dtype, q.device, plan_cache or default_plan_cache())
+        plan = _flashinfer_plan(geo, q.dtype, q.device, _cache_or_default(plan_cache))
         o, lse = plan.run(q, k, v, used)
     else:
         o, lse = _flash_attn_segments(q, k, v, used, geo)
@@ -480,7 +485,7 @@ def prepare_flash_dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     geo = check_segments(q, k, v, used, bias, backend, bs, local)
     if backend != "FLASHINFER":
         return None
-    cache = plan_cache or default_plan_cache()
+    cache = _cache_or_default(plan_cache)
     _flashinfer_plan(geo, q.dtype, q.device, cache, pin=True)
     return plan_key(geo, q.dtype, q.device)
 
@@ -749,7 +754,7 @@ def flash_dash_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     if geo.n == 0:
         return q.new_zeros(q.shape)
     if backend == "FLASHINFER":
-        plan = _flashinfer_plan(geo, q.dtype, q.device, plan_cache or default_plan_cache(), paged=True)
+        plan = _flashinfer_plan(geo, q.dtype, q.device, _cache_or_default(plan_cache), paged=True)
         o, lse = plan.run_paged(q, k_pages, v_pages, page_table, used)
         return combine_segments(o, lse, used, bias, geo, q.dtype)
     if backend == "FLASH_ATTN":
@@ -767,5 +772,5 @@ def prepare_flash_dash_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v
     geo = check_paged_segments(q, k_pages, v_pages, page_table, used, bias, backend, bs, local)
     if backend != "FLASHINFER":
         return None
-    _flashinfer_plan(geo, q.dtype, q.device, plan_cache or default_plan_cache(), pin=True, paged=True)
+    _flashinfer_plan(geo, q.dtype, q.device, _cache_or_default(plan_cache), pin=True, paged=True)
     return plan_key(geo, q.dtype, q.device, layout="paged", page_size=bs)

@@ -99,3 +99,13 @@ def test_workspace_is_shared_per_device():
     cache = PlanCache(workspace_bytes=1024)
     ws = cache.workspace(torch.device("cpu"))
     assert ws is cache.workspace(torch.device("cpu")) and ws.numel() == 1024 and not ws.any()
+
+
+def test_an_empty_cache_passed_explicitly_is_used():
+    """An empty PlanCache is falsy (len 0); the segment backends must still use it, not the default."""
+    from dash_core.plan_cache import PlanCache, default_plan_cache
+    from dash_core.segments import _cache_or_default
+
+    mine = PlanCache()
+    assert len(mine) == 0 and _cache_or_default(mine) is mine
+    assert _cache_or_default(None) is default_plan_cache()

@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from .common import LN2, LOG2E_F as LOG2E  # LN2 is a tl.constexpr: kernels may read it
 
 
 @triton.jit
