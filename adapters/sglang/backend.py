@@ -51,6 +51,7 @@ class DashForwardMetadata:
     block_table: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
+    graph: bool = False  # built by init_forward_metadata_out_graph: decode reuses the static kernel scratch
 
 
 def summary_store(pool, block_size: int) -> list:
@@ -103,6 +104,7 @@ class DashAttnBackend(AttentionBackend):
         self.max_pages = -(-self.max_context_len // self.page_size)
         self.forward_metadata: Optional[DashForwardMetadata] = None
         self.cuda_graph_max_bs = 0
+        self.cg_decode_buffers = None  # Triton decode scratch owned by the captured graphs (CUDA only)
         logger.info("DASH attention backend: %s, page size %d", self.params, self.page_size)
 
     # ---- start-up checks -------------------------------------------------------------------
@@ -213,7 +215,7 @@ class DashAttnBackend(AttentionBackend):
         self.cg_block_table[:bs].copy_(block_table_from_req_to_token(rows, self.page_size))
         self.cg_seq_lens[:bs].copy_(forward_batch.seq_lens[:bs])
         self.forward_metadata = DashForwardMetadata(
-            self.cg_block_table[:bs], self.cg_seq_lens[:bs], self.cg_cu_seqlens_q[: bs + 1])
+            self.cg_block_table[:bs], self.cg_seq_lens[:bs], self.cg_cu_seqlens_q[: bs + 1], graph=True)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded graph rows get one KV token (in the padding page), as SGLang's own backends."""
@@ -246,8 +248,23 @@ class DashAttnBackend(AttentionBackend):
             raise ValueError(f"layer {layer.layer_id}: save_kv_cache=True but k/v are None")
         else:
             v = slots = None
-        out = op(q3, k, v, cache, md.block_table, *_op_lens(op, md), slots, head_cls, self.params)
+        extra = {}
+        if op is paged_dash_decode and md.graph and q3.is_cuda:
+            extra["buffers"] = self._graph_decode_buffers(q3, cache)
+        out = op(q3, k, v, cache, md.block_table, *_op_lens(op, md), slots, head_cls, self.params, **extra)
         return out.view(-1, hq * d)
+
+    def _graph_decode_buffers(self, q3: torch.Tensor, cache: PagedKVCache):
+        """The Triton decode scratch for captured decode, sized once by ``init_cuda_graph_state``'s
+        ``max_bs`` and the longest context; shared by every layer (they run one after another).
+        Made on the first graph-path decode, which SGLang runs eagerly before capturing."""
+        if self.cg_decode_buffers is None:
+            from dash_core.kernels.launcher import DecodeBuffers
+
+            self.cg_decode_buffers = DecodeBuffers.allocate(
+                self.cuda_graph_max_bs, q3.shape[1], cache.num_kv_heads, cache.head_dim, self.page_size,
+                self.max_pages, self.params, q3.device)
+        return self.cg_decode_buffers
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, head_cls=None, **kwargs):
         """Prefill, chunked prefill and mixed batches: ``q [T, Hq * D]`` -> ``[T, Hq * D]``."""
