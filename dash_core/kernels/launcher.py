@@ -78,6 +78,31 @@ def _check_on(name: str, x: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
 
 
+def check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n: int, t: int, rows: str, d: int,
+                       dev) -> None:
+    """Checks decode and prefill share: the page table ``[n, max_pages]``, ``head_cls`` and the new
+    ``k, v [t, Hkv, D]`` with their ``slot_mapping [t]`` (all three, or none). ``rows`` names t."""
+    if block_table.dim() != 2 or block_table.shape[0] != n or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be [n = {n}, max_pages] int32; got {tuple(block_table.shape)} "
+                         f"{block_table.dtype}")
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table must be contiguous in its last dim")
+    if tuple(head_cls.shape) != (cache.num_kv_heads, d):
+        raise ValueError(f"head_cls must be [Hkv, D] = {(cache.num_kv_heads, d)}, got {tuple(head_cls.shape)}")
+    if (k is None) != (v is None) or (k is None) != (slot_mapping is None):
+        raise ValueError("pass k, v and slot_mapping together, or none of them (K/V already written)")
+    if k is not None:
+        want = (t, cache.num_kv_heads, d)
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != want or x.stride(-1) != 1:
+                raise ValueError(f"{name} must be [{rows}, Hkv, D] = {want} contiguous in D; got {tuple(x.shape)}")
+            _check_on(name, x, dev)
+        if tuple(slot_mapping.shape) != (t,) or slot_mapping.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"slot_mapping must be [{rows} = {t}] int64; got {tuple(slot_mapping.shape)} "
+                             f"{slot_mapping.dtype}")
+        _check_on("slot_mapping", slot_mapping, dev)
+
+
 def check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, out) -> None:
     """Validate a decode step from shapes and dtypes only (no device reads)."""
     if q.dim() != 3 or q.stride(-1) != 1:
@@ -90,27 +115,9 @@ def check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_
     for name, x in (("k_pages", cache.k_pages), ("summaries", cache.summaries), ("block_table", block_table),
                     ("seq_lens", seq_lens), ("head_cls", head_cls)):
         _check_on(name, x, dev)
-    if block_table.dim() != 2 or block_table.shape[0] != n or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be [n = {n}, max_pages] int32; got {tuple(block_table.shape)} "
-                         f"{block_table.dtype}")
-    if block_table.stride(-1) != 1:
-        raise ValueError("block_table must be contiguous in its last dim")
     if tuple(seq_lens.shape) != (n,) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be [n = {n}] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    if tuple(head_cls.shape) != (cache.num_kv_heads, d):
-        raise ValueError(f"head_cls must be [Hkv, D] = {(cache.num_kv_heads, d)}, got {tuple(head_cls.shape)}")
-    if (k is None) != (v is None) or (k is None) != (slot_mapping is None):
-        raise ValueError("pass k, v and slot_mapping together, or none of them (K/V already written)")
-    if k is not None:
-        want = (n, cache.num_kv_heads, d)
-        for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != want or x.stride(-1) != 1:
-                raise ValueError(f"{name} must be [n, Hkv, D] = {want} contiguous in D; got {tuple(x.shape)}")
-            _check_on(name, x, dev)
-        if tuple(slot_mapping.shape) != (n,) or slot_mapping.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"slot_mapping must be [n = {n}] int64; got {tuple(slot_mapping.shape)} "
-                             f"{slot_mapping.dtype}")
-        _check_on("slot_mapping", slot_mapping, dev)
+    check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n, n, "n", d, dev)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {dev}, got {tuple(out.shape)} {out.dtype}")
 

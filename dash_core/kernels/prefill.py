@@ -44,7 +44,7 @@ import triton.language as tl
 from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_index
-from .launcher import check_kernel_config, _check_on
+from .launcher import check_kernel_config, check_step_tensors, _check_on
 from .routing import NUM_PIVOTS, route_tile
 
 logger = logging.getLogger(__name__)
@@ -500,25 +500,7 @@ def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot
     if tuple(cu_seqlens_q.shape) != (n + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens_q must be [n + 1 = {n + 1}] int32; got {tuple(cu_seqlens_q.shape)} "
                          f"{cu_seqlens_q.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != n or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be [n = {n}, max_pages] int32; got {tuple(block_table.shape)} "
-                         f"{block_table.dtype}")
-    if block_table.stride(-1) != 1:
-        raise ValueError("block_table must be contiguous in its last dim")
-    if tuple(head_cls.shape) != (cache.num_kv_heads, d):
-        raise ValueError(f"head_cls must be [Hkv, D] = {(cache.num_kv_heads, d)}, got {tuple(head_cls.shape)}")
-    if (k is None) != (v is None) or (k is None) != (slot_mapping is None):
-        raise ValueError("pass k, v and slot_mapping together, or none of them (K/V already written)")
-    if k is not None:
-        want = (t, cache.num_kv_heads, d)
-        for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != want or x.stride(-1) != 1:
-                raise ValueError(f"{name} must be [T, Hkv, D] = {want} contiguous in D; got {tuple(x.shape)}")
-            _check_on(name, x, dev)
-        if tuple(slot_mapping.shape) != (t,) or slot_mapping.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"slot_mapping must be [T = {t}] int64; got {tuple(slot_mapping.shape)} "
-                             f"{slot_mapping.dtype}")
-        _check_on("slot_mapping", slot_mapping, dev)
+    check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n, t, "T", d, dev)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev
                             or out.stride(-1) != 1):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {dev} contiguous in D, got "
