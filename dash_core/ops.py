@@ -89,7 +89,8 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
 def paged_dash_decode(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                       cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                       slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor, params: DashParams, *,
-                      out: Optional[torch.Tensor] = None, buffers=None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, buffers=None, backend: Optional[str] = None,
+                      plan_cache=None) -> torch.Tensor:
     """One decode step: one query token per request, at position ``seq_lens[i] - 1``.
 
     q: ``[n, Hq, D]``; k, v: ``[n, Hkv, D]`` (or None when already written); block_table:
@@ -97,12 +98,20 @@ def paged_dash_decode(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[to
     row, whose output is zero); slot_mapping: ``[n]`` int64. Returns ``[n, Hq, D]`` in ``q.dtype``.
     On CUDA with bf16/fp16 this runs the Triton kernels without host synchronisation;
     buffers: a ``dash_core.kernels.launcher.DecodeBuffers`` to reuse (what a CUDA graph owns).
+    backend: the attention stage on CUDA (default ``params.attention_backend``): ``"TRITON"`` or a
+    segment backend (``"FLASHINFER"``, ``"FLASH_ATTN"``; ``dash_core.segments``), which needs
+    ``params.topk``; plan_cache: FlashInfer plans (default: the process-wide cache). The CPU path
+    computes the same result with PyTorch whatever the backend.
     """
+    from .segments import check_decode_backend
+
+    backend = params.attention_backend if backend is None else backend
+    check_decode_backend(backend, params)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # fp32 stays on the torch path
         from .kernels.launcher import paged_dash_decode_triton
         _check_query(q, cache, head_cls, block_table, seq_lens)
         return paged_dash_decode_triton(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params,
-                                        out=out, buffers=buffers)
+                                        out=out, buffers=buffers, backend=backend, plan_cache=plan_cache)
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return _paged_dash("decode", q, k, v, cache, block_table, cu, seq_lens, slot_mapping, head_cls, params, out)
 

@@ -774,3 +774,61 @@ def prepare_flash_dash_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v
         return None
     _flashinfer_plan(geo, q.dtype, q.device, _cache_or_default(plan_cache), pin=True, paged=True)
     return plan_key(geo, q.dtype, q.device, layout="paged", page_size=bs)
+
+
+# ----------------------------------------------------------------------------------------------
+# a decode step's attention stage on a segment backend (what ops.paged_dash_decode dispatches to)
+
+
+def zero_copy_possible(cache: PagedKVCache, params: DashParams) -> bool:
+    """Whether decode segments can be addressed in place: page size = block size, and KV heads that fold
+    into pages (head-major caches such as vLLM's) or one selection for all heads (router ``shared``)."""
+    if cache.page_size != params.block_size:
+        return False
+    if params.router == "shared" or cache.num_kv_heads == 1:
+        return True
+    try:
+        fold_kv_heads(cache.k_pages)
+        fold_kv_heads(cache.v_pages)
+    except ValueError:
+        return False
+    return True
+
+
+def check_decode_backend(backend: str, params: DashParams) -> None:
+    """Host-side check that a decode step can run its attention stage on ``backend`` (before any write)."""
+    if backend not in SEGMENT_BACKENDS:
+        raise ValueError(f"backend = {backend!r} is not allowed: expected one of {SEGMENT_BACKENDS}")
+    if backend == "TRITON":
+        return
+    segment_count(params)
+    _check_capacity("block_size", params.block_size)
+    _check_capacity("local", params.local)
+
+
+def decode_segment_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
+                             seq_lens: torch.Tensor, sel_idx: torch.Tensor, sel_bias: torch.Tensor,
+                             sel_count: torch.Tensor, params: DashParams, backend: str, *,
+                             zero_copy: Optional[bool] = None, plan_cache: Optional[PlanCache] = None,
+                             pin: bool = False) -> torch.Tensor:
+    """Stage 3 of a decode step on a segment backend, from the routing kernels' selection.
+
+    q: ``[n, Hq, D]``; the selection as ``gather_segments`` takes it. zero_copy: address the segments
+    in the cache through page tables (``segment_pages``) instead of gathering a copy; None picks it
+    whenever ``zero_copy_possible``. pin: make and pin the FlashInfer plan of this shape first (call
+    once eagerly before CUDA-graph capture; the key stays pinned for the process). Device work only:
+    capturable once the plan exists. Returns ``[n, Hq, D]`` in q's dtype.
+    """
+    segment_count(params)
+    bs, local = params.block_size, params.local
+    if zero_copy is None:
+        zero_copy = zero_copy_possible(cache, params)
+    if zero_copy:
+        kp, vp, table, used, bias = segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
+        if pin:
+            prepare_flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local, plan_cache=plan_cache)
+        return flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local, plan_cache=plan_cache)
+    k, v, used, bias = gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
+    if pin:
+        prepare_flash_dash_attention(q, k, v, used, bias, backend, bs, local, plan_cache=plan_cache)
+    return flash_dash_attention(q, k, v, used, bias, backend, bs, local, plan_cache=plan_cache)

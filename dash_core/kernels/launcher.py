@@ -271,13 +271,16 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
                              cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                              slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor, params: DashParams, *,
                              out: Optional[torch.Tensor] = None,
-                             buffers: Optional[DecodeBuffers] = None) -> torch.Tensor:
+                             buffers: Optional[DecodeBuffers] = None, backend: str = "TRITON",
+                             plan_cache=None) -> torch.Tensor:
     """One DASH decode step with the Triton kernels (the CUDA branch of ``ops.paged_dash_decode``).
 
     q: ``[n, Hq, D]`` bf16/fp16; k, v: ``[n, Hkv, D]`` written at ``slot_mapping [n]`` first (or
     all None when already written); block_table ``[n, max_pages]`` int32; seq_lens ``[n]``
     including the new token (0 = padded row -> zeros); head_cls ``[Hkv, D]``.
     buffers: ``DecodeBuffers`` to reuse (required under CUDA-graph capture); allocated when None.
+    backend: the attention stage, ``"TRITON"`` (the fused paged kernel) or a segment backend of
+    ``dash_core.segments`` (``"FLASHINFER"``, ``"FLASH_ATTN"``, ``"TORCH"``) fed by the same routing.
     Returns ``out [n, Hq, D]`` in ``q.dtype``. Launches only; never synchronises.
     """
     check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, out)
@@ -294,6 +297,13 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
         else:
             write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=True)
     route(q, cache, block_table, seq_lens, params, buffers, write=fused)
+    if backend != "TRITON":
+        from ..segments import decode_segment_attention
+
+        n, b = q.shape[0], buffers
+        out.copy_(decode_segment_attention(q, cache, block_table, seq_lens, b.sel_idx[:n], b.sel_bias[:n],
+                                           b.sel_count[:n], params, backend, plan_cache=plan_cache))
+        return out
     return attend(q, cache, block_table, seq_lens, params, buffers, out)
 
 
