@@ -10,9 +10,9 @@ that page. Every token gets two integer coordinates:
   the page before it (text before the first page counts from 0, text after the last page starts a
   new run at 0 in the query page).
 
-A prompt without any page (``P = 0``) is all text before the first page: page 0, ``tok`` = position,
-and generated tokens continue it (the query page is then 0, not 1, so that such a prompt is ordinary
-RoPE throughout).
+A prompt without any page (``P = 0``) gets ``tok = page = position``, and generated tokens continue
+it (its query page is recorded as 0), so such a prompt of a page-mode model is ordinary RoPE
+throughout (the contract of issue 7: every prompt of a page-mode model is in page mode).
 
 Page RoPE rotates the neox pairs ``0 .. r - 1`` by ``tok`` and the pairs ``r .. rot/2 - 1`` by
 ``page``, each with its usual frequency (``r = DashParams.page_rope_tok_pairs``, default ``rot / 4``).
@@ -108,7 +108,8 @@ def page_coordinates(roles, generated: int = 0) -> tuple[torch.Tensor, torch.Ten
     page = torch.where(in_query, npages + 1, pidx)
     run_start = start | (idx == 0) | (in_query & (idx == last_page_tok + 1))
     first = torch.cummax(torch.where(run_start, idx, torch.zeros_like(idx)), 0).values
-    return idx - first, page
+    tok = idx - first
+    return tok, torch.where(npages > 0, page, tok)  # no page: ordinary RoPE
 
 
 def decode_coordinates(prev_tok: torch.Tensor, prev_page: torch.Tensor,
@@ -117,10 +118,13 @@ def decode_coordinates(prev_tok: torch.Tensor, prev_page: torch.Tensor,
 
     prev_tok, prev_page, query_page: ``[n]`` integer tensors (as decoded from the auxiliary head).
     A token after a query-page token continues its run; after a page token it starts the query
-    page at offset 0. Device-side tensor ops only (no host reads), so it can run in a captured graph.
+    page at offset 0; without pages (``query_page == 0``) ``tok = page = position``. Device-side
+    tensor ops only (no host reads), so it can run in a captured graph.
     """
-    cont = prev_page == query_page
-    return torch.where(cont, prev_tok + 1, torch.zeros_like(prev_tok)), query_page.clone()
+    no_pages = query_page == 0
+    cont = (prev_page == query_page) | no_pages
+    tok = torch.where(cont, prev_tok + 1, torch.zeros_like(prev_tok))
+    return tok, torch.where(no_pages, tok, query_page)
 
 
 def resolve_tok_pairs(tok_pairs: Optional[int], rotary_dim: int) -> int:
@@ -140,7 +144,8 @@ def page_rope(x: torch.Tensor, tok: torch.Tensor, page: torch.Tensor,
 
     settings: a ``PageRopeSettings`` (``main`` picks the attention heads' rotary settings, else the
     indexer's) or a single ``RotarySettings`` (then ``tok_pairs`` gives ``r``). Neox pairing; angles
-    and the rotation are computed in float32, as engines do, then rounded to ``x.dtype``.
+    and the rotation are computed in float32, as engines do (float64 for a float64 ``x``, as the
+    reference model does), then rounded to ``x.dtype``.
     """
     if isinstance(settings, PageRopeSettings):
         rot = settings.main if main else settings.indexer
@@ -159,13 +164,14 @@ def page_rope(x: torch.Tensor, tok: torch.Tensor, page: torch.Tensor,
         raise ValueError(f"tok and page must be [T] = [{x.shape[0]}], got {tuple(tok.shape)} and {tuple(page.shape)}")
     half = rd // 2
     r = resolve_tok_pairs(tok_pairs, rd)
-    inv_freq = 1.0 / (rot.theta ** (torch.arange(0, rd, 2, dtype=torch.float32, device=x.device) / rd))
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (rot.theta ** (torch.arange(0, rd, 2, dtype=cdt, device=x.device) / rd))
     use_tok = torch.arange(half, device=x.device) < r
-    coord = torch.where(use_tok[None, :], tok[:, None], page[:, None]).to(torch.float32)  # [T, half]
+    coord = torch.where(use_tok[None, :], tok[:, None], page[:, None]).to(cdt)  # [T, half]
     ang = coord * inv_freq[None, :]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     cos, sin = ang.cos().reshape(shape), ang.sin().reshape(shape)
-    xf = x.float()
+    xf = x.to(cdt)
     x1, x2 = xf[..., :half], xf[..., half:rd]
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, xf[..., rd:]], dim=-1)
     return out.to(x.dtype)

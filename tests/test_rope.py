@@ -37,6 +37,8 @@ def direct_coordinates(roles, generated=0):
             offset += 1
             tok.append(offset)
             page.append(cur_page)
+    if not num_pages:  # a prompt without pages is ordinary RoPE: page = tok = position
+        page = list(tok)
     return tok, page
 
 
@@ -81,9 +83,9 @@ def test_coordinates_worked_example():
     assert tok.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 0, 1, 2, 3]
     assert page.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3]
     assert page_state(roles) == (2, 3)
-    # no page: ordinary positions in page 0, generated tokens continue
+    # no page: ordinary RoPE (tok = page = position), generated tokens continue
     tok, page = page_coordinates(torch.zeros(5, dtype=torch.long), generated=2)
-    assert tok.tolist() == list(range(7)) and page.tolist() == [0] * 7
+    assert tok.tolist() == list(range(7)) and page.tolist() == list(range(7))
 
 
 def test_coordinates_reject_bad_roles():
@@ -112,9 +114,10 @@ def test_decode_coordinates_equal_prefill(kind):
 
 
 def test_decode_coordinates_batched():
-    # a batch of requests in one call: continuing a query-page run, right after a page, page 0 (no pages)
-    t, p = decode_coordinates(torch.tensor([4, 7, 9]), torch.tensor([3, 2, 0]), torch.tensor([3, 3, 0]))
-    assert t.tolist() == [5, 0, 10] and p.tolist() == [3, 3, 0]
+    # a batch of requests in one call: continuing a query-page run, right after a page, no pages
+    # (ordinary RoPE: tok = page = position)
+    t, p = decode_coordinates(torch.tensor([4, 7, 9]), torch.tensor([3, 2, 9]), torch.tensor([3, 3, 0]))
+    assert t.tolist() == [5, 0, 10] and p.tolist() == [3, 3, 10]
 
 
 def neox_rope(x, pos, theta, rotary_dim):
