@@ -10,9 +10,10 @@
 #   bash ci/gpu.sh tests        # tests only             } two calls of under 10 minutes each are the
 #   bash ci/gpu.sh bench [ARGS] # benchmark only         } safer way: first kernels compile, FlashInfer
 #                               # JIT-builds and the published kernels autotune inside these limits
+#   bash ci/gpu.sh stage SUB... # keep carried .whl/SUB (e.g. fa4/part1) for the next call on this warm machine
 # ARGS go to benchmarks/decode.py (default: --preset required).
 #
-# Optional peers: FlashInfer from a carried wheel under .whl/flashinfer/ (see ci/gpu_segments.sh), and the
+# Optional peers: FlashInfer and FlashAttention 4 from wheels carried or staged under .whl/ (ci/gpu_env.sh), and the
 # published DashAttention kernels from $DASH_PUBLISHED_DIR or an ignored copy at third_party/dash-attention.
 # Time limits (seconds): TEST_TIMEOUT (default 360), BENCH_TIMEOUT (default 220 after the tests, 540 alone).
 # DASH_KERNEL_EXAMPLES (default 6 here) sets the hypothesis examples per test (each new shape compiles).
@@ -31,6 +32,10 @@ export DASH_KERNEL_EXAMPLES=${DASH_KERNEL_EXAMPLES:-6}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 
 . "$root/ci/gpu_env.sh"
+if [ "$mode" = stage ]; then
+  gpu_stage "$@"
+  exit $?
+fi
 gpu_env env.txt
 
 rc=0

@@ -1,29 +1,114 @@
-# Shared set-up of the GPU scripts (sourced by ci/gpu.sh and ci/gpu_prefill.sh, not run).
-# Expects: root, out, py. Installs a carried FlashInfer wheel (.whl/flashinfer/) offline into /tmp/site,
-# points DASH_PUBLISHED_DIR at an ignored copy of the published kernels when present, and writes the
-# versions and nvidia-smi to "$out/$1".
-gpu_env() {
-  local report=$1
-  if ls .whl/flashinfer/*.whl >/dev/null 2>&1; then
-    local site=/tmp/site
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-      .whl/flashinfer/*.whl > "$out/flashinfer_install.log" 2>&1 || echo "flashinfer install failed (see log)"
-    export PYTHONPATH="$site:$PYTHONPATH"
-    export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
-    export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}
-    export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi}
-    export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-    if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
-      CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"); export CUDA_HOME
+# Shared set-up of the GPU scripts (sourced by ci/gpu.sh, ci/gpu_prefill.sh and ci/gpu_segments.sh, not run).
+# Expects: root, out, py. The GPU machine has no package registry: optional packages travel as wheels under
+# .whl/ (ignored by git; docs/segments.md says how they are built), at most 64 MiB per call. What does not fit
+# one call is staged by earlier calls on the same warm machine (`gpu_stage`) under $DASH_WHEEL_STAGE.
+#
+#   .whl/flashinfer/*.whl          FlashInfer (trimmed) + tvm-ffi
+#   .whl/fa4/part1/*.part1         first half of the cutlass-dsl cu13 wheel (stage it: it does not fit with part2)
+#   .whl/fa4/part2/*               the rest of FlashAttention 4 and its dependencies, *.part2 and SHA256SUMS
+#
+# gpu_env REPORT installs whatever is carried or staged into /tmp/site (offline, no dependency resolution),
+# sets the environment each library needs, points DASH_PUBLISHED_DIR at an ignored copy of the published
+# kernels when present, and writes versions, imports and nvidia-smi to "$out/REPORT".
+wheels=${DASH_WHEEL_STAGE:-/tmp/dash_wheels}
+site=/tmp/site
+
+_pip_target() {
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$@" \
+    >> "$out/wheel_install.log" 2>&1
+}
+
+# The directory (carried first, then staged) that holds files matching GLOB under .whl/SUB, or nothing.
+_wheel_dir() {
+  local sub=$1 glob=$2 d
+  for d in ".whl/$sub" "$wheels/$sub"; do
+    if ls "$d"/$glob >/dev/null 2>&1; then echo "$d"; return; fi
+  done
+}
+
+# gpu_stage SUB...: copy the carried .whl/SUB files to the stage for a later call on this warm machine.
+gpu_stage() {
+  local sub
+  for sub in "$@"; do
+    [ -d ".whl/$sub" ] || { echo "error: .whl/$sub was not carried" >&2; return 2; }
+    mkdir -p "$wheels/$sub" && cp .whl/"$sub"/* "$wheels/$sub/"
+  done
+  ls -lR "$wheels" | tee "$out/stage.txt"
+}
+
+_install_flashinfer() {
+  local dir
+  dir=$(_wheel_dir flashinfer '*.whl')
+  [ -n "$dir" ] || return 0
+  _pip_target "$dir"/*.whl || { echo "flashinfer install failed (see wheel_install.log)"; return 0; }
+  export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}
+  export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+  if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
+    CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"); export CUDA_HOME
+  fi
+  # The JIT links with -lcuda: without an unversioned libcuda.so (driver-only images) point the linker at the
+  # driver's libcuda.so.1 through a private symlink.
+  if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so '; then
+    local lib1
+    lib1=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
+    if [ -n "$lib1" ]; then
+      mkdir -p /tmp/dash_cuda_link && ln -sf "$lib1" /tmp/dash_cuda_link/libcuda.so
+      export FLASHINFER_EXTRA_LDFLAGS="-L/tmp/dash_cuda_link${FLASHINFER_EXTRA_LDFLAGS:+ $FLASHINFER_EXTRA_LDFLAGS}"
     fi
   fi
+}
+
+_install_fa4() {
+  local p2dir p1dir join="$wheels/fa4/join" p2 name
+  p2dir=$(_wheel_dir fa4/part2 '*.whl')
+  [ -n "$p2dir" ] || return 0
+  mkdir -p "$join" && cp "$p2dir"/*.whl "$join/"
+  for p2 in "$p2dir"/*.part2; do
+    [ -e "$p2" ] || continue
+    name=$(basename "$p2" .part2)
+    p1dir=$(_wheel_dir fa4/part1 "$name.part1")
+    if [ -z "$p1dir" ]; then
+      echo "FA4 not installed: $name.part1 is neither carried nor staged (gpu_stage fa4/part1 on this warm machine)"
+      return 0
+    fi
+    cat "$p1dir/$name.part1" "$p2" > "$join/$name"
+  done
+  local sums
+  sums=$(readlink -f "$p2dir/SHA256SUMS")
+  (cd "$join" && sha256sum -c --quiet "$sums") || { echo "FA4 not installed: checksum mismatch"; return 0; }
+  _pip_target "$join"/*.whl || { echo "FA4 install failed (see wheel_install.log)"; return 0; }
+  # nvidia-cutlass-dsl puts its packages on sys.path through a .pth file, which Python reads only in site
+  # directories, not on PYTHONPATH: add that directory explicitly.
+  export PYTHONPATH="$site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/fa4_cache}
+}
+
+gpu_env() {
+  local report=$1
+  mkdir -p "$site"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi}
+  _install_flashinfer
+  _install_fa4
   if [ -z "${DASH_PUBLISHED_DIR:-}" ] && [ -d third_party/dash-attention/dash_attn ]; then
     export DASH_PUBLISHED_DIR="$root/third_party/dash-attention"
   fi
   {
     date -u
-    "$py" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__); print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
-    "$py" -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -1
+    "$py" - <<'PY'
+import importlib, sys
+import torch, triton
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "triton",
+      triton.__version__, "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")
+for mod in ("flashinfer", "flash_attn.cute"):
+    try:
+        m = importlib.import_module(mod)
+        print("import", mod, "ok", getattr(m, "__version__", ""))
+    except Exception as e:  # report and go on: the tests skip a missing library
+        print("import", mod, "FAILED:", type(e).__name__, e)
+PY
     echo "DASH_PUBLISHED_DIR=${DASH_PUBLISHED_DIR:-unset}"
     nvidia-smi 2>&1 | head -15
   } > "$out/$report" 2>&1
