@@ -45,16 +45,20 @@ def summary_bytes_per_token(block_size: int, num_kv_heads: int, head_dim: int, d
 
 @dataclass
 class PagedKVCache:
-    """K/V pages of one layer plus its summary store.
+    """K/V pages of one layer plus its summary store and auxiliary head.
 
     k_pages, v_pages: ``[num_pages, page_size, Hkv, D]`` strided views (no copies).
     summaries: ``[num_slots // block_size, Hkv, D]`` or None (then summaries are recomputed
-    from gathered keys, which also works for page sizes that are not multiples of the block).
+    from gathered keys, which also works for page sizes that are not multiples of the block);
+    for a model with an indexer ``[num_slots // block_size, 1, D]`` (summaries of ``ik``).
+    aux: ``[num_pages, page_size, 2D]`` strided view of the auxiliary rows (layout table below), in
+    the KV dtype; needed by models with an indexer or page mode, None otherwise.
     """
 
     k_pages: torch.Tensor
     v_pages: torch.Tensor
     summaries: Optional[torch.Tensor] = None
+    aux: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.k_pages.dim() != 4 or self.k_pages.shape != self.v_pages.shape:
@@ -62,28 +66,48 @@ class PagedKVCache:
                              f"{tuple(self.k_pages.shape)} and {tuple(self.v_pages.shape)}")
         if self.summaries is not None:
             s = self.summaries
-            if s.dim() != 3 or tuple(s.shape[1:]) != (self.num_kv_heads, self.head_dim):
-                raise ValueError(f"summaries must be [num_slots // block_size, Hkv, D]; got {tuple(s.shape)}")
+            if s.dim() != 3 or s.shape[1] not in (1, self.num_kv_heads) or s.shape[2] != self.head_dim:
+                raise ValueError(f"summaries must be [num_slots // block_size, Hkv or 1 (indexer), D] with "
+                                 f"Hkv, D = {self.num_kv_heads}, {self.head_dim}; got {tuple(s.shape)}")
+        if self.aux is not None:
+            want = (self.k_pages.shape[0], self.page_size, aux_row_width(self.head_dim))
+            if tuple(self.aux.shape) != want or self.aux.dtype != self.dtype:
+                raise ValueError(f"aux must be [num_pages, page_size, 2D] = {want} in the KV dtype {self.dtype}; "
+                                 f"got {tuple(self.aux.shape)} {self.aux.dtype}")
 
     @classmethod
     def from_vllm(cls, kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int,
-                  summaries: Optional[torch.Tensor] = None) -> "PagedKVCache":
-        """View vLLM's ``[num_blocks, H_slots, block_size, C]`` layer cache (K in ``C[:D]``, V in ``C[D:2D]``)."""
+                  summaries: Optional[torch.Tensor] = None, *, aux: bool = False) -> "PagedKVCache":
+        """View vLLM's ``[num_blocks, H_slots, block_size, C]`` layer cache (K in ``C[:D]``, V in ``C[D:2D]``).
+
+        aux=True: head slot ``Hkv`` is the auxiliary head (``aux_view_vllm``), so ``H_slots >= Hkv + 1``.
+        """
         if kv_cache.dim() != 4 or kv_cache.shape[1] < num_kv_heads or kv_cache.shape[3] < 2 * head_dim:
             raise ValueError(f"vLLM cache must be [num_blocks, >= {num_kv_heads}, block_size, >= {2 * head_dim}]; "
                              f"got {tuple(kv_cache.shape)}")
         kv = kv_cache[:, :num_kv_heads].permute(0, 2, 1, 3)
-        return cls(kv[..., :head_dim], kv[..., head_dim: 2 * head_dim], summaries)
+        rows = aux_view_vllm(kv_cache, num_kv_heads, head_dim) if aux else None
+        return cls(kv[..., :head_dim], kv[..., head_dim: 2 * head_dim], summaries, rows)
 
     @classmethod
     def from_sglang(cls, k_buffer: torch.Tensor, v_buffer: torch.Tensor, page_size: int,
-                    summaries: Optional[torch.Tensor] = None) -> "PagedKVCache":
-        """View SGLang's token-indexed ``[slots, Hkv, D]`` K and V buffers as pages of ``page_size``."""
+                    summaries: Optional[torch.Tensor] = None, *,
+                    aux: Optional[torch.Tensor] = None) -> "PagedKVCache":
+        """View SGLang's token-indexed ``[slots, Hkv, D]`` K and V buffers as pages of ``page_size``.
+
+        aux: the ``[slots, 2D]`` buffer of ``alloc_aux_sglang`` (same slots as K and V) or None.
+        """
         slots, hkv, d = k_buffer.shape
         if slots % page_size:
             raise ValueError(f"SGLang buffer of {slots} slots is not a whole number of pages of {page_size}")
+        rows = None
+        if aux is not None:
+            if aux.dim() != 2 or aux.shape[0] != slots:
+                raise ValueError(f"aux must be the [slots, 2D] = [{slots}, {2 * d}] buffer of alloc_aux_sglang; "
+                                 f"got {tuple(aux.shape)}")
+            rows = aux.view(slots // page_size, page_size, aux.shape[1])
         return cls(k_buffer.view(slots // page_size, page_size, hkv, d),
-                   v_buffer.view(slots // page_size, page_size, hkv, d), summaries)
+                   v_buffer.view(slots // page_size, page_size, hkv, d), summaries, rows)
 
     @property
     def page_size(self) -> int:
@@ -112,6 +136,17 @@ class PagedKVCache:
     def values(self, slots: torch.Tensor) -> torch.Tensor:
         """V at ``slots [n]`` -> ``[n, Hkv, D]`` (a gather copy)."""
         return self.v_pages[slots // self.page_size, slots % self.page_size]
+
+    def aux_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Auxiliary rows at ``slots [n]`` -> ``[n, 2D]`` (a gather copy); needs ``aux``."""
+        if self.aux is None:
+            raise ValueError("this cache has no auxiliary head (aux=None); models with an indexer or page "
+                             "mode need one (PagedKVCache(..., aux=...))")
+        return self.aux[slots // self.page_size, slots % self.page_size]
+
+    def index_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """The stored rotated indexer keys at ``slots [n]`` -> ``[n, 1, D]`` (one KV head's shape)."""
+        return self.aux_rows(slots)[:, None, : self.head_dim]
 
 
 def slots_of(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -188,3 +188,65 @@ def decode_coordinates_from_aux(prev_rows: torch.Tensor, head_dim: int) -> tuple
 
     s = decode_aux(prev_rows, head_dim)
     return decode_coordinates(s.tok, s.page, s.query_page)
+
+
+def extend_coordinates(roles: torch.Tensor, cu_seqlens: torch.Tensor, has_prev: torch.Tensor,
+                       prev_tok: torch.Tensor, prev_page: torch.Tensor, prev_num_pages: torch.Tensor,
+                       prev_query_page: torch.Tensor):
+    """Page coordinates of a batch of extends, each continuing its request's stored state.
+
+    roles: ``[T]`` int (0 for generated tokens); cu_seqlens: ``[n + 1]`` row offsets of the requests;
+    has_prev: ``[n]`` bool, whether a request has history (its first new token is not position 0);
+    prev_*: ``[n]`` int64, the state of the last history token (``decode_aux`` of its row; ignored
+    where ``has_prev`` is False). A request's new tokens are treated as the end of its prompt:
+    pages counted from ``prev_num_pages``, text after the chunk's last page in the query page, text
+    before it continuing the previous token's run. Without history this is ``page_coordinates``;
+    for one role-0 token with history it is ``decode_coordinates``.
+
+    Returns ``tok, page [T]``, ``num_pages, query_page [n]`` int64 and ``counts [T, 3]`` int64 (the
+    page-count field, filled for requests without history: ``page_count_rows`` of their pages).
+    Tensor ops only, no host reads (graph-safe).
+    """
+    dev = roles.device
+    r = roles.to(torch.long)
+    t, n = r.numel(), cu_seqlens.numel() - 1
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    gidx = torch.arange(t, device=dev)
+    rid = torch.searchsorted(cu[1:].contiguous(), gidx, right=True).clamp(max=max(n - 1, 0))
+    seg0 = cu[:-1][rid]
+    lidx = gidx - seg0
+    first_of_seg = seg0.clamp(max=max(t - 1, 0))
+
+    def seg_cumsum(x: torch.Tensor) -> torch.Tensor:  # inclusive cumsum restarted at each request
+        cs = torch.cumsum(x.to(torch.long), 0)
+        return cs - (cs[first_of_seg] - x.to(torch.long)[first_of_seg])
+
+    has_prev = has_prev.to(torch.bool)
+    start = r == ROLE_PAGE_START
+    p_prev = torch.where(has_prev, prev_num_pages.to(torch.long), torch.zeros_like(prev_num_pages, dtype=torch.long))
+    pidx = p_prev[rid] + seg_cumsum(start)
+    npages = p_prev + torch.zeros(n, dtype=torch.long, device=dev).index_add_(0, rid, start.to(torch.long))
+    qpage = torch.where(npages > 0, npages + 1, torch.zeros_like(npages))
+    last = torch.full((n,), -1, dtype=torch.long, device=dev).scatter_reduce(
+        0, rid, torch.where(r > 0, lidx, torch.full_like(lidx, -1)), "amax", include_self=True)
+    in_query = (r == ROLE_TEXT) & (lidx > last[rid]) & (npages[rid] > 0)
+    page = torch.where(in_query, qpage[rid], pidx)
+    first_in_query = (last < 0) & (npages > 0)
+    cont = has_prev & ~(first_in_query & (prev_page.to(torch.long) != prev_query_page.to(torch.long)))
+    base = torch.where(cont, prev_tok.to(torch.long) + 1, torch.zeros_like(p_prev))
+    run_start = (start | (in_query & (lidx == last[rid] + 1) & (last[rid] >= 0))
+                 | ((lidx == 0) & ~cont[rid]))
+    first = torch.cummax(torch.where(run_start | (lidx == 0), gidx, torch.zeros_like(gidx)), 0).values
+    seen = seg_cumsum(run_start) > 0
+    tok = gidx - first + torch.where(seen, torch.zeros_like(gidx), base[rid])
+    page = torch.where(npages[rid] > 0, page, tok)  # no page: ordinary RoPE
+    # page counts of requests without history: pages 3s .. 3s + 2 in the row of local token s
+    nslot = t + 2 * n
+    cpage = torch.where((npages[rid] > 0) & ~has_prev[rid], page, torch.zeros_like(page))  # <= P + 1 <= len + 1
+    hist = torch.zeros(nslot, dtype=torch.long, device=dev).index_add_(
+        0, seg0 + 2 * rid + cpage, torch.ones_like(cpage))
+    want = 3 * lidx[:, None] + torch.arange(3, device=dev)[None, :]
+    ok = (want < (npages[rid] + 2)[:, None]) & ~has_prev[rid][:, None]
+    idx = (seg0 + 2 * rid)[:, None] + want
+    counts = torch.where(ok, hist[idx.clamp(max=max(nslot - 1, 0))], torch.zeros_like(want))
+    return tok, page, npages, qpage, counts
