@@ -7,11 +7,15 @@ device-to-device copy bandwidth. Peers measured in the same run: PyTorch SDPA on
 FlashInfer dense paged decode (if ``import flashinfer`` works) and the published DashAttention
 decode kernels (if a copy of the authors' repository is at ``$DASH_PUBLISHED_DIR``; compared
 uncapped at the same ``scaling_factor``, compiled and autotuned before timing at the timed shapes).
+DASH's attention stage on the segment backends (``dash-flashinfer``, ``dash-flash-attn``: the same
+Triton routing, then ``dash_core.segments``) is timed for every capped ``topk`` where the library
+imports, gathered and, on a head-major cache (``--layout vllm``), zero-copy.
 
 Writes JSON records to ``docs/perf/decode.json`` (merged by case), the table with its command to
 ``docs/PERFORMANCE.md`` (between decode markers) and a bar chart to ``docs/perf/decode.svg``.
 
     python benchmarks/decode.py --preset required          # B 1 and 8 at 128k (one GPU call, < 6 min)
+    python benchmarks/decode.py --preset required --layout vllm --topk 64 --peers flashinfer  # + zero-copy rows
     python benchmarks/decode.py --batch 1,8,32 --context 8192,32768 --hkv 8,2 --topk 16,64,256,none
     TRITON_INTERPRET=1 python benchmarks/decode.py --smoke  # CPU check of the code paths (tiny shapes)
 """
@@ -32,8 +36,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied before triton is imported
+    import tests.kernels._kernel_env  # noqa: E402,F401
 
-from dash_core import DashParams  # noqa: E402
+from dash_core import DashParams, segments  # noqa: E402
 from dash_core.kernels import launcher  # noqa: E402
 from dash_core.kernels.kv_write import write_kv_and_summaries  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
@@ -84,9 +90,10 @@ def copy_bandwidth(device) -> float:
 # ---------------------------------------------------------------------------- the case
 
 class Layer:
-    """One layer's paged cache (SGLang-style token buffers viewed as pages), shuffled page table."""
+    """One layer's paged cache, shuffled page table. layout ``sglang``: token-major K and V buffers
+    ``[slots, Hkv, D]`` viewed as pages; ``vllm``: one head-major ``[pages, Hkv, ps, 2D]`` tensor."""
 
-    def __init__(self, b, ctx, hkv, d, bs, ps, dtype, device, seed):
+    def __init__(self, b, ctx, hkv, d, bs, ps, dtype, device, seed, layout="sglang"):
         g = torch.Generator(device=device).manual_seed(seed)
         self.max_pages = -(-ctx // ps)
         num_pages = b * self.max_pages + 2
@@ -99,7 +106,15 @@ class Layer:
         self.head_cls = torch.randn(hkv, d, device=device, generator=g).to(dtype)
         perm = torch.randperm(num_pages, device=device, generator=g)[: b * self.max_pages]
         self.block_table = perm.view(b, self.max_pages).to(torch.int32).contiguous()
-        self.cache = PagedKVCache.from_sglang(self.k, self.v, ps, alloc_summaries(slots, bs, hkv, d, dtype, device))
+        summ = alloc_summaries(slots, bs, hkv, d, dtype, device)
+        if layout == "vllm":  # the same keys and values, head-major
+            kv = torch.empty(num_pages, hkv, ps, 2 * d, device=device, dtype=dtype)
+            kv[..., :d].copy_(self.k.view(num_pages, ps, hkv, d).transpose(1, 2))
+            kv[..., d:].copy_(self.v.view(num_pages, ps, hkv, d).transpose(1, 2))
+            self.k = self.v = None
+            self.cache = PagedKVCache.from_vllm(kv, hkv, d, summ)
+        else:
+            self.cache = PagedKVCache.from_sglang(self.k, self.v, ps, summ)
         write_kv_and_summaries(None, None, self.cache, torch.arange(slots, device=device), self.head_cls, bs,
                                decode=False)  # summaries of every block, by the kernel
         pos = torch.full((b,), ctx - 1, device=device)
@@ -109,9 +124,10 @@ class Layer:
     def contiguous_kv(self, ctx):
         """``[B, Hkv, ctx, D]`` K and V gathered through the page table (for the dense SDPA peer)."""
         ps = self.cache.page_size
-        pos = torch.arange(ctx, device=self.k.device)
-        slots = self.block_table[:, pos // ps].to(torch.int64) * ps + pos % ps  # [B, ctx]
-        return self.k[slots].permute(0, 2, 1, 3).contiguous(), self.v[slots].permute(0, 2, 1, 3).contiguous()
+        pos = torch.arange(ctx, device=self.block_table.device)
+        pages, rows = self.block_table[:, pos // ps].to(torch.int64), pos % ps  # [B, ctx]
+        return (self.cache.k_pages[pages, rows].permute(0, 2, 1, 3).contiguous(),
+                self.cache.v_pages[pages, rows].permute(0, 2, 1, 3).contiguous())
 
 
 def dash_bytes(b, ctx, hq, hkv, d, bs, local_blocks, sel_count, esize) -> tuple:
@@ -217,6 +233,57 @@ def capture(fn) -> "torch.cuda.CUDAGraph":
     return gr
 
 
+def segment_backends(spec: str) -> list:
+    """``--segment-backends``: "auto" = the libraries that import here, "none", or a comma list."""
+    if spec == "none":
+        return []
+    if spec != "auto":
+        return [x.strip() for x in spec.split(",") if x.strip()]
+    found = []
+    for backend, module in (("FLASHINFER", "flashinfer"), ("FLASH_ATTN", "flash_attn.cute")):
+        try:
+            __import__(module)
+            found.append(backend)
+        except Exception as e:  # optional peer
+            log(f"  segment backend {backend} unavailable: {type(e).__name__}: {e}")
+    return found
+
+
+def segment_rows(a, layers, q, seq, params, bufs, out, common, add, floor, kv_frac, nbytes, it, wu, cuda,
+                 graphs_on) -> None:
+    """DASH decode (no K/V write) with the attention stage on each segment backend, gathered and zero-copy."""
+    b = q.shape[0]
+    for backend in a.seg_backends:
+        method = "dash-" + backend.lower().replace("_", "-")
+        variants = [True, False] if segments.zero_copy_possible(layers[0].cache, params) else [False]
+        for zc in variants:
+            variant = "zero-copy" if zc else "gathered"
+
+            def fn(layer, zc=zc, backend=backend):
+                def run():
+                    launcher.route(q, layer.cache, layer.block_table, seq, params, bufs)
+                    out.copy_(segments.decode_segment_attention(
+                        q, layer.cache, layer.block_table, seq, bufs.sel_idx[:b], bufs.sel_bias[:b],
+                        bufs.sel_count[:b], params, backend, zero_copy=zc))
+                return run
+
+            try:
+                fns = [fn(layer) for layer in layers]
+                t0 = time.time()
+                fns[0]()  # JIT build / plan outside the timed region
+                if cuda:
+                    torch.cuda.synchronize()
+                log(f"  {method} {variant}: first call {time.time() - t0:.0f} s")
+                add(common, method, variant, time_calls(fns, it, wu, cuda), floor, kv_frac, nbytes)
+                if graphs_on:
+                    graphs = [capture(f) for f in fns]
+                    add(common, method, variant, time_calls([gr.replay for gr in graphs], it, wu, cuda), floor,
+                        kv_frac, nbytes, graph=True)
+                    del graphs
+            except Exception as e:  # an optional library: report, do not fail the run
+                log(f"  {method} {variant} skipped: {type(e).__name__}: {e}")
+
+
 def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat16):
     """Every ``topk`` of one shape on the same rotated caches, then the dense peers once."""
     hq, d, bs, ps = a.hq, a.head_dim, a.block_size, a.page_size
@@ -230,7 +297,7 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
         free = torch.cuda.mem_get_info(device)[0]
         per_layer = (b * ctx + 4 * ps) * hkv * d * 2 * esize * (1 + 1 / (2 * bs))
         nlayers = max(1, min(nlayers, int(0.4 * free // per_layer)))
-    layers = [Layer(b, ctx, hkv, d, bs, ps, dtype, device, seed=1000 + i) for i in range(nlayers)]
+    layers = [Layer(b, ctx, hkv, d, bs, ps, dtype, device, seed=1000 + i, layout=a.layout) for i in range(nlayers)]
     g = torch.Generator(device=device).manual_seed(7)
     q = torch.randn(b, hq, d, device=device, generator=g).to(dtype)
     k_new = torch.randn(b, hkv, d, device=device, generator=g).to(dtype)
@@ -255,7 +322,7 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             f"{ms * 1e3:9.1f} us  ({fl / ms:.0%} of floor)")
 
     base = dict(phase="decode", batch=b, context=ctx, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
-                device=dev_name, command=a.command, page_size=ps, layers_rotated=nlayers)
+                device=dev_name, command=a.command, page_size=ps, layers_rotated=nlayers, layout=a.layout)
     for topk in topks:
         params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
         common = dict(base, topk=topk)
@@ -305,6 +372,9 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             add(common, "dash-triton", "attend-only", ms, kvb / bw * 1e3, kv_frac, kvb, graph=True,
                 note="attends the selection left in the buffers by the last routing")
             del graphs
+        if topk is not None:
+            segment_rows(a, layers, q, seq, params, bufs, out, common, add, floor, kv_frac, nbytes, it, wu,
+                         cuda, graphs_on)
 
     peers = set(a.peers.split(",")) if a.peers else set()
     dbytes = dense_bytes(b, ctx, hq, hkv, d, esize)
@@ -351,7 +421,8 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
 
 def merge_json(path: Path, new: list) -> list:
     key = lambda r: (r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"], r["bs"], r["topk"],  # noqa: E731
-                     r["method"], r["variant"], r["includes_write"], r["graph"], r["device"])
+                     r["method"], r["variant"], r["includes_write"], r["graph"], r["device"],
+                     r.get("layout", "sglang"))
     old = json.loads(path.read_text()) if path.exists() else []
     keep = {key(r): r for r in old}
     for r in new:
@@ -364,9 +435,9 @@ def merge_json(path: Path, new: list) -> list:
 
 
 def table(records: list) -> str:
-    head = ("| B | context | Hq/Hkv | D | bs | topk | sf | method | variant | write | graph | time (us) | KV read | "
-            "floor (us) | of floor | speed-up vs best dense |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| B | context | Hq/Hkv | D | bs | topk | sf | layout | method | variant | write | graph | time (us) | "
+            "KV read | floor (us) | of floor | speed-up vs best dense |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [head]
     dense = {}
     for r in records:
@@ -377,7 +448,8 @@ def table(records: list) -> str:
         k = (r["device"], r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"])
         sp = f"{dense[k] / r['ms']:.1f}x" if k in dense else "-"
         rows.append(f"| {r['batch']} | {r['context']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
-                    f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | {r['method']} | "
+                    f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | "
+                    f"{r.get('layout', 'sglang')} | {r['method']} | "
                     f"{r['variant']} | "
                     f"{'yes' if r['includes_write'] else 'no'} | {'yes' if r['graph'] else 'no'} | "
                     f"{r['ms'] * 1e3:.1f} | {r['kv_fraction']:.2%} | {r['floor_ms'] * 1e3:.1f} | "
@@ -407,10 +479,11 @@ def write_svg(path: Path, records: list) -> None:
     groups = {}
     for r in records:
         k = f"B{r['batch']} ctx{r['context']} Hkv{r['hkv']} topk {r['topk'] if r['topk'] is not None else 'none'}"
-        lab = f"{r['method']}{' +write' if r['includes_write'] else ''}{' graph' if r['graph'] else ''}"
+        lab = (f"{r['method']} {r['variant']}{' +write' if r['includes_write'] else ''}"
+               f"{' graph' if r['graph'] else ''}{' (vllm layout)' if r.get('layout') == 'vllm' else ''}")
         groups.setdefault(k, []).append((lab, r["ms"] * 1e3))
     colors = {"dash-triton": "#1f77b4", "dense-sdpa": "#7f7f7f", "dense-flashinfer": "#2ca02c",
-              "published-dash": "#d62728"}
+              "published-dash": "#d62728", "dash-flashinfer": "#17becf", "dash-flash-attn": "#ff7f0e"}
     lines, y = [], 30
     vmax = max((v for g in groups.values() for _, v in g), default=1.0)
     vmin = min((v for g in groups.values() for _, v in g), default=1.0)
@@ -421,7 +494,7 @@ def write_svg(path: Path, records: list) -> None:
         y += 18
         for lab, v in items:
             w = max(1.0, (math.log10(v) - lo) / (hi - lo) * width)
-            c = colors.get(lab.split()[0].replace("+write", ""), "#9467bd")
+            c = colors.get(lab.split()[0], "#9467bd")
             lines.append(f'<text x="10" y="{y + 11}" font-size="11">{lab}</text>'
                          f'<rect x="{x0}" y="{y}" width="{w:.1f}" height="13" fill="{c}"/>'
                          f'<text x="{x0 + w + 4:.1f}" y="{y + 11}" font-size="11">{v:.1f} us</text>')
@@ -450,6 +523,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sf", type=float, default=None, help="scaling_factor (default: calibrated per case)")
     ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
     ap.add_argument("--peers", default="sdpa,flashinfer,published")
+    ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang",
+                    help="cache layout: token-major (SGLang) or head-major (vLLM; allows zero-copy segment rows)")
+    ap.add_argument("--segment-backends", default="auto",
+                    help="FLASHINFER,FLASH_ATTN for the dash-<library> rows; auto = those that import; none")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--max-layers", type=int, default=16)
@@ -474,10 +551,12 @@ def main(argv=None) -> int:
     if a.smoke:
         a.batch, a.context, a.hkv, a.topk = "2", "300", "2", "4,none"
         a.hq, a.head_dim, a.block_size, a.page_size, a.peers, a.max_layers = 4, 64, 16, 32, "sdpa", 2
+        a.segment_backends = "TORCH"  # the segment path's code on the CPU
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if device.type != "cuda" and not a.smoke:
         log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
         return 2
+    a.seg_backends = segment_backends(a.segment_backends)
     bw = copy_bandwidth(device)
     log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; copy bandwidth "
         f"{bw / 1e12:.2f} TB/s")
