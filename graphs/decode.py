@@ -33,37 +33,51 @@ class DecodeGraphBuffers:
     block_table ``[max_batch, max_pages]`` int32, seq_lens ``[max_batch]`` int32, slot_mapping
     ``[max_batch]`` int64, q/out ``[max_batch, Hq, D]``, k/v ``[max_batch, Hkv, D]`` in the model
     dtype, and ``kernel``: the Triton decode scratch (``DecodeBuffers``: scores, selection, split-K
-    partials).
+    partials). An engine adapter whose engine owns q/k/v/out and the slot mapping allocates without
+    them (``io=False``: None); ``kernel`` is None where decode runs the PyTorch path; ``positions``
+    ``[max_batch]`` int64 (page mode: each row's position) only when asked for.
     """
 
     params: DashParams
     block_table: torch.Tensor
     seq_lens: torch.Tensor
-    slot_mapping: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    kernel: object
+    slot_mapping: Optional[torch.Tensor]
+    q: Optional[torch.Tensor]
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    out: Optional[torch.Tensor]
+    kernel: Optional[object]
+    positions: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, max_batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, params: DashParams, dtype: torch.dtype = torch.bfloat16,
-                 device="cuda") -> "DecodeGraphBuffers":
-        """Allocate for batches up to ``max_batch`` and contexts up to ``max_pages * page_size`` tokens."""
-        from dash_core.kernels.launcher import DecodeBuffers
+                 device="cuda", *, io: bool = True, kernel: bool = True,
+                 positions: bool = False) -> "DecodeGraphBuffers":
+        """Allocate for batches up to ``max_batch`` and contexts up to ``max_pages * page_size`` tokens.
 
+        io: allocate q/k/v/out and the slot mapping (False when the engine owns them); kernel:
+        allocate the Triton scratch; positions: allocate the page-mode positions.
+        """
         dev = torch.device(device)
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=dev)
+        scratch = None
+        if kernel:
+            from dash_core.kernels.launcher import DecodeBuffers
+
+            scratch = DecodeBuffers.allocate(max_batch, num_q_heads, num_kv_heads, head_dim, page_size, max_pages,
+                                             params, dev)
         return cls(
             params=params,
             block_table=z(max_batch, max_pages, dt=torch.int32),
             seq_lens=z(max_batch, dt=torch.int32),
-            slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=dev),
-            q=z(max_batch, num_q_heads, head_dim), k=z(max_batch, num_kv_heads, head_dim),
-            v=z(max_batch, num_kv_heads, head_dim), out=z(max_batch, num_q_heads, head_dim),
-            kernel=DecodeBuffers.allocate(max_batch, num_q_heads, num_kv_heads, head_dim, page_size, max_pages,
-                                          params, dev),
+            slot_mapping=torch.full((max_batch,), -1, dtype=torch.int64, device=dev) if io else None,
+            q=z(max_batch, num_q_heads, head_dim) if io else None,
+            k=z(max_batch, num_kv_heads, head_dim) if io else None,
+            v=z(max_batch, num_kv_heads, head_dim) if io else None,
+            out=z(max_batch, num_q_heads, head_dim) if io else None,
+            kernel=scratch,
+            positions=z(max_batch, dt=torch.int64) if positions else None,
         )
 
     @property
@@ -77,15 +91,7 @@ class DecodeGraphBuffers:
         Shapes are checked on the host (no device reads): ``n <= max_batch`` and a page table no
         wider than the buffers'.
         """
-        n, w = block_table.shape
-        if n > self.max_batch or w > self.block_table.shape[1]:
-            raise ValueError(f"step of {n} rows x {w} pages does not fit graph buffers of "
-                             f"{self.max_batch} x {self.block_table.shape[1]}")
-        self.block_table[:n, :w].copy_(block_table)
-        self.block_table[:n, w:].zero_()
-        self.block_table[n:].zero_()
-        self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:].zero_()
+        n = self.fill_metadata(block_table, seq_lens)
         self.q[:n].copy_(q)
         if k is not None:
             self.k[:n].copy_(k)
@@ -96,6 +102,28 @@ class DecodeGraphBuffers:
         self.slot_mapping[n:].fill_(-1)
         return n
 
+    def fill_metadata(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      positions: Optional[torch.Tensor] = None) -> int:
+        """Copy a step's page table ``[n, w]`` int32, ``seq_lens [n]`` (and ``positions [n]``) in
+        place, padding rows ``n..`` (zero length) and columns ``w..``; returns n. Host-side shape
+        checks only (no device reads).
+        """
+        n, w = block_table.shape
+        if n > self.max_batch or w > self.block_table.shape[1]:
+            raise ValueError(f"step of {n} rows x {w} pages does not fit graph buffers of "
+                             f"{self.max_batch} x {self.block_table.shape[1]}")
+        self.block_table[:n, :w].copy_(block_table, non_blocking=True)
+        self.block_table[:n, w:].zero_()
+        self.block_table[n:].zero_()
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.seq_lens[n:].zero_()
+        if positions is not None:
+            if self.positions is None:
+                raise ValueError("positions given but the buffers were allocated without them (positions=True)")
+            self.positions[:n].copy_(positions, non_blocking=True)
+            self.positions[n:].zero_()
+        return n
+
     def nbytes(self) -> int:
         """Device bytes held (inputs, output and kernel scratch)."""
         total = 0
@@ -103,7 +131,9 @@ class DecodeGraphBuffers:
             x = getattr(self, f.name)
             if isinstance(x, torch.Tensor):
                 total += x.numel() * x.element_size()
-        total += sum(t.numel() * t.element_size() for t in vars(self.kernel).values() if isinstance(t, torch.Tensor))
+        if self.kernel is not None:
+            total += sum(t.numel() * t.element_size() for t in vars(self.kernel).values()
+                         if isinstance(t, torch.Tensor))
         return total
 
     def bytes_per_slot(self) -> float:

@@ -17,6 +17,7 @@ freed with their page (prefix caching, preemption). See ``docs/vllm.md``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
@@ -24,7 +25,9 @@ import torch
 
 from dash_core.layout import PagedKVCache
 from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill
-from dash_core.params import DashParams
+from dash_core.params import ATTENTION_BACKENDS, DashParams
+from dash_core.segments import check_decode_backend
+from graphs.decode import DecodeGraphBuffers
 
 try:
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
@@ -41,13 +44,35 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "CUSTOM"  # vLLM's placeholder member for out-of-tree backends (docs/vllm.md)
 MIN_DASH_BLOCK = 16  # smallest DASH block size (SPEC.md section 1): every kernel block is a multiple
+BACKEND_ENV = "DASH_ATTENTION_BACKEND"  # serving-time choice of the decode attention stage (docs/vllm.md)
+
+
+def serving_params(hf_config) -> DashParams:
+    """The ``DashParams`` a served model runs with, read when the engine builds it.
+
+    The model config's DASH keys (``--hf-overrides '{"dash_attention_backend": "FLASHINFER"}'`` sets
+    the attention stage like any other ``dash_*`` key), then the environment variable
+    ``DASH_ATTENTION_BACKEND`` (``TRITON``, ``FLASHINFER`` or ``FLASH_ATTN``), which wins when set.
+    A segment backend without ``dash_topk`` fails here, at start-up, not at the first decode step.
+    """
+    overrides = {}
+    env = os.environ.get(BACKEND_ENV, "").strip()
+    if env:
+        if env.upper() not in ATTENTION_BACKENDS:
+            raise ValueError(f"environment variable {BACKEND_ENV} = {env!r} is not allowed: expected one of "
+                             f"{ATTENTION_BACKENDS} (the DASH decode attention stage), or unset for the "
+                             f"model config's dash_attention_backend (default TRITON)")
+        overrides["attention_backend"] = env.upper()
+    params = DashParams.from_config(hf_config, **overrides)
+    check_decode_backend(params.attention_backend, params)
+    return params
 
 
 def _model_params(vllm_config: Optional["VllmConfig"]) -> Optional[DashParams]:
     """DASH parameters of the model being served, or None when no model config is current."""
     if vllm_config is None or vllm_config.model_config is None:
         return None
-    return DashParams.from_config(vllm_config.model_config.hf_config)
+    return serving_params(vllm_config.model_config.hf_config)
 
 
 def block_size_error(vllm_block_size: int, params: DashParams) -> ValueError:
@@ -92,9 +117,9 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
     """Splits the batch into decode and prefill rows; decode tensors live in persistent buffers.
 
     CUDA graphs: FULL capture is declared for uniform single-token decode batches. The decode
-    ``seq_lens`` and block table are copied in place into buffers sized once from
-    ``max_num_seqs`` and ``max_model_len / block_size``, so a captured graph reads stable
-    addresses; padded rows carry ``seq_len = 0`` and produce zeros. Mixed and prefill batches
+    ``seq_lens`` and block table are copied in place into a ``graphs.DecodeGraphBuffers`` sized
+    once from ``max_num_seqs`` and ``max_model_len / block_size`` (with the Triton scratch), so a
+    captured graph reads stable addresses; padded rows carry ``seq_len = 0`` and produce zeros. Mixed and prefill batches
     run eagerly (vLLM's piecewise mode keeps attention outside the graphs).
     """
 
@@ -117,18 +142,20 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
             raise block_size_error(kv_cache_spec.block_size, self.params)
         max_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_blocks = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
-        self._decode_seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
-        self._decode_block_table = torch.zeros(max_seqs, self.max_blocks, dtype=torch.int32, device=device)
-        # Scratch of the Triton decode kernels (scores, selections, split-KV partials), sized once from
-        # the same bounds and shared by the group's layers, which run one after the other.
-        self.decode_buffers = None
         dtype = vllm_config.model_config.dtype
-        if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-            from dash_core.kernels.launcher import DecodeBuffers
-
-            self.decode_buffers = DecodeBuffers.allocate(
-                max_seqs, _group_num_heads(vllm_config, layer_names), kv_cache_spec.num_kv_heads,
-                kv_cache_spec.head_size, kv_cache_spec.block_size, self.max_blocks, self.params, device)
+        triton_decode = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+        if not triton_decode and self.params.attention_backend != "TRITON":
+            logger.info("DASH attention_backend %s applies to CUDA bf16/fp16 decode; this %s %s engine runs the "
+                        "PyTorch path, which computes the same result", self.params.attention_backend,
+                        torch.device(device).type, dtype)
+        # Every tensor a captured decode step reads (page table, lengths, Triton scratch) lives in one
+        # graphs.DecodeGraphBuffers, sized once from max_num_seqs and max_model_len and refilled in
+        # place by build(); the group's layers share it (they run one after the other). vLLM owns
+        # q, k, v, the output and the slot mapping (io=False).
+        self.graph_buffers = DecodeGraphBuffers.allocate(
+            max_seqs, self.max_blocks, _group_num_heads(vllm_config, layer_names), kv_cache_spec.num_kv_heads,
+            kv_cache_spec.head_size, kv_cache_spec.block_size, self.params, dtype, device, io=False,
+            kernel=triton_decode)
 
     def build(self, common_prefix_len: int, common_attn_metadata: "CommonAttentionMetadata",
               fast_build: bool = False) -> DashAttentionMetadata:
@@ -138,17 +165,15 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
                              f"{self.params.block_size} tokens the DASH buffers were sized for (max_model_len)")
         nd, npf, ndt, npt = split_decodes_and_prefills(m, decode_threshold=self.reorder_batch_threshold)
         width = min(self.max_blocks, m.block_table_tensor.shape[1])
-        seq_lens = self._decode_seq_lens[:nd]
-        seq_lens.copy_(m.seq_lens[:nd], non_blocking=True)
-        table = self._decode_block_table[:nd]
-        table[:, :width].copy_(m.block_table_tensor[:nd, :width], non_blocking=True)
+        gb = self.graph_buffers
+        gb.fill_metadata(m.block_table_tensor[:nd, :width], m.seq_lens[:nd])
         qsl = m.query_start_loc[nd: nd + npf + 1]
         return DashAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
             num_prefill_tokens=npt, max_seq_len=m.max_seq_len, slot_mapping=m.slot_mapping,
-            decode_seq_lens=seq_lens, decode_block_table=table,
+            decode_seq_lens=gb.seq_lens[:nd], decode_block_table=gb.block_table[:nd],
             prefill_query_start_loc=qsl - qsl[:1], prefill_seq_lens=m.seq_lens[nd: nd + npf],
-            prefill_block_table=m.block_table_tensor[nd: nd + npf, :width], decode_buffers=self.decode_buffers)
+            prefill_block_table=m.block_table_tensor[nd: nd + npf, :width], decode_buffers=gb.kernel)
 
 
 def _group_num_heads(vllm_config: "VllmConfig", layer_names: list[str]) -> int:

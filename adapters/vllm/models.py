@@ -26,9 +26,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from dash_core.params import DashParams
 
-from .backend import DashAttentionBackend, block_size_error
+from .backend import DashAttentionBackend, block_size_error, serving_params
 
 try:
     from vllm.config import VllmConfig, get_current_vllm_config
@@ -76,7 +75,7 @@ class DashLlamaAttention(LlamaAttention):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         config = kwargs["config"]
-        self.dash_params = DashParams.from_config(config)
+        self.dash_params = serving_params(config)
         if self.dash_params.router == "shared" and get_tensor_model_parallel_world_size() > 1:
             raise ValueError("DASH router 'shared' is not supported with tensor parallelism: it averages routing "
                              "over all query heads, which TP splits across ranks (it would need an all-reduce of "
@@ -129,7 +128,7 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, *, vllm_config: "VllmConfig", prefix: str = "",
                  layer_type: type[nn.Module] = DashLlamaDecoderLayer) -> None:
-        params = DashParams.from_config(vllm_config.model_config.hf_config)
+        params = serving_params(vllm_config.model_config.hf_config)
         cache = vllm_config.cache_config
         if (uses_dash_attention(vllm_config) and getattr(cache, "user_specified_block_size", True)
                 and cache.block_size != params.block_size):

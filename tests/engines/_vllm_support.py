@@ -124,6 +124,14 @@ def dash_stats(model) -> dict:
     return total
 
 
+def dash_attention_backends(model) -> list:
+    """``params.attention_backend`` of every DASH layer of this worker, in layer order."""
+    from vllm.model_executor.layers.attention import Attention
+
+    return [m.impl.params.attention_backend for m in model.modules()
+            if isinstance(m, Attention) and hasattr(m.impl, "stats")]
+
+
 def capture_attention(model) -> None:
     """Record (layer name, q, k, v, output) of every attention call, as CPU float copies."""
     from vllm.model_executor.layers.attention import Attention

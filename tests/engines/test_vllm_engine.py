@@ -261,3 +261,23 @@ def test_checkpoint_without_the_dash_weight_fails_at_load(tmp_path):
     save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"no DASH weight for 2 layer\(s\).*self_attn\.indexer_q"):
         _engine(path)
+
+
+def test_attention_backend_option_reaches_the_engines_layers(checkpoint, monkeypatch):
+    """``DASH_ATTENTION_BACKEND`` set when the engine starts is in every DASH layer's DashParams (the
+    builders take theirs from the layers); the CPU runs the PyTorch path whatever the backend, so the
+    tokens stay the oracle model's."""
+    monkeypatch.setenv("DASH_ATTENTION_BACKEND", "FLASHINFER")
+    llm = _engine(checkpoint)
+    try:
+        (seen,) = llm.apply_model(support.dash_attention_backends)
+        prompt = _prompts()[0][1]
+        ((tok, lp),) = _generate(llm, [[prompt]])
+    finally:
+        _close(llm)
+    assert seen == ["FLASHINFER"] * 2
+    want_tok, want_lp = reference_generate(checkpoint, prompt, NEW_TOKENS, params=DashParams.from_config(CHECKPOINT))
+    assert tok == want_tok
+    # as in test_sparse_generation_matches_the_oracle_model
+    torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), torch.tensor(want_lp, dtype=torch.float64),
+                               atol=2e-4, rtol=0)
