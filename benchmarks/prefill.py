@@ -8,7 +8,9 @@ without the K/V + summary write. Peers in the same run: PyTorch SDPA (flash back
 repeated to Hq outside the timed call), FlashInfer dense causal prefill (if ``import flashinfer``
 works) and the published DashAttention prefill (its three stages, uncapped at the same
 ``scaling_factor``, if ``$DASH_PUBLISHED_DIR`` holds the authors' repository: it materialises
-``[B, Hq, N, nblk]`` fp32 scores, so it is skipped, with the reason, where that cannot fit).
+``[B, Hq, N, nblk]`` fp32 scores, so it is skipped, with the reason, where that cannot fit; it runs in a
+child process, shortest prompts first, so that a crash of its kernels, such as an illegal memory access,
+costs only the lengths not yet measured, which are recorded with the reason).
 
 Queries follow an AR(1) walk over positions (``--query-correlation``, default 0.95): neighbouring
 queries of trained models are alike, which is what lets a tile of query tokens share the K/V loads of
@@ -34,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
+import queue
 import sys
 import time
 from pathlib import Path
@@ -423,10 +427,56 @@ def run_published(a, n, hkv, sf, device, bw, records, dtype=torch.bfloat16):
     except torch.cuda.OutOfMemoryError as e:
         skipped(f"out of memory ({need / 2**30:.1f} GiB of stage-2 scores + prior): {str(e)[:160]}")
     except Exception as e:  # an optional peer must not stop the run
-        log(f"  published-dash skipped: {type(e).__name__}: {str(e)[:300]}")
+        skipped(f"failed: {type(e).__name__}: {str(e)[:300]}")
     del pr
     if cuda:
         torch.cuda.empty_cache()
+
+
+def _published_child(a, cases, device: str, bw: float, results) -> None:
+    """Child process: every published case in order, each record sent as soon as it is measured."""
+    for n, hkv, sf in cases:
+        recs: list = []
+        run_published(a, n, hkv, sf, torch.device(device), bw, recs)
+        for r in recs:
+            results.put(r)
+    results.put(None)
+
+
+def run_published_isolated(a, cases, device, bw, records) -> None:
+    """``run_published`` for ``cases [(n, hkv, sf)]`` in a spawned child process; the cases it did not
+    report (its CUDA context died, or it crashed) are recorded as not measured, with the exit code."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_published_child, args=(a, cases, str(device), bw, results))
+    child.start()
+    seen, finished = set(), False
+    while not finished:
+        try:
+            r = results.get(timeout=5)
+        except queue.Empty:
+            if not child.is_alive():
+                break
+            continue
+        if r is None:
+            finished = True
+            break
+        records.append(r)
+        seen.add((r["context"], r["hkv"]))
+        flush_docs(a, records, bw)
+    child.join(30)
+    for n, hkv, sf in cases:
+        if (n, hkv) in seen:
+            continue
+        why = (f"not measured: the published kernels' process ended (exit code {child.exitcode}) before this "
+               "length, after a crash at this or a shorter length (see the log)")
+        log(f"  published-dash at {n} tokens: {why}")
+        records.append(dict(phase="prefill", batch=1, context=n, hq=a.hq, hkv=hkv, head_dim=a.head_dim,
+                            bs=a.block_size, scaling_factor=round(sf, 4), device=records[0]["device"] if records
+                            else str(device), command=a.command, page_size=a.page_size, graph=False,
+                            query_correlation=a.query_correlation, method="published-dash", variant="one-shot",
+                            topk=None, includes_write=True, chunk=None, ms=None, note=why))
+    flush_docs(a, records, bw)
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -615,10 +665,13 @@ def main(argv=None) -> int:
             log(f"elapsed {time.time() - t0:.0f} s")
     peers = set(a.peers.split(",")) if a.peers else set()
     if "published" in peers and None in topks:
-        for (hkv, n), sf_n in sorted(sfs.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-            if sf_n is not None:
+        cases = [(n, hkv, sf_n) for (hkv, n), sf_n in sorted(sfs.items(), key=lambda kv: (kv[0][0], kv[0][1]))
+                 if sf_n is not None]
+        if device.type == "cuda":
+            run_published_isolated(a, cases, device, bw, records)
+        else:  # the smoke run: in process
+            for n, hkv, sf_n in cases:
                 run_published(a, n, hkv, sf_n, device, bw, records)
-                flush_docs(a, records, bw)
         log(f"elapsed {time.time() - t0:.0f} s")
     print("\n" + table(records) + "\n\n" + summary(records) + "\n", flush=True)
     if not a.no_write_docs:
