@@ -31,12 +31,13 @@ if ls tests/engines/test_sglang_*.py >/dev/null 2>&1; then
   level sglang 900 bash ci/run_engine_tests.sh "$venvs/sglang" engine_sglang tests/engines/test_sglang_*.py
 fi
 if ls tests/engines/test_vllm_*.py >/dev/null 2>&1; then
-  # Both engine venvs (SGLang ~11 GB, vLLM ~3.5 GB) may not fit on one CI disk: when the vLLM venv is still to be
-  # built and the disk is short, the SGLang venv (already used above) is removed; the next run rebuilds it.
-  vllm_need_gb=${DASH_VLLM_MIN_FREE_GB:-8}
+  # Both engine venvs (SGLang ~11 GB, vLLM ~3.5 GB plus its downloads while installing) may not fit on one CI
+  # disk: when the vLLM venv is still to be built and less than DASH_PRUNE_BELOW_GB (default 16) is free, the
+  # SGLang venv (already used above) is removed; the next run rebuilds it.
+  prune_gb=${DASH_PRUNE_BELOW_GB:-16}
   if [ ! -x "$venvs/vllm/bin/python" ] && [ -d "$venvs/sglang" ] &&
-     [ "$(df -Pk "$venvs" | awk 'NR == 2 {print int($4 / 1048576)}')" -lt "$vllm_need_gb" ]; then
-    echo "disk: less than $vllm_need_gb GB free for the vLLM venv; removing $venvs/sglang ($(du -sh "$venvs/sglang" | cut -f1))"
+     [ "$(df -Pk "$venvs" | awk 'NR == 2 {print int($4 / 1048576)}')" -lt "$prune_gb" ]; then
+    echo "disk: less than $prune_gb GB free before building the vLLM venv; removing $venvs/sglang ($(du -sh "$venvs/sglang" | cut -f1))"
     rm -rf "$venvs/sglang"
   fi
   level vllm-setup 600 bash ci/setup_vllm.sh "$venvs/vllm"
