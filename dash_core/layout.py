@@ -148,6 +148,14 @@ class PagedKVCache:
         """The stored rotated indexer keys at ``slots [n]`` -> ``[n, 1, D]`` (one KV head's shape)."""
         return self.aux_rows(slots)[:, None, : self.head_dim]
 
+    def indexer_view(self) -> "PagedKVCache":
+        """The indexer keys as a one-head cache (K = V = ``aux[..., :D]``, no copy) with this cache's
+        summary store: what the summary and routing code of a plain cache runs on for an indexer."""
+        if self.aux is None:
+            self.aux_rows(torch.zeros(0, dtype=torch.long))  # raises the no-aux error
+        ik = self.aux[:, :, None, : self.head_dim]
+        return PagedKVCache(ik, ik, self.summaries)
+
 
 def slots_of(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
     """Slots of ``positions [n]`` of one request whose pages are ``block_table [max_pages]``."""
@@ -251,12 +259,13 @@ def page_count_rows(counts: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def encode_aux(ik: Optional[torch.Tensor], role: torch.Tensor, tok: torch.Tensor, page: torch.Tensor,
                num_pages: torch.Tensor, query_page: torch.Tensor, *, head_dim: int, dtype: torch.dtype,
-               counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+               counts: Optional[torch.Tensor] = None, check: bool = True) -> torch.Tensor:
     """Auxiliary rows ``[T, 2 * head_dim]`` in ``dtype`` (layout table above).
 
     ik: ``[T, head_dim]`` or None (no indexer: zeros); role, tok, page, num_pages, query_page: ``[T]``
     integers (or scalars, broadcast); counts: ``[T, 3]`` from ``page_count_rows`` or None (zeros).
-    Raises ValueError for an integer outside ``0 .. 2^32 - 1`` or a role outside 0..2.
+    Raises ValueError for an integer outside ``0 .. 2^32 - 1`` or a role outside 0..2; ``check=False``
+    skips these value checks (they read the device; the ops' decode path derives valid values itself).
     """
     width = aux_row_width(head_dim)
     role = torch.as_tensor(role, dtype=torch.long)
@@ -264,11 +273,12 @@ def encode_aux(ik: Optional[torch.Tensor], role: torch.Tensor, tok: torch.Tensor
     fields = {"tok": tok, "page": page, "num_pages": num_pages, "query_page": query_page}
     ints = {}
     for name, v in fields.items():
-        v = torch.as_tensor(v, dtype=torch.long, device=role.device).expand(t) if t else torch.zeros(0, dtype=torch.long)
-        if v.numel() and (int(v.min()) < 0 or int(v.max()) > AUX_MAX_INT):
+        v = (torch.as_tensor(v, dtype=torch.long, device=role.device).expand(t) if t
+             else torch.zeros(0, dtype=torch.long, device=role.device))
+        if check and v.numel() and (int(v.min()) < 0 or int(v.max()) > AUX_MAX_INT):
             raise ValueError(f"{name} must lie in 0..{AUX_MAX_INT}, got {int(v.min())}..{int(v.max())}")
         ints[name] = v
-    if t and (int(role.min()) < 0 or int(role.max()) > 2):
+    if check and t and (int(role.min()) < 0 or int(role.max()) > 2):
         raise ValueError(f"role must be 0, 1 or 2, got {int(role.min())}..{int(role.max())}")
     rows = torch.zeros(t, width, dtype=dtype, device=role.device)
     if ik is not None:
@@ -284,7 +294,7 @@ def encode_aux(ik: Optional[torch.Tensor], role: torch.Tensor, tok: torch.Tensor
         counts = torch.as_tensor(counts, dtype=torch.long)
         if tuple(counts.shape) != (t, AUX_COUNTS_PER_ROW):
             raise ValueError(f"counts must be [T, 3] = {(t, AUX_COUNTS_PER_ROW)}, got {tuple(counts.shape)}")
-        if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > AUX_MAX_INT):
+        if check and counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > AUX_MAX_INT):
             raise ValueError(f"counts must lie in 0..{AUX_MAX_INT}, got {int(counts.min())}..{int(counts.max())}")
         c0 = base + AUX_COUNTS
         rows[:, c0: c0 + AUX_COUNTS_PER_ROW * AUX_INT_BYTES] = int_to_bytes(counts).reshape(t, -1).to(dtype)

@@ -36,21 +36,47 @@ import torch
 
 from .layout import PagedKVCache, check_page_size
 from .params import DashParams
+from .rope import PageRopeSettings
 from . import paged, recorder
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def cache_dash_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, slot_mapping: torch.Tensor,
-                       params: DashParams, *, head_cls: Optional[torch.Tensor] = None) -> None:
+                       params: DashParams, *, head_cls: Optional[torch.Tensor] = None,
+                       ik: Optional[torch.Tensor] = None, head_cls_i: Optional[torch.Tensor] = None,
+                       roles: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                       page_rope: Optional[PageRopeSettings] = None, block_table: Optional[torch.Tensor] = None,
+                       cu_seqlens_q: Optional[torch.Tensor] = None) -> None:
     """Write ``k, v [T, Hkv, D]`` at ``slot_mapping [T]`` (int64; < 0 = padding, skipped) and
     summarise every block whose last token is written (needs ``head_cls [Hkv, D]`` when the
     cache has a summary store). Validates everything before writing anything.
+
+    Auxiliary head (SPEC.md section 9; the cache needs ``aux``): ik ``[T, D]`` and head_cls_i ``[D]``
+    (together) store the indexer keys and summarise them into the 1-head store instead of K.
+    page_rope switches page mode on: k and ik are unrotated and get page RoPE here, at coordinates
+    from roles ``[T]`` (None: all 0, e.g. decode tokens) continuing each request's stored state; that
+    needs positions ``[T]``, block_table ``[n, max_pages]`` and cu_seqlens_q ``[n + 1]`` (the
+    requests' rows). The rows store positions as the coordinates without page mode (0 without them).
     """
     _check_cache(cache, params)
     t = slot_mapping.shape[0]
     _check_tokens("k", k, t, cache)
     _check_tokens("v", v, t, cache)
+    if page_rope is not None:
+        if block_table is None or cu_seqlens_q is None or block_table.dim() != 2 \
+                or tuple(cu_seqlens_q.shape) != (block_table.shape[0] + 1,):
+            raise ValueError("page mode needs block_table [n, max_pages] and cu_seqlens_q [n + 1] to read each "
+                             f"request's stored state; got {None if block_table is None else tuple(block_table.shape)}"
+                             f" and {None if cu_seqlens_q is None else tuple(cu_seqlens_q.shape)}")
+    if _check_aux(cache, k, t, None, ik, head_cls_i, roles, positions, page_rope, decode=False,
+                  indexer=ik is not None or head_cls_i is not None):
+        if cache.summaries is not None and head_cls_i is None:
+            _check_head_cls(head_cls, cache)
+        _, k, _, ik, rows = paged.prepare_aux(cache, None, k, None, ik, roles, positions, page_rope, block_table,
+                                              cu_seqlens_q)
+        _write_new(cache, k, v, slot_mapping, params, head_cls, ik, head_cls_i, rows)
+        return
     if cache.summaries is not None:
         _check_head_cls(head_cls, cache)
     if cache.k_pages.is_cuda and cache.dtype in (torch.float16, torch.bfloat16):  # Triton write + summaries
@@ -62,10 +88,36 @@ def cache_dash_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, sl
         paged.write_summaries(cache, slot_mapping, head_cls, params)
 
 
+def _write_new(cache, k, v, slot_mapping, params, head_cls, ik, head_cls_i, rows) -> None:
+    """Write K/V (summaries of K unless there is an indexer), the auxiliary rows, then the
+    summaries of ``ik`` (the indexer view of the cache) on CUDA with Triton, else with PyTorch."""
+    indexer = head_cls_i is not None
+    kv = PagedKVCache(cache.k_pages, cache.v_pages, None if indexer else cache.summaries)
+    triton = cache.k_pages.is_cuda and cache.dtype in (torch.float16, torch.bfloat16)
+    if triton:
+        from .kernels.launcher import cache_dash_prefill_triton
+        cache_dash_prefill_triton(k, v, kv, slot_mapping, params, head_cls)
+    else:
+        paged.write_kv(kv, k, v, slot_mapping)
+        if kv.summaries is not None:
+            paged.write_summaries(kv, slot_mapping, head_cls, params)
+    if rows is not None:
+        paged.write_aux(cache, rows, slot_mapping)
+    if indexer and cache.summaries is not None:
+        icache = cache.indexer_view()
+        if triton:  # rewrites ik into the rows (same values) and summarises the completed blocks
+            cache_dash_prefill_triton(ik[:, None], ik[:, None], icache, slot_mapping, params, head_cls_i[None])
+        else:
+            paged.write_summaries(icache, slot_mapping, head_cls_i[None], params)
+
+
 def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                        cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                       seq_lens: torch.Tensor, slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor,
-                       params: DashParams, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       seq_lens: torch.Tensor, slot_mapping: Optional[torch.Tensor], head_cls: Optional[torch.Tensor],
+                       params: DashParams, *, out: Optional[torch.Tensor] = None, iq: Optional[torch.Tensor] = None,
+                       ik: Optional[torch.Tensor] = None, head_cls_i: Optional[torch.Tensor] = None,
+                       roles: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                       page_rope: Optional[PageRopeSettings] = None) -> torch.Tensor:
     """Extend every request by its new tokens under causal DASH, on paged history of any length.
 
     q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` new keys/values written at ``slot_mapping [T]``
@@ -76,7 +128,20 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
     Returns ``out [T, Hq, D]`` in ``q.dtype`` (rows of padded requests are zero).
     On CUDA with bf16/fp16 this runs the Triton prefill kernels (``dash_core.kernels.prefill``:
     routing scratch bounded per wave of query tiles, no host synchronisation).
+
+    Auxiliary head (SPEC.md section 9; the cache needs ``aux``): iq ``[T, Hi, D]``, ik ``[T, D]``,
+    head_cls_i ``[D]`` route with the indexer (summaries of ``ik`` in a 1-head store, the mean over
+    the Hi heads selects for every KV head; ``head_cls`` unused, may be None); ik may be None when
+    ``k`` is None (written by ``cache_dash_prefill``). page_rope (a ``PageRopeSettings``) switches page
+    mode on: q, k, iq, ik are unrotated, roles ``[T]`` (0 text, 1 page start, 2 page token) and
+    positions ``[T]`` int64 give the coordinates; each request's new tokens are the end of its prompt
+    (a request with history continues its last stored token's state: prefill a page-mode prompt in
+    one chunk).
     """
+    if _check_aux(cache, k if k is not None else q, q.shape[0], iq, ik, head_cls_i, roles, positions, page_rope,
+                  decode=False, query=q, writes=k is not None):
+        return _paged_dash_aux("prefill", q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping,
+                               head_cls, params, out, iq, ik, head_cls_i, roles, positions, page_rope)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # fp32 stays on the torch path
         from .kernels.prefill import paged_dash_prefill_triton
         _check_query(q, cache, head_cls, block_table, seq_lens)
@@ -88,9 +153,11 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
 
 def paged_dash_decode(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                       cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                      slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor, params: DashParams, *,
+                      slot_mapping: Optional[torch.Tensor], head_cls: Optional[torch.Tensor], params: DashParams, *,
                       out: Optional[torch.Tensor] = None, buffers=None, backend: Optional[str] = None,
-                      plan_cache=None) -> torch.Tensor:
+                      plan_cache=None, iq: Optional[torch.Tensor] = None, ik: Optional[torch.Tensor] = None,
+                      head_cls_i: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                      page_rope: Optional[PageRopeSettings] = None) -> torch.Tensor:
     """One decode step: one query token per request, at position ``seq_lens[i] - 1``.
 
     q: ``[n, Hq, D]``; k, v: ``[n, Hkv, D]`` (or None when already written); block_table:
@@ -102,11 +169,21 @@ def paged_dash_decode(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[to
     segment backend (``"FLASHINFER"``, ``"FLASH_ATTN"``; ``dash_core.segments``), which needs
     ``params.topk``; plan_cache: FlashInfer plans (default: the process-wide cache). The CPU path
     computes the same result with PyTorch whatever the backend.
+
+    Auxiliary head: iq ``[n, Hi, D]``, ik ``[n, D]``, head_cls_i ``[D]`` as in ``paged_dash_prefill``;
+    page_rope with positions ``[n]`` int64: page mode, each new token's coordinates derived on the
+    device from its request's previous stored row (role 0; no host read, graph-safe).
     """
     from .segments import check_decode_backend
 
     backend = params.attention_backend if backend is None else backend
     check_decode_backend(backend, params)
+    if _check_aux(cache, k if k is not None else q, q.shape[0], iq, ik, head_cls_i, None, positions, page_rope,
+                  decode=True, query=q, writes=k is not None):
+        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return _paged_dash_aux("decode", q, k, v, cache, block_table, cu, seq_lens, slot_mapping, head_cls, params,
+                               out, iq, ik, head_cls_i, None, positions, page_rope, buffers=buffers,
+                               backend=backend, plan_cache=plan_cache)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # fp32 stays on the torch path
         from .kernels.launcher import paged_dash_decode_triton
         _check_query(q, cache, head_cls, block_table, seq_lens)
@@ -129,6 +206,94 @@ def _paged_dash(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_ma
     else:
         _check_cache(cache, params)
     return paged.paged_dash_torch(q, cache, block_table, cu_seqlens_q, seq_lens, head_cls, params, out)
+
+
+def _paged_dash_aux(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params, out,
+                    iq, ik, head_cls_i, roles, positions, page_rope, **decode_kw):
+    """The ops with an indexer and/or page mode (arguments validated by ``_check_aux``): page RoPE and
+    the auxiliary rows (``paged.prepare_aux``), the writes, then the attention of either path."""
+    indexer = iq is not None
+    _check_query(q, cache, head_cls, block_table, seq_lens, indexer=indexer)
+    if cu_seqlens_q.shape != (seq_lens.shape[0] + 1,):
+        raise ValueError(f"cu_seqlens_q must be [n + 1] = [{seq_lens.shape[0] + 1}], got {tuple(cu_seqlens_q.shape)}")
+    _check_cache(cache, params)
+    if k is not None:
+        _check_tokens("k", k, q.shape[0], cache)
+        _check_tokens("v", v, q.shape[0], cache)
+        if slot_mapping is None or tuple(slot_mapping.shape) != (q.shape[0],):
+            raise ValueError(f"slot_mapping must be [T] = [{q.shape[0]}] with k and v, got "
+                             f"{None if slot_mapping is None else tuple(slot_mapping.shape)}")
+        if cache.summaries is not None and not indexer:
+            _check_head_cls(head_cls, cache)
+    out = _out(out, q)
+    if positions is None:
+        positions = paged.token_positions(cu_seqlens_q, seq_lens, q.shape[0], q.device)
+    q, k, iq, ik, rows = paged.prepare_aux(cache, q, k, iq, ik, roles, positions, page_rope, block_table,
+                                           cu_seqlens_q)
+    if k is not None:
+        _write_new(cache, k, v, slot_mapping, params, head_cls, ik, head_cls_i, rows)
+    recorder.record(op, q=q, cache=cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
+                    slot_mapping=slot_mapping, params=params)
+    return paged.paged_dash_torch(q, cache, block_table, cu_seqlens_q, seq_lens, head_cls, params, out, iq=iq,
+                                  head_cls_i=head_cls_i)
+
+
+def _check_aux(cache, x, t, iq, ik, head_cls_i, roles, positions, page_rope, *, decode, query=None,
+               writes=True, indexer=None) -> bool:
+    """Validate the auxiliary-head inputs from shapes and dtypes (values of roles only off CUDA);
+    True when there is one (an indexer or page mode), False for a plain call."""
+    if indexer is None:
+        indexer = iq is not None or head_cls_i is not None or (ik is not None and writes)
+    if not indexer and page_rope is None:
+        if roles is not None:
+            raise ValueError("roles are given without page_rope: page mode needs page_rope (PageRopeSettings)")
+        if ik is not None:
+            raise ValueError("ik is given without iq and head_cls_i: the indexer needs all three")
+        return False
+    d = cache.head_dim
+    if cache.aux is None:
+        raise ValueError("an indexer or page mode needs the cache's auxiliary head: build the PagedKVCache with aux "
+                         "(from_vllm(..., aux=True) with Hkv + 1 head slots, or from_sglang(..., aux=alloc_aux_sglang(...)))")
+    if indexer:
+        need_ik = writes
+        if head_cls_i is None or (query is not None and iq is None) or (need_ik and ik is None):
+            raise ValueError(f"iq, ik and head_cls_i go together (ik may be None when k is None); got iq "
+                             f"{iq is not None}, ik {ik is not None}, head_cls_i {head_cls_i is not None}")
+        if tuple(head_cls_i.shape) != (d,):
+            raise ValueError(f"head_cls_i must be [D] = [{d}], got {tuple(head_cls_i.shape)}")
+        if iq is not None and (iq.dim() != 3 or iq.shape[0] != t or iq.shape[2] != d or iq.dtype != query.dtype):
+            raise ValueError(f"iq must be [T, Hi, D] = [{t}, Hi, {d}] in the query dtype {query.dtype}; got "
+                             f"{tuple(iq.shape)} {iq.dtype}")
+        if ik is not None and (tuple(ik.shape) != (t, d) or ik.dtype not in SUPPORTED_DTYPES):
+            raise ValueError(f"ik must be [T, D] = {(t, d)} in one of {SUPPORTED_DTYPES}; got {tuple(ik.shape)} "
+                             f"{ik.dtype}")
+        if cache.summaries is not None and cache.summaries.shape[1] != 1:
+            raise ValueError(f"with an indexer the summary store holds summaries of ik, one head: "
+                             f"alloc_summaries(num_slots, bs, 1, D, ...); got {tuple(cache.summaries.shape)}")
+    elif cache.summaries is not None and cache.summaries.shape[1] != cache.num_kv_heads:
+        raise ValueError(f"summaries must be [num_slots // block_size, Hkv = {cache.num_kv_heads}, D] without an "
+                         f"indexer; got {tuple(cache.summaries.shape)}")
+    if positions is not None and (tuple(positions.shape) != (t,) or positions.dtype.is_floating_point
+                                  or positions.dtype == torch.bool):
+        raise ValueError(f"positions must be [T] = [{t}] integers, got {tuple(positions.shape)} {positions.dtype}")
+    if page_rope is None:
+        if roles is not None:
+            raise ValueError("roles are given without page_rope: page mode needs page_rope (PageRopeSettings)")
+        return True
+    if not isinstance(page_rope, PageRopeSettings):
+        raise ValueError(f"page_rope must be a dash_core.rope.PageRopeSettings, got {type(page_rope).__name__}")
+    if positions is None:
+        raise ValueError(f"page mode needs positions [T] = [{t}] int64 (missing)")
+    if decode and roles is not None:
+        raise ValueError("decode takes no roles: generated tokens are text (role 0)")
+    if not decode and writes:
+        if roles is None or tuple(roles.shape) != (t,) or roles.dtype.is_floating_point or roles.dtype == torch.bool:
+            raise ValueError(f"page-mode prefill needs roles [T] = [{t}] integers (0 text, 1 page start, 2 page "
+                             f"token); got {None if roles is None else (tuple(roles.shape), roles.dtype)}")
+        if not roles.is_cuda and roles.numel() and (int(roles.min()) < 0 or int(roles.max()) > 2):
+            raise ValueError(f"roles must be 0 (text), 1 (page start) or 2 (page token); got values "
+                             f"{int(roles.min())}..{int(roles.max())}")
+    return True
 
 
 def _out(out: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
@@ -160,13 +325,14 @@ def _check_head_cls(head_cls: Optional[torch.Tensor], cache: PagedKVCache) -> No
         raise ValueError(f"head_cls must be [Hkv, D] = {want}, got {tuple(head_cls.shape)}")
 
 
-def _check_query(q, cache, head_cls, block_table, seq_lens) -> None:
+def _check_query(q, cache, head_cls, block_table, seq_lens, indexer: bool = False) -> None:
     if q.dim() != 3 or q.shape[2] != cache.head_dim or q.shape[1] % cache.num_kv_heads:
         raise ValueError(f"q must be [T, Hq, D={cache.head_dim}] with Hq a multiple of Hkv={cache.num_kv_heads}; "
                          f"got {tuple(q.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
-    _check_head_cls(head_cls, cache)
+    if not indexer:  # with an indexer head_cls is unused
+        _check_head_cls(head_cls, cache)
     if block_table.dim() != 2 or block_table.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"block_table must be [n, max_pages] with n = len(seq_lens) = {seq_lens.shape[0]}; "
                          f"got {tuple(block_table.shape)}")

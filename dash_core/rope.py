@@ -190,6 +190,15 @@ def decode_coordinates_from_aux(prev_rows: torch.Tensor, head_dim: int) -> tuple
     return decode_coordinates(s.tok, s.page, s.query_page)
 
 
+def token_requests(cu_seqlens: torch.Tensor, t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rid, lidx) [T]`` int64: each token's request (``cu_seqlens [n + 1]`` row offsets) and its
+    index among that request's tokens. Tensor ops only."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    g = torch.arange(t, device=device)
+    rid = torch.searchsorted(cu[1:].contiguous(), g, right=True).clamp(max=max(cu.numel() - 2, 0))
+    return rid, g - cu[:-1][rid]
+
+
 def extend_coordinates(roles: torch.Tensor, cu_seqlens: torch.Tensor, has_prev: torch.Tensor,
                        prev_tok: torch.Tensor, prev_page: torch.Tensor, prev_num_pages: torch.Tensor,
                        prev_query_page: torch.Tensor):
@@ -210,11 +219,9 @@ def extend_coordinates(roles: torch.Tensor, cu_seqlens: torch.Tensor, has_prev: 
     dev = roles.device
     r = roles.to(torch.long)
     t, n = r.numel(), cu_seqlens.numel() - 1
-    cu = cu_seqlens.to(device=dev, dtype=torch.long)
     gidx = torch.arange(t, device=dev)
-    rid = torch.searchsorted(cu[1:].contiguous(), gidx, right=True).clamp(max=max(n - 1, 0))
-    seg0 = cu[:-1][rid]
-    lidx = gidx - seg0
+    rid, lidx = token_requests(cu_seqlens, t, dev)
+    seg0 = gidx - lidx
     first_of_seg = seg0.clamp(max=max(t - 1, 0))
 
     def seg_cumsum(x: torch.Tensor) -> torch.Tensor:  # inclusive cumsum restarted at each request
