@@ -94,3 +94,24 @@ def ar1_walk(x: torch.Tensor, rho: float, chunk: int = 256) -> torch.Tensor:
         out[t0: t0 + e.shape[0]] = y.to(x.dtype)
         prev = y[-1]
     return out
+
+
+def import_published(module: str):
+    """``dash_attn.<module>`` of the authors' DashAttention copy at ``$DASH_PUBLISHED_DIR`` (their package
+    sets the fp32 matmul precision globally on import: it is restored here)."""
+    import importlib
+    import os
+    import sys
+
+    import torch
+
+    pub = os.environ.get("DASH_PUBLISHED_DIR")
+    if not pub or not Path(pub, "dash_attn").is_dir():
+        raise RuntimeError("set DASH_PUBLISHED_DIR to a copy of the authors' DashAttention repository")
+    prec = torch.get_float32_matmul_precision()
+    if pub not in sys.path:
+        sys.path.insert(0, pub)
+    try:
+        return importlib.import_module(f"dash_attn.{module}")
+    finally:
+        torch.set_float32_matmul_precision(prec)

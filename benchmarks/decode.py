@@ -23,14 +23,12 @@ Writes JSON records to ``docs/perf/decode.json`` (merged by case), the table wit
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -39,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied before triton is imported
     import tests.kernels._kernel_env  # noqa: E402,F401
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import import_published, merge_records, replace_section  # noqa: E402
 from dash_core import DashParams, segments  # noqa: E402
 from dash_core.kernels import launcher  # noqa: E402
 from dash_core.kernels.kv_write import write_kv_and_summaries  # noqa: E402
@@ -170,17 +170,8 @@ def flashinfer_decode(layer: Layer, q, ctx, hq, hkv, d, ps):
 
 def published_decode(layer: Layer, q, ctx, params: DashParams, kc, vc):
     """The authors' decode (stage 2 + stage 3) on contiguous K/V and contiguous summaries."""
-    pub = os.environ.get("DASH_PUBLISHED_DIR")
-    if not pub or not Path(pub, "dash_attn").is_dir():
-        raise RuntimeError("set DASH_PUBLISHED_DIR to a copy of the authors' DashAttention repository")
-    prec = torch.get_float32_matmul_precision()
-    sys.path.insert(0, pub)
-    try:
-        from dash_attn import decoding  # noqa: F401  (their package sets the matmul precision globally)
-    finally:
-        torch.set_float32_matmul_precision(prec)
+    decoding = import_published("decoding")
     bs = params.block_size
-    b = q.shape[0]
     nc = (ctx - 1) // bs
     ps = layer.cache.page_size
     blk = torch.arange(nc, device=q.device)
@@ -423,15 +414,9 @@ def merge_json(path: Path, new: list) -> list:
     key = lambda r: (r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"], r["bs"], r["topk"],  # noqa: E731
                      r["method"], r["variant"], r["includes_write"], r["graph"], r["device"],
                      r.get("layout", "sglang"))
-    old = json.loads(path.read_text()) if path.exists() else []
-    keep = {key(r): r for r in old}
-    for r in new:
-        keep[key(r)] = r
-    out = sorted(keep.values(), key=lambda r: (r["device"], r["hkv"], r["context"], r["batch"], str(r["topk"]),
-                                               r["method"], r["graph"], r["includes_write"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    order = lambda r: (r["device"], r["hkv"], r["context"], r["batch"], str(r["topk"]),  # noqa: E731
+                       r["method"], r["graph"], r["includes_write"])
+    return merge_records(path, new, key, order)
 
 
 def table(records: list) -> str:
@@ -458,20 +443,13 @@ def table(records: list) -> str:
 
 
 def write_markdown(path: Path, records: list, command: str, bw: float, device: str) -> None:
-    body = (f"{MARK_BEGIN}\n## Decode (`benchmarks/decode.py`)\n\nCommand: `{command}`\n\n"
+    body = (f"## Decode (`benchmarks/decode.py`)\n\nCommand: `{command}`\n\n"
             f"Device: {device}; measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write). Times are medians of "
             "CUDA-event-timed calls after warm-up, inputs rotated over several layers' caches (L2-cold). "
             "The floor is the bytes a step must move (attended K/V, every summary scored, queries, outputs, "
             "metadata) over that bandwidth; dense rows use the dense bytes. JSON: `docs/perf/decode.json`; "
-            "chart: `docs/perf/decode.svg`.\n\n" + table(records) + f"\n{MARK_END}\n")
-    text = path.read_text() if path.exists() else "# Performance\n\n"
-    if MARK_BEGIN in text and MARK_END in text:
-        pre, rest = text.split(MARK_BEGIN, 1)
-        post = rest.split(MARK_END, 1)[1].lstrip("\n")
-        text = pre + body + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    path.write_text(text)
+            "chart: `docs/perf/decode.svg`.\n\n" + table(records) + "\n")
+    replace_section(path, MARK_BEGIN, MARK_END, body)
 
 
 def write_svg(path: Path, records: list) -> None:

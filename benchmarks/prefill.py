@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import ar1_walk, crossover, merge_records, replace_section, svg_bars  # noqa: E402
+from common import ar1_walk, crossover, import_published, merge_records, replace_section, svg_bars  # noqa: E402
 from decode import calibrate_sf, copy_bandwidth, log, time_calls  # noqa: E402
 
 from dash_core import DashParams, ops  # noqa: E402
@@ -249,15 +249,7 @@ def flashinfer_fn(pr: Prompt, chunk):
 
 def published_fn(pr: Prompt, params: DashParams):
     """The authors' prefill, all three stages, on contiguous ``[1, H, N, D]`` tensors."""
-    pub = os.environ.get("DASH_PUBLISHED_DIR")
-    if not pub or not Path(pub, "dash_attn").is_dir():
-        raise RuntimeError("set DASH_PUBLISHED_DIR to a copy of the authors' DashAttention repository")
-    prec = torch.get_float32_matmul_precision()
-    sys.path.insert(0, pub)
-    try:
-        from dash_attn import prefill  # their package sets the fp32 matmul precision globally
-    finally:
-        torch.set_float32_matmul_precision(prec)
+    prefill = import_published("prefill")
     qh = pr.q.permute(1, 0, 2)[None].contiguous()
     kh = pr.k.permute(1, 0, 2)[None].contiguous()
     vh = pr.v.permute(1, 0, 2)[None].contiguous()

@@ -40,28 +40,10 @@ gpu_env env.txt
 
 rc=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  paths=${GPU_TEST_PATHS:-tests/kernels}
-  echo "== GPU tests (pytest -m gpu $paths), limit ${TEST_TIMEOUT:-360}s"
   # shellcheck disable=SC2086
-  timeout "${TEST_TIMEOUT:-360}" "$py" -m pytest -m gpu $paths -q -rs -p no:cacheprovider --durations=25 \
-    --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
-  t=$?
-  tail -40 "$out/gpu_tests.log"
-  echo "tests exit status $t"
-  [ $t -ne 0 ] && rc=$t
+  gpu_tests gpu_tests "${TEST_TIMEOUT:-360}" ${GPU_TEST_PATHS:-tests/kernels} || rc=$?
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
-  [ -f docs/perf/decode.json ] && cp docs/perf/decode.json "$out/decode.json"
-  [ -f docs/PERFORMANCE.md ] && cp docs/PERFORMANCE.md "$out/PERFORMANCE.md"
-  args=("$@")
-  [ ${#args[@]} -eq 0 ] && args=(--preset required)
-  limit=${BENCH_TIMEOUT:-$([ "$mode" = bench ] && echo 540 || echo 220)}
-  echo "== decode benchmark ${args[*]}, limit ${limit}s"
-  timeout "$limit" "$py" benchmarks/decode.py "${args[@]}" --json "$out/decode.json" \
-    --markdown "$out/PERFORMANCE.md" --svg "$out/decode.svg" > "$out/bench.log" 2>&1
-  b=$?
-  tail -30 "$out/bench.log"
-  echo "benchmark exit status $b"
-  [ $b -ne 0 ] && rc=$b
+  gpu_bench bench decode "${BENCH_TIMEOUT:-$([ "$mode" = bench ] && echo 540 || echo 220)}" "$@" || rc=$?
 fi
 exit $rc

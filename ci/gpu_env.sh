@@ -114,3 +114,35 @@ PY
   } > "$out/$report" 2>&1
   cat "$out/$report"
 }
+
+# gpu_tests NAME LIMIT_S PYTEST_ARGS...: pytest -m gpu under a time limit, log and JUnit XML as $out/NAME.*;
+# prints the log's tail and returns pytest's status.
+gpu_tests() {
+  local name=$1 limit=$2 t
+  shift 2
+  echo "== GPU tests $name (pytest -m gpu $*), limit ${limit}s"
+  timeout "$limit" "$py" -m pytest -m gpu "$@" -q -rs -p no:cacheprovider --durations=25 \
+    --junitxml="$out/$name.xml" > "$out/$name.log" 2>&1
+  t=$?
+  tail -40 "$out/$name.log"
+  echo "tests exit status $t"
+  return $t
+}
+
+# gpu_bench NAME SCRIPT LIMIT_S [ARGS...]: benchmarks/SCRIPT.py (default ARGS: --preset required) writing its JSON,
+# PERFORMANCE.md and SVG under $out, merged with the repository's docs; log $out/NAME.log; returns its status.
+gpu_bench() {
+  local name=$1 script=$2 limit=$3 b
+  shift 3
+  local args=("$@")
+  [ ${#args[@]} -eq 0 ] && args=(--preset required)
+  [ -f "docs/perf/$script.json" ] && cp "docs/perf/$script.json" "$out/$script.json"
+  [ -f docs/PERFORMANCE.md ] && cp docs/PERFORMANCE.md "$out/PERFORMANCE.md"
+  echo "== $script benchmark ${args[*]}, limit ${limit}s"
+  timeout "$limit" "$py" "benchmarks/$script.py" "${args[@]}" --json "$out/$script.json" \
+    --markdown "$out/PERFORMANCE.md" --svg "$out/$script.svg" > "$out/$name.log" 2>&1
+  b=$?
+  tail -45 "$out/$name.log"
+  echo "benchmark exit status $b"
+  return $b
+}

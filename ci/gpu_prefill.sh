@@ -33,26 +33,10 @@ gpu_env prefill_env.txt
 
 rc=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  echo "== prefill GPU tests, limit ${TEST_TIMEOUT:-240}s"
-  timeout "${TEST_TIMEOUT:-240}" "$py" -m pytest -m gpu tests/kernels/test_kernel_prefill.py \
-    tests/kernels/test_kernel_prefill_gpu.py -q -rs -p no:cacheprovider --durations=25 \
-    --junitxml="$out/prefill_tests.xml" > "$out/prefill_tests.log" 2>&1
-  t=$?
-  tail -40 "$out/prefill_tests.log"
-  echo "tests exit status $t"
-  [ $t -ne 0 ] && rc=$t
+  gpu_tests prefill_tests "${TEST_TIMEOUT:-240}" tests/kernels/test_kernel_prefill.py \
+    tests/kernels/test_kernel_prefill_gpu.py || rc=$?
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
-  [ -f docs/perf/prefill.json ] && cp docs/perf/prefill.json "$out/prefill.json"
-  [ -f docs/PERFORMANCE.md ] && cp docs/PERFORMANCE.md "$out/PERFORMANCE.md"
-  args=("$@")
-  [ ${#args[@]} -eq 0 ] && args=(--preset required)
-  echo "== prefill benchmark ${args[*]}, limit ${BENCH_TIMEOUT:-240}s"
-  timeout "${BENCH_TIMEOUT:-240}" "$py" benchmarks/prefill.py "${args[@]}" --json "$out/prefill.json" \
-    --markdown "$out/PERFORMANCE.md" --svg "$out/prefill.svg" > "$out/prefill_bench.log" 2>&1
-  b=$?
-  tail -45 "$out/prefill_bench.log"
-  echo "benchmark exit status $b"
-  [ $b -ne 0 ] && rc=$b
+  gpu_bench prefill_bench prefill "${BENCH_TIMEOUT:-240}" "$@" || rc=$?
 fi
 exit $rc
