@@ -18,16 +18,22 @@ as ``pool.dash_summaries``, so every backend instance over one pool (two-batch o
 runners, PD multiplexing) shares it, and radix-cache pages shared between requests share their
 summaries. Its bytes are added to SGLang's per-token KV cost by the plugin's pool-sizing hook.
 
-CUDA graphs (decode): ``init_cuda_graph_state`` allocates the block table and lengths once, sized
-by the largest captured batch and the longest context; ``init_forward_metadata_out_graph`` refills
-them in place before capture and before every replay, so captured kernels always read the same
-addresses. Padded rows arrive with ``req_pool_indices = 0`` and ``seq_lens = 1``: one token in the
-padding page.
+CUDA graphs (decode): ``init_cuda_graph_state`` allocates ``graphs.decode.DecodeGraphBuffers``
+once (block table, lengths and the Triton decode scratch), sized by the largest captured batch and
+the longest context; ``init_forward_metadata_out_graph`` refills them in place before capture and
+before every replay, so captured kernels always read the same addresses. Padded rows arrive with
+``req_pool_indices = 0`` and ``seq_lens = 1``: one token in the padding page.
+
+Attention-stage backend (``DashParams.attention_backend``: ``TRITON``, ``FLASHINFER``,
+``FLASH_ATTN``): the model config's ``dash_attention_backend`` (``--json-model-override-args``), or
+the environment variable ``DASH_ATTENTION_BACKEND``, which wins when set; read once when the
+backend is built (``dash_params``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,13 +41,15 @@ import torch
 
 from dash_core.layout import PagedKVCache, alloc_summaries, block_table_from_req_to_token, check_page_size
 from dash_core.ops import SUPPORTED_DTYPES, paged_dash_decode, paged_dash_prefill
-from dash_core.params import DashParams
+from dash_core.params import ATTENTION_BACKENDS, DashParams
+from graphs.decode import DecodeGraphBuffers
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.runtime_context import get_parallel
 
 logger = logging.getLogger(__name__)
 
 PAGE_SIZE_FLAG = "--page-size"
+ATTENTION_BACKEND_ENV = "DASH_ATTENTION_BACKEND"
 
 
 @dataclass
@@ -50,8 +58,8 @@ class DashForwardMetadata:
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    graph: bool = False  # built by init_forward_metadata_out_graph: decode reuses the static kernel scratch
+    cu_seqlens_q: Optional[torch.Tensor]  # None for captured decode (the decode op takes none)
+    graph: bool = False  # built by init_forward_metadata_out_graph: views of the static graph buffers
 
 
 def summary_store(pool, block_size: int) -> list:
@@ -76,6 +84,27 @@ def summary_store(pool, block_size: int) -> list:
     return store
 
 
+def dash_params(hf_config, environ=os.environ) -> DashParams:
+    """The ``DashParams`` of a model config, with ``DASH_ATTENTION_BACKEND`` (if set) as the attention backend.
+
+    The environment variable takes the names of ``DashParams.attention_backend`` in any case and
+    overrides the config key ``dash_attention_backend``; the segment backends (``FLASHINFER``,
+    ``FLASH_ATTN``) need ``dash_topk``. Raises ``ValueError`` naming the variable or key otherwise.
+    """
+    overrides = {}
+    env = environ.get(ATTENTION_BACKEND_ENV, "").strip()
+    if env:
+        if env.upper() not in ATTENTION_BACKENDS:
+            raise ValueError(f"{ATTENTION_BACKEND_ENV}={env!r} is not allowed: expected one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        overrides["attention_backend"] = env.upper()
+    params = DashParams.from_config(hf_config, **overrides)
+    from dash_core.segments import check_decode_backend
+
+    check_decode_backend(params.attention_backend, params)  # e.g. a segment backend without topk: fail at start-up
+    return params
+
+
 def _reject(what: str, why: str) -> ValueError:
     return ValueError(f"attention backend 'dash' does not support {what}: {why}")
 
@@ -96,16 +125,19 @@ class DashAttnBackend(AttentionBackend):
         self.page_size = model_runner.page_size or 1
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.params = DashParams.from_config(model_runner.model_config.hf_config)
+        self.params = dash_params(model_runner.model_config.hf_config)
+        self.num_q_heads = model_runner.model_config.get_num_attention_heads(self._attn_tp_size())
         check_page_size(self.page_size, self.params.block_size, PAGE_SIZE_FLAG)
         self._validate_runner(model_runner)
         self.summaries = summary_store(self.token_to_kv_pool, self.params.block_size)
         self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
         self.max_pages = -(-self.max_context_len // self.page_size)
         self.forward_metadata: Optional[DashForwardMetadata] = None
-        self.cuda_graph_max_bs = 0
-        self.cg_decode_buffers = None  # Triton decode scratch owned by the captured graphs (CUDA only)
+        self.graph_buffers: Optional[DecodeGraphBuffers] = None  # made by init_cuda_graph_state
         logger.info("DASH attention backend: %s, page size %d", self.params, self.page_size)
+        if self.params.attention_backend != "TRITON" and torch.device(self.device).type != "cuda":
+            logger.info("DASH attention_backend %s runs on CUDA only; on %s the PyTorch path computes the same "
+                        "attention", self.params.attention_backend, self.device)
 
     # ---- start-up checks -------------------------------------------------------------------
 
@@ -191,12 +223,15 @@ class DashAttnBackend(AttentionBackend):
             self._block_table(forward_batch.req_pool_indices, num_pages), seq_lens, cu)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Static decode buffers: block table ``[max_bs, max_pages]``, lengths, query offsets."""
-        self.cuda_graph_max_bs = max_bs
-        self.cg_block_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=self.device)
-        self.cg_seq_lens = torch.full((max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int32,
-                                      device=self.device)
-        self.cg_cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        """Static decode buffers (``graphs.decode.DecodeGraphBuffers``): block table ``[max_bs, max_pages]``,
+        lengths and the Triton decode scratch, shared by every layer (they run one after another)."""
+        pool = self.token_to_kv_pool
+        # SGLang owns q, k, v, the output and out_cache_loc; the Triton scratch is needed where decode runs it.
+        self.graph_buffers = DecodeGraphBuffers.allocate(
+            max_bs, self.max_pages, self.num_q_heads, pool.head_num, pool.head_dim, self.page_size, self.params,
+            pool.dtype, self.device, io=False, kernel=torch.device(self.device).type == "cuda")
+        logger.info("DASH decode graph buffers: %.2f MB (%d bytes per batch slot)",
+                    self.graph_buffers.nbytes() / 2**20, int(self.graph_buffers.bytes_per_slot()))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         """Refill the static decode buffers in place (before capture and before every replay).
@@ -207,15 +242,13 @@ class DashAttnBackend(AttentionBackend):
         self._check_mode(mode)
         if not mode.is_decode():
             raise NotImplementedError(f"attention backend 'dash' captures decode graphs only, got {mode.name}")
-        bs = forward_batch.batch_size
-        if bs > self.cuda_graph_max_bs:
+        bs, bufs = forward_batch.batch_size, self.graph_buffers
+        if bufs is None or bs > bufs.max_batch:
             raise ValueError(f"graph batch size {bs} exceeds init_cuda_graph_state's max_bs "
-                             f"{self.cuda_graph_max_bs}")
+                             f"{0 if bufs is None else bufs.max_batch}")
         rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[:bs].long()]
-        self.cg_block_table[:bs].copy_(block_table_from_req_to_token(rows, self.page_size))
-        self.cg_seq_lens[:bs].copy_(forward_batch.seq_lens[:bs])
-        self.forward_metadata = DashForwardMetadata(
-            self.cg_block_table[:bs], self.cg_seq_lens[:bs], self.cg_cu_seqlens_q[: bs + 1], graph=True)
+        bufs.fill_metadata(block_table_from_req_to_token(rows, self.page_size), forward_batch.seq_lens[:bs])
+        self.forward_metadata = DashForwardMetadata(bufs.block_table[:bs], bufs.seq_lens[:bs], None, graph=True)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded graph rows get one KV token (in the padding page), as SGLang's own backends."""
@@ -249,22 +282,10 @@ class DashAttnBackend(AttentionBackend):
         else:
             v = slots = None
         extra = {}
-        if op is paged_dash_decode and md.graph and q3.is_cuda:
-            extra["buffers"] = self._graph_decode_buffers(q3, cache)
+        if op is paged_dash_decode and md.graph:
+            extra["buffers"] = self.graph_buffers.kernel  # the captured graph's Triton scratch (None on the CPU)
         out = op(q3, k, v, cache, md.block_table, *_op_lens(op, md), slots, head_cls, self.params, **extra)
         return out.view(-1, hq * d)
-
-    def _graph_decode_buffers(self, q3: torch.Tensor, cache: PagedKVCache):
-        """The Triton decode scratch for captured decode, sized once by ``init_cuda_graph_state``'s
-        ``max_bs`` and the longest context; shared by every layer (they run one after another).
-        Made on the first graph-path decode, which SGLang runs eagerly before capturing."""
-        if self.cg_decode_buffers is None:
-            from dash_core.kernels.launcher import DecodeBuffers
-
-            self.cg_decode_buffers = DecodeBuffers.allocate(
-                self.cuda_graph_max_bs, q3.shape[1], cache.num_kv_heads, cache.head_dim, self.page_size,
-                self.max_pages, self.params, q3.device)
-        return self.cg_decode_buffers
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, head_cls=None, **kwargs):
         """Prefill, chunked prefill and mixed batches: ``q [T, Hq * D]`` -> ``[T, Hq * D]``."""

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.engine_sglang
 pytest.importorskip("sglang")
 
 from dash_core import DashParams, dash_reference  # noqa: E402
+from graphs.decode import DecodeGraphBuffers  # noqa: E402
 from tests.engines._sglang_support import KitTestCase, budget, dash_kit  # noqa: E402,F401
 
 _budget = budget("kit", 90)
@@ -76,12 +77,16 @@ def test_graph_buffers_are_static_and_refilled_in_place(dash_kit):
     fx = kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=128, runner_batch_size=4, **F32)
     be, fb = fx.backend, fx.forward_batch
     be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
-    ptrs = (be.cg_block_table.data_ptr(), be.cg_seq_lens.data_ptr(), be.cg_cu_seqlens_q.data_ptr())
+    bufs = be.graph_buffers  # graphs.decode owns every tensor the captured decode reads
+    assert isinstance(bufs, DecodeGraphBuffers) and bufs.max_batch == 4
+    assert bufs.q is None and bufs.slot_mapping is None  # SGLang owns q/k/v, the output and out_cache_loc
+    assert bufs.kernel is None  # no Triton scratch where decode runs the PyTorch path (CPU)
+    ptrs = (bufs.block_table.data_ptr(), bufs.seq_lens.data_ptr())
     view = types.SimpleNamespace(batch_size=3, forward_mode=fb.forward_mode, req_pool_indices=fb.req_pool_indices,
                                  seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu, out_cache_loc=fb.out_cache_loc)
     be.init_forward_metadata_out_graph(view, in_capture=True)
     md = be.forward_metadata
-    assert (md.block_table.data_ptr(), md.seq_lens.data_ptr(), md.cu_seqlens_q.data_ptr()) == ptrs
+    assert (md.block_table.data_ptr(), md.seq_lens.data_ptr()) == ptrs
     r2t = fx.runner.req_to_token_pool.req_to_token
     want = r2t[fb.req_pool_indices.long(), ::16] // 16
     assert torch.equal(md.block_table, want.to(torch.int32))
@@ -89,7 +94,8 @@ def test_graph_buffers_are_static_and_refilled_in_place(dash_kit):
     # A second step with other lengths lands in the same storage.
     view.seq_lens = fb.seq_lens + 1
     be.init_forward_metadata_out_graph(view)
-    assert be.forward_metadata.seq_lens.data_ptr() == ptrs[1] and be.cg_seq_lens[:3].tolist() == [22, 42, 7]
+    assert be.forward_metadata.seq_lens.data_ptr() == ptrs[1] and bufs.seq_lens[:3].tolist() == [22, 42, 7]
+    assert be.graph_buffers is bufs
     assert be.get_cuda_graph_seq_len_fill_value() == 1
 
 
@@ -128,7 +134,7 @@ def _run_steps(kit, fx, steps, loc_fn, max_context_len, graph_bs=0):
         be.init_forward_metadata_out_graph(view, in_capture=in_capture)
         out = be.forward_decode(q, k.view(-1, mod.num_kv_heads, mod.head_dim), v.view(-1, mod.num_kv_heads,
                                 mod.head_dim), mod.attn, view, head_cls=mod.dash_head_cls)
-        assert be.forward_metadata.block_table.data_ptr() == be.cg_block_table.data_ptr()  # the static buffers
+        assert be.forward_metadata.block_table.data_ptr() == be.graph_buffers.block_table.data_ptr()  # static
         assert torch.isfinite(out).all()  # padded rows attend to one token of the padding slot: no NaN
         return mod.o_proj(out)[: hidden.shape[0]]
 
@@ -260,3 +266,37 @@ def test_a_model_without_dash_layers_is_refused(dash_kit):
         DashAttnBackend(fx.runner)
     fx.runner.model.dash_layers = {0: object()}
     DashAttnBackend(fx.runner)
+
+
+# ---- the attention-stage backend option (DashParams.attention_backend) ---------------------------
+
+def test_attention_backend_from_config_and_environment():
+    """``dash_attention_backend`` in the model config (what ``--json-model-override-args`` edits) picks the
+    backend; ``DASH_ATTENTION_BACKEND`` wins when set (any case); bad values and a missing topk fail early."""
+    from adapters.sglang.backend import ATTENTION_BACKEND_ENV, dash_params
+
+    cfg = dict(chunk_size=16, dash_topk=4)
+    assert dash_params(cfg, environ={}).attention_backend == "TRITON"
+    assert dash_params(dict(cfg, dash_attention_backend="FLASH_ATTN"), environ={}).attention_backend == "FLASH_ATTN"
+    env = {ATTENTION_BACKEND_ENV: "flashinfer"}
+    assert dash_params(dict(cfg, dash_attention_backend="FLASH_ATTN"), environ=env).attention_backend == "FLASHINFER"
+    assert dash_params(cfg, environ={ATTENTION_BACKEND_ENV: " "}).attention_backend == "TRITON"  # blank = unset
+    with pytest.raises(ValueError, match=r"DASH_ATTENTION_BACKEND='cudnn' is not allowed: expected one of TRITON"):
+        dash_params(cfg, environ={ATTENTION_BACKEND_ENV: "cudnn"})
+    with pytest.raises(ValueError, match="attention_backend = 'flash'"):
+        dash_params(dict(cfg, dash_attention_backend="flash"), environ={})
+    with pytest.raises(ValueError, match="dash_topk"):  # segment backends need a static segment count
+        dash_params(dict(chunk_size=16), environ=env)
+
+
+def test_backend_reads_the_environment_once_at_start_up(dash_kit, monkeypatch):
+    from adapters.sglang.backend import ATTENTION_BACKEND_ENV
+
+    kit = dash_kit(SPARSE)
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "FLASH_ATTN")
+    fx = kit.build_dense_attention_fixture(KitTestCase(), _case(kit, "dash_env", "DECODE", 16, (4,)),
+                                           max_context_len=48, **F32)
+    assert fx.backend.params.attention_backend == "FLASH_ATTN"
+    assert fx.backend.params.topk == SPARSE.topk  # the rest still comes from the model config
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "TRITON")  # later changes do not reach a running backend
+    assert fx.backend.params.attention_backend == "FLASH_ATTN"
