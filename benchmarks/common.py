@@ -115,3 +115,23 @@ def import_published(module: str):
         return importlib.import_module(f"dash_attn.{module}")
     finally:
         torch.set_float32_matmul_precision(prec)
+
+
+def add_shape_args(ap, sf_help: str) -> None:
+    """The arguments both benchmarks share: heads, head size, block and page size, topk, sf, peers."""
+    ap.add_argument("--hkv", default="8")
+    ap.add_argument("--topk", default="64,none")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--sf", type=float, default=None, help=sf_help)
+    ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
+    ap.add_argument("--peers", default="sdpa,flashinfer,published")
+
+
+def shown_command(script: str, argv: list) -> str:
+    """The command as the docs record it: output paths (machine-specific) left out."""
+    outs = ("--json", "--markdown", "--svg")
+    kept = [x for i, x in enumerate(argv) if x not in outs and not (i and argv[i - 1] in outs)]
+    return f"python benchmarks/{script} " + " ".join(kept)

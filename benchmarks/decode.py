@@ -38,7 +38,7 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
     import tests.kernels._kernel_env  # noqa: E402,F401
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import import_published, merge_records, replace_section  # noqa: E402
+from common import add_shape_args, import_published, merge_records, replace_section, shown_command, svg_bars  # noqa: E402,E501
 from dash_core import DashParams, segments  # noqa: E402
 from dash_core.kernels import launcher  # noqa: E402
 from dash_core.kernels.kv_write import write_kv_and_summaries  # noqa: E402
@@ -453,36 +453,16 @@ def write_markdown(path: Path, records: list, command: str, bw: float, device: s
 
 
 def write_svg(path: Path, records: list) -> None:
-    """Horizontal bars of time per method, one group per case (log scale), no plotting library needed."""
+    """Horizontal bars of time per method, one group per case (log scale)."""
     groups = {}
     for r in records:
         k = f"B{r['batch']} ctx{r['context']} Hkv{r['hkv']} topk {r['topk'] if r['topk'] is not None else 'none'}"
         lab = (f"{r['method']} {r['variant']}{' +write' if r['includes_write'] else ''}"
                f"{' graph' if r['graph'] else ''}{' (vllm layout)' if r.get('layout') == 'vllm' else ''}")
         groups.setdefault(k, []).append((lab, r["ms"] * 1e3))
-    colors = {"dash-triton": "#1f77b4", "dense-sdpa": "#7f7f7f", "dense-flashinfer": "#2ca02c",
-              "published-dash": "#d62728", "dash-flashinfer": "#17becf", "dash-flash-attn": "#ff7f0e"}
-    lines, y = [], 30
-    vmax = max((v for g in groups.values() for _, v in g), default=1.0)
-    vmin = min((v for g in groups.values() for _, v in g), default=1.0)
-    lo, hi = math.log10(max(vmin / 2, 1e-3)), math.log10(vmax * 1.5)
-    x0, width = 260, 500
-    for k, items in groups.items():
-        lines.append(f'<text x="5" y="{y}" font-weight="bold">{k}</text>')
-        y += 18
-        for lab, v in items:
-            w = max(1.0, (math.log10(v) - lo) / (hi - lo) * width)
-            c = colors.get(lab.split()[0], "#9467bd")
-            lines.append(f'<text x="10" y="{y + 11}" font-size="11">{lab}</text>'
-                         f'<rect x="{x0}" y="{y}" width="{w:.1f}" height="13" fill="{c}"/>'
-                         f'<text x="{x0 + w + 4:.1f}" y="{y + 11}" font-size="11">{v:.1f} us</text>')
-            y += 17
-        y += 8
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{x0 + width + 120}" height="{y + 20}" '
-           f'font-family="sans-serif" font-size="12"><text x="5" y="15">DASH decode time per layer '
-           f'(log scale)</text>{"".join(lines)}</svg>\n')
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(svg)
+    svg_bars(path, groups, "DASH decode time per layer (log scale)", "us",
+             {"dash-triton": "#1f77b4", "dense-sdpa": "#7f7f7f", "dense-flashinfer": "#2ca02c",
+              "published-dash": "#d62728", "dash-flashinfer": "#17becf", "dash-flash-attn": "#ff7f0e"})
 
 
 # ---------------------------------------------------------------------------- main
@@ -492,15 +472,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=["required", "matrix"], help="required: B 1, 8 at 128k, topk 64 and none")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="131072")
-    ap.add_argument("--hkv", default="8")
-    ap.add_argument("--topk", default="64,none")
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--sf", type=float, default=None, help="scaling_factor (default: calibrated per case)")
-    ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
-    ap.add_argument("--peers", default="sdpa,flashinfer,published")
+    add_shape_args(ap, "scaling_factor (default: calibrated per case)")
     ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang",
                     help="cache layout: token-major (SGLang) or head-major (vLLM; allows zero-copy segment rows)")
     ap.add_argument("--segment-backends", default="auto",
@@ -515,13 +487,7 @@ def main(argv=None) -> int:
     ap.add_argument("--svg", default=str(ROOT / "docs/perf/decode.svg"))
     ap.add_argument("--no-write-docs", action="store_true")
     a = ap.parse_args(argv)
-    raw = list(argv if argv is not None else sys.argv[1:])
-    shown = []  # the command as recorded in the docs: output paths (machine-specific) left out
-    for i, x in enumerate(raw):
-        if x in ("--json", "--markdown", "--svg") or (i and raw[i - 1] in ("--json", "--markdown", "--svg")):
-            continue
-        shown.append(x)
-    a.command = "python benchmarks/decode.py " + " ".join(shown)
+    a.command = shown_command("decode.py", list(argv if argv is not None else sys.argv[1:]))
     if a.preset == "matrix":
         a.batch, a.context, a.hkv, a.topk = "1,8,32,64", "8192,32768,131072", "8,2", "16,64,256,none"
     elif a.preset == "required":

@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import ar1_walk, crossover, import_published, merge_records, replace_section, svg_bars  # noqa: E402
+from common import (add_shape_args, ar1_walk, crossover, import_published, merge_records,  # noqa: E402
+                    replace_section, shown_command, svg_bars)
 from decode import calibrate_sf, copy_bandwidth, log, time_calls  # noqa: E402
 
 from dash_core import DashParams, ops  # noqa: E402
@@ -287,7 +288,6 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
                   device=dev_name, command=a.command, page_size=ps, graph=False,
                   query_correlation=a.query_correlation)
     out = torch.empty_like(pr.q)
-    g = hq // hkv
     io_bytes = 2 * n * hq * d * esize + 2 * n * hkv * d * esize  # q, out; K and V read once
     dense_flops = 4.0 * d * hq * n * (n + 1) / 2
     dense_floor = max(io_bytes / bw, dense_flops / PEAK_FLOPS) * 1e3
@@ -583,17 +583,9 @@ def main(argv=None) -> int:
     ap.add_argument("--context", default="8192,32768,131072")
     ap.add_argument("--chunk-contexts", default="131072", help="prompt lengths also run in chunks")
     ap.add_argument("--chunk", type=int, default=8192)
-    ap.add_argument("--hkv", default="8")
-    ap.add_argument("--topk", default="64,none")
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--sf", type=float, default=None, help="scaling_factor (default: calibrated per prompt length)")
-    ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
+    add_shape_args(ap, "scaling_factor (default: calibrated per prompt length)")
     ap.add_argument("--query-correlation", type=float, default=0.95,
                     help="AR(1) coefficient of queries over positions (0: independent queries, the worst case)")
-    ap.add_argument("--peers", default="sdpa,flashinfer,published")
     ap.add_argument("--published-max-context", type=int, default=131072)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tune", action="append", default=[],
@@ -605,10 +597,7 @@ def main(argv=None) -> int:
     ap.add_argument("--svg", default=str(ROOT / "docs/perf/prefill.svg"))
     ap.add_argument("--no-write-docs", action="store_true")
     a = ap.parse_args(argv)
-    raw = list(argv if argv is not None else sys.argv[1:])
-    shown = [x for i, x in enumerate(raw)  # the command as recorded in the docs: output paths left out
-             if x not in ("--json", "--markdown", "--svg") and not (i and raw[i - 1] in ("--json", "--markdown", "--svg"))]
-    a.command = "python benchmarks/prefill.py " + " ".join(shown)
+    a.command = shown_command("prefill.py", list(argv if argv is not None else sys.argv[1:]))
     a.tunings = [{}]
     for t in a.tune:
         kv = dict(x.split("=", 1) for x in t.split(","))
