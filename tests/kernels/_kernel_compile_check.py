@@ -128,15 +128,20 @@ def _compile(item):
     return rec
 
 
-def main() -> int:
+def compile_all(record, compile_one) -> int:
+    """Record the launches (``record()``), compile each in a worker (``compile_one``), print one JSON line each."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
         return 2
-    calls = record_launches()
+    calls = record()
     with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
-        for rec in ex.map(_compile, calls.values()):
+        for rec in ex.map(compile_one, calls.values()):
             print(json.dumps(rec), flush=True)
     return 0
+
+
+def main() -> int:
+    return compile_all(record_launches, _compile)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,7 @@ Run without ``TRITON_INTERPRET``:
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -66,14 +63,7 @@ def compile_one(item):
 
 
 def main() -> int:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("run without TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
-        return 2
-    calls = record_launches()
-    with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
-        for rec in ex.map(compile_one, calls.values()):
-            print(json.dumps(rec), flush=True)
-    return 0
+    return kc.compile_all(record_launches, compile_one)
 
 
 if __name__ == "__main__":
