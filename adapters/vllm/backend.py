@@ -26,6 +26,7 @@ import torch
 from dash_core.layout import PagedKVCache
 from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill
 from dash_core.params import ATTENTION_BACKENDS, DashParams
+from dash_core.rope import PageRopeSettings
 from dash_core.segments import check_decode_backend
 from graphs.decode import DecodeGraphBuffers
 
@@ -45,6 +46,14 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "CUSTOM"  # vLLM's placeholder member for out-of-tree backends (docs/vllm.md)
 MIN_DASH_BLOCK = 16  # smallest DASH block size (SPEC.md section 1): every kernel block is a multiple
 BACKEND_ENV = "DASH_ATTENTION_BACKEND"  # serving-time choice of the decode attention stage (docs/vllm.md)
+# Config keys of the auxiliary head (SPEC.md section 9); dash_page_rope_tok_pairs is a DashParams key.
+INDEXER_HEADS_KEY, PAGE_MODE_KEY = "dash_indexer_heads", "dash_page_mode"
+PAGE_START_KEY, PAGE_TOKEN_KEY = "dash_page_start_token_id", "dash_page_token_id"
+
+
+def uses_aux_head(hf_config) -> bool:
+    """Whether a model config asks for the auxiliary head (an indexer or page mode)."""
+    return bool(getattr(hf_config, INDEXER_HEADS_KEY, None)) or bool(getattr(hf_config, PAGE_MODE_KEY, False))
 
 
 def serving_params(hf_config) -> DashParams:
@@ -83,6 +92,37 @@ def block_size_error(vllm_block_size: int, params: DashParams) -> ValueError:
         f"size (chunk_size) is {params.block_size}; set --block-size {params.block_size}")
 
 
+@dataclass(frozen=True)
+class AuxHead:
+    """How a DASH layer with an auxiliary head (indexer and/or page mode) packs its extra inputs.
+
+    The layer (``DashAuxAttentionBackend``) has ``q_slots(Hkv)`` query heads: the ``num_q_heads``
+    attention heads, then the ``indexer_heads`` indexer queries ``iq``, then zero padding up to a
+    multiple of ``Hkv + 1``; and ``Hkv + 1`` KV heads, the last one carrying the indexer key ``ik``
+    (zeros without an indexer). page_rope: page mode's rotary settings (None = no page mode: the
+    model rotates q, k, iq, ik itself).
+    """
+
+    num_q_heads: int
+    indexer_heads: int = 0
+    page_rope: Optional[PageRopeSettings] = None
+
+    def q_slots(self, num_kv_heads: int) -> int:
+        """Query heads of the layer for ``num_kv_heads`` real KV heads (vLLM wants a multiple of the
+        layer's ``Hkv + 1`` KV heads)."""
+        g = num_kv_heads + 1
+        return -(-(self.num_q_heads + self.indexer_heads) // g) * g
+
+
+class StepRoles:
+    """The page-mode roles ``[T]`` int64 of the step's tokens (0 text, 1 page start, 2 page token),
+    set by the model's ``forward`` from the input ids before its layers run and read by the DASH
+    impls of its layers during prefill (decode rows need none: generated tokens are text)."""
+
+    def __init__(self) -> None:
+        self.roles: Optional[torch.Tensor] = None
+
+
 # --------------------------------------------------------------------------------------------------
 # Metadata
 # --------------------------------------------------------------------------------------------------
@@ -111,6 +151,9 @@ class DashAttentionMetadata:
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
     prefill_block_table: torch.Tensor  # [num_prefills, W] int32
     decode_buffers: Optional[object] = None  # dash_core DecodeBuffers (CUDA bf16/fp16), the same every step
+    # Page mode (aux groups only): each token's position, decode rows in a persistent buffer.
+    decode_positions: Optional[torch.Tensor] = None  # [num_decodes] int64
+    prefill_positions: Optional[torch.Tensor] = None  # [num_prefill_tokens] int64
 
 
 class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadata]):
@@ -128,7 +171,10 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
     @classmethod
     def get_cudagraph_support(cls, vllm_config: "VllmConfig", kv_cache_spec) -> AttentionCGSupport:
         """Uniform decode graphs where decode runs the Triton kernels (CUDA, bf16/fp16); the
-        PyTorch path (fp32, CPU) reads lengths on the host and cannot be captured."""
+        PyTorch path (fp32, CPU) reads lengths on the host and cannot be captured. Models with the
+        auxiliary head run dash_core's PyTorch path for now (no Triton kernels for it yet): never."""
+        if uses_aux_head(vllm_config.model_config.hf_config):
+            return AttentionCGSupport.NEVER
         if vllm_config.model_config.dtype in (torch.float16, torch.bfloat16):
             return cls._cudagraph_support
         return AttentionCGSupport.NEVER
@@ -138,6 +184,7 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
         self.params = _group_params(vllm_config, layer_names)
+        self.aux = _group_aux(vllm_config, layer_names)
         if kv_cache_spec.block_size != self.params.block_size:
             raise block_size_error(kv_cache_spec.block_size, self.params)
         max_seqs = vllm_config.scheduler_config.max_num_seqs
@@ -152,10 +199,13 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         # graphs.DecodeGraphBuffers, sized once from max_num_seqs and max_model_len and refilled in
         # place by build(); the group's layers share it (they run one after the other). vLLM owns
         # q, k, v, the output and the slot mapping (io=False).
+        num_heads, num_kv_heads = _group_num_heads(vllm_config, layer_names), kv_cache_spec.num_kv_heads
+        if self.aux is not None:  # the layers' head counts include the packed indexer and auxiliary heads
+            num_heads, num_kv_heads = self.aux.num_q_heads, num_kv_heads - 1
         self.graph_buffers = DecodeGraphBuffers.allocate(
-            max_seqs, self.max_blocks, _group_num_heads(vllm_config, layer_names), kv_cache_spec.num_kv_heads,
-            kv_cache_spec.head_size, kv_cache_spec.block_size, self.params, dtype, device, io=False,
-            kernel=triton_decode)
+            max_seqs, self.max_blocks, num_heads, num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.block_size,
+            self.params, dtype, device, io=False, kernel=triton_decode,
+            positions=self.aux is not None and self.aux.page_rope is not None)
 
     def build(self, common_prefix_len: int, common_attn_metadata: "CommonAttentionMetadata",
               fast_build: bool = False) -> DashAttentionMetadata:
@@ -166,14 +216,25 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         nd, npf, ndt, npt = split_decodes_and_prefills(m, decode_threshold=self.reorder_batch_threshold)
         width = min(self.max_blocks, m.block_table_tensor.shape[1])
         gb = self.graph_buffers
-        gb.fill_metadata(m.block_table_tensor[:nd, :width], m.seq_lens[:nd])
+        positions = None
+        if gb.positions is not None:  # page mode: the engine's positions (derived where a runner gives none)
+            positions = m.positions
+            if positions is None:
+                from dash_core.paged import token_positions
+
+                positions = token_positions(m.query_start_loc, m.seq_lens, m.num_actual_tokens, m.seq_lens.device)
+        gb.fill_metadata(m.block_table_tensor[:nd, :width], m.seq_lens[:nd],
+                         None if positions is None else positions[:nd])
         qsl = m.query_start_loc[nd: nd + npf + 1]
         return DashAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
             num_prefill_tokens=npt, max_seq_len=m.max_seq_len, slot_mapping=m.slot_mapping,
             decode_seq_lens=gb.seq_lens[:nd], decode_block_table=gb.block_table[:nd],
             prefill_query_start_loc=qsl - qsl[:1], prefill_seq_lens=m.seq_lens[nd: nd + npf],
-            prefill_block_table=m.block_table_tensor[nd: nd + npf, :width], decode_buffers=gb.kernel)
+            prefill_block_table=m.block_table_tensor[nd: nd + npf, :width], decode_buffers=gb.kernel,
+            decode_positions=None if positions is None else gb.positions[:nd],
+            prefill_positions=None if positions is None else positions[ndt: ndt + npt])
+
 
 
 def _group_num_heads(vllm_config: "VllmConfig", layer_names: list[str]) -> int:
@@ -184,6 +245,17 @@ def _group_num_heads(vllm_config: "VllmConfig", layer_names: list[str]) -> int:
     if len(heads) != 1:
         raise ValueError(f"DASH layers of one KV cache group must have one query head count; got {sorted(heads)}")
     return heads.pop()
+
+
+def _group_aux(vllm_config: "VllmConfig", layer_names: list[str]) -> Optional["AuxHead"]:
+    """The ``AuxHead`` of a group's DASH layers (None for plain DASH layers); all must agree."""
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    found = {layer.impl.aux for layer in layers.values() if isinstance(layer.impl, DashAttentionImpl)}
+    if len(found) > 1:
+        raise ValueError(f"DASH layers of one KV cache group must share their auxiliary-head settings; got {found}")
+    return found.pop() if found else None
 
 
 def _group_params(vllm_config: "VllmConfig", layer_names: list[str]) -> DashParams:
@@ -240,19 +312,47 @@ class DashAttentionBackend(AttentionBackend):
         Idempotent (vLLM may apply it more than once), and it keeps any larger padding vLLM
         chose itself (hybrid models), whose first bytes then hold the summary.
         """
-        need = spec.unpadded_page_size_bytes + summary_bytes_per_page(spec)
+        need = spec.unpadded_page_size_bytes + summary_bytes_per_page(spec, cls.summary_heads(spec))
         if spec.page_size_padded is not None and spec.page_size_padded >= need:
             return spec
         return replace(spec, page_size_padded=need)
+
+    @staticmethod
+    def summary_heads(spec: "AttentionSpec") -> int:
+        """Heads of the page's block summary: every KV head."""
+        return spec.num_kv_heads
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
         return True
 
 
-def summary_bytes_per_page(spec: "AttentionSpec") -> int:
-    """Bytes of the one block summary a page carries: ``Hkv * D`` elements of the KV dtype."""
-    return spec.num_kv_heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
+class DashAuxAttentionBackend(DashAttentionBackend):
+    """The DASH backend for models with an indexer and/or page mode (SPEC.md section 9).
+
+    The layer is built with ``Hkv + 1`` KV heads: head slot ``Hkv`` of every page is the auxiliary
+    head (``dash_core.layout``: the rotated indexer key, the role and the page state), so vLLM's
+    spec, memory accounting, prefix sharing and preemption treat it like K/V. Its query carries
+    the ``Hi`` indexer queries after the ``Hq`` attention heads (padded to a multiple of
+    ``Hkv + 1``), its key the indexer key in head ``Hkv``. The K/V write happens inside ``forward``
+    (``forward_includes_kv_cache_update``): in page mode the ops rotate k and ik by page RoPE before
+    writing them, which needs the step's positions and roles.
+    """
+
+    forward_includes_kv_cache_update: bool = True
+
+    @staticmethod
+    def summary_heads(spec: "AttentionSpec") -> int:
+        """``Hkv`` (the spec's heads less the auxiliary one): enough for per-KV-head summaries and
+        for an indexer model's one-head store (which uses the first ``D`` elements)."""
+        return spec.num_kv_heads - 1
+
+
+def summary_bytes_per_page(spec: "AttentionSpec", heads: Optional[int] = None) -> int:
+    """Bytes of the one block summary a page carries: ``heads * D`` elements of the KV dtype
+    (``heads`` defaults to the spec's KV heads)."""
+    heads = spec.num_kv_heads if heads is None else heads
+    return heads * spec.head_size * torch.empty((), dtype=spec.dtype).element_size()
 
 
 def summary_view(kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -292,7 +392,8 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
                  alibi_slopes=None, sliding_window: Optional[int] = None, kv_cache_dtype: str = "auto",
                  logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: Optional[str] = None, head_cls: Optional[torch.Tensor] = None,
-                 dash_params: Optional[DashParams] = None) -> None:
+                 dash_params: Optional[DashParams] = None, dash_aux: Optional[AuxHead] = None,
+                 head_cls_i: Optional[torch.Tensor] = None) -> None:
         unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
                        "logits_soft_cap": logits_soft_cap,
                        "kv_sharing_target_layer_name": kv_sharing_target_layer_name}
@@ -307,6 +408,19 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
+        # Auxiliary head (DashAuxAttentionBackend): the layer's heads include the packed ones.
+        self.aux = dash_aux
+        self.head_cls_i = head_cls_i
+        self.step_roles: Optional[StepRoles] = None  # wired by the model (page mode)
+        self.num_q_heads = num_heads
+        if dash_aux is not None:
+            self.num_kv_heads -= 1
+            self.num_q_heads = dash_aux.num_q_heads
+            if num_heads != dash_aux.q_slots(self.num_kv_heads):
+                raise ValueError(f"DASH layer with an auxiliary head must have {dash_aux.q_slots(self.num_kv_heads)} "
+                                 f"query head slots for {dash_aux}, got {num_heads}")
+            if dash_aux.indexer_heads and head_cls_i is None:
+                raise ValueError("a DASH layer with an indexer needs head_cls_i [D] (the indexer's head_cls)")
         self.kv_cache_dtype = kv_cache_dtype
         if abs(scale * head_size ** 0.5 - 1.0) > 1e-6:
             raise ValueError(f"DASH uses softmax scale 1/sqrt(D) = {head_size ** -0.5:.6g}, got scale {scale}")
@@ -321,8 +435,11 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
     def _cache(self, kv_cache: torch.Tensor) -> PagedKVCache:
         if kv_cache.shape[2] != self.params.block_size:
             raise block_size_error(kv_cache.shape[2], self.params)
-        summaries = summary_view(kv_cache, self.num_kv_heads, self.head_size)
-        return PagedKVCache.from_vllm(kv_cache, self.num_kv_heads, self.head_size, summaries)
+        # An indexer model summarises its one indexer key per token (a one-head store).
+        heads = 1 if self.aux is not None and self.aux.indexer_heads else self.num_kv_heads
+        summaries = summary_view(kv_cache, heads, self.head_size)
+        return PagedKVCache.from_vllm(kv_cache, self.num_kv_heads, self.head_size, summaries,
+                                      aux=self.aux is not None)
 
     def _head_cls(self, layer) -> torch.Tensor:
         head_cls = self.head_cls if self.head_cls is not None else getattr(layer, "head_cls", None)
@@ -349,6 +466,8 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         if attn_metadata is None:  # memory profiling and dummy runs
             return output
         md = attn_metadata
+        if self.aux is not None:
+            return self._forward_aux(layer, query, key, value, kv_cache, md, output)
         cache = self._cache(kv_cache)
         head_cls = self._head_cls(layer)
         nd, start, end = md.num_decodes, md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
@@ -360,7 +479,45 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
             paged_dash_prefill(query[start:end], None, None, cache, md.prefill_block_table,
                                md.prefill_query_start_loc, md.prefill_seq_lens, None, head_cls, self.params,
                                out=output[start:end])
+        self._count(start, end)
+        return output
+
+    def _count(self, start: int, end: int) -> None:
         self.stats["forwards"] += 1
         self.stats["decode_tokens"] += start
         self.stats["prefill_tokens"] += end - start
+
+    def _forward_aux(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     kv_cache: torch.Tensor, md: DashAttentionMetadata, output: torch.Tensor) -> torch.Tensor:
+        """Unpack ``iq`` / ``ik`` from the layer's extra head slots, then write K/V (and the auxiliary
+        rows) and attend in one op call per kind of row, with roles (prefill) and positions (page mode)."""
+        aux, hkv = self.aux, self.num_kv_heads
+        hq, hi = aux.num_q_heads, aux.indexer_heads
+        if key is None or value is None:
+            raise ValueError(f"DASH layer {getattr(layer, 'layer_name', '?')} with an auxiliary head needs the "
+                             f"step's key and value (it writes them itself)")
+        cache = self._cache(kv_cache)
+        q, k, v, out = query[:, :hq], key[:, :hkv], value[:, :hkv], output[:, :hq]
+        iq = query[:, hq: hq + hi] if hi else None
+        ik = key[:, hkv] if hi else None
+        extra = dict(head_cls_i=self.head_cls_i if hi else None, page_rope=aux.page_rope)
+        head_cls = self.head_cls if self.head_cls is not None else getattr(layer, "head_cls", None)
+        nd, start, end = md.num_decodes, md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
+        rows = lambda x, a, b: None if x is None else x[a:b]  # noqa: E731
+        if nd:
+            paged_dash_decode(q[:nd], k[:nd], v[:nd], cache, md.decode_block_table, md.decode_seq_lens,
+                              md.slot_mapping[:nd], head_cls, self.params, out=out[:nd], buffers=md.decode_buffers,
+                              iq=rows(iq, 0, nd), ik=rows(ik, 0, nd), positions=md.decode_positions, **extra)
+        if md.num_prefills:
+            roles = None
+            if aux.page_rope is not None:
+                if self.step_roles is None or self.step_roles.roles is None:
+                    raise ValueError(f"DASH layer {getattr(layer, 'layer_name', '?')} is in page mode but the "
+                                     f"model set no roles for this step (serve DashLlamaForCausalLM with input ids)")
+                roles = self.step_roles.roles[start:end]
+            paged_dash_prefill(q[start:end], k[start:end], v[start:end], cache, md.prefill_block_table,
+                               md.prefill_query_start_loc, md.prefill_seq_lens, md.slot_mapping[start:end], head_cls,
+                               self.params, out=out[start:end], iq=rows(iq, start, end), ik=rows(ik, start, end),
+                               roles=roles, positions=md.prefill_positions, **extra)
+        self._count(start, end)
         return output

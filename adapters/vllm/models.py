@@ -22,17 +22,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch import nn
 
 
-from .backend import DashAttentionBackend, block_size_error, serving_params
+from dash_core.rope import PageRopeSettings, RotarySettings
+
+from .backend import (INDEXER_HEADS_KEY, PAGE_MODE_KEY, PAGE_START_KEY, PAGE_TOKEN_KEY, AuxHead, DashAttentionBackend,
+                      DashAttentionImpl, DashAuxAttentionBackend, StepRoles, block_size_error, serving_params)
 
 try:
     from vllm.config import VllmConfig, get_current_vllm_config
     from vllm.distributed import get_tensor_model_parallel_world_size
     from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
     from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
     from vllm.model_executor.utils import set_weight_attrs
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -43,6 +49,54 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 logger = logging.getLogger(__name__)
 
 DASH_WEIGHT = "indexer_q"  # published per-layer name of head_cls, flat [Hkv * D]
+INDEXER = "dash_indexer"  # per-layer module of an indexer model: wq [Hi * D, hidden], wk [D, hidden], head_cls [D]
+
+
+def page_token_ids(config) -> Optional[tuple[int, int]]:
+    """``(page-start id, page-token id)`` of a page-mode model config, None without page mode."""
+    if not getattr(config, PAGE_MODE_KEY, False):
+        return None
+    ids = (getattr(config, PAGE_START_KEY, None), getattr(config, PAGE_TOKEN_KEY, None))
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or ids[0] == ids[1]:
+        raise ValueError(f"{PAGE_MODE_KEY} needs two different integer token ids {PAGE_START_KEY} and "
+                         f"{PAGE_TOKEN_KEY}; got {ids}")
+    return ids
+
+
+def page_roles(input_ids: torch.Tensor, start_id: int, page_id: int) -> torch.Tensor:
+    """Roles ``[T]`` int64 of the step's tokens: 1 at ``start_id``, 2 at ``page_id``, else 0 (text)."""
+    return torch.where(input_ids == start_id, 1, torch.where(input_ids == page_id, 2, 0)).to(torch.int64)
+
+
+def check_page_mode_scheduling(vllm_config: "VllmConfig") -> None:
+    """Page mode prefills each prompt in one chunk, without prefix-cache hits (docs/vllm.md): the
+    coordinates and page counts a prompt stores depend on the whole prompt."""
+    sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    bad = []
+    if sched.enable_chunked_prefill:
+        bad.append("chunked prefill is on (pass --no-enable-chunked-prefill, with --max-num-batched-tokens >= "
+                   "--max-model-len)")
+    if getattr(sched, "long_prefill_token_threshold", 0):
+        bad.append(f"long_prefill_token_threshold is {sched.long_prefill_token_threshold} (leave it 0)")
+    if cache.enable_prefix_caching:
+        bad.append("prefix caching is on (pass --no-enable-prefix-caching)")
+    if bad:
+        raise ValueError("a DASH page-mode model must prefill every prompt in one chunk and without prefix-cache "
+                         "hits: " + "; ".join(bad))
+
+
+class DashIndexer(nn.Module):
+    """The indexer of one layer (replicated on every tensor-parallel rank): ``iq = wq(x)`` ``[T, Hi * D]``,
+    ``ik = wk(x)`` ``[T, D]`` on the layer's normed input, and its ``head_cls [D]``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, prefix: str = "") -> None:
+        super().__init__()
+        self.wq = ReplicatedLinear(hidden_size, num_heads * head_dim, bias=False, prefix=f"{prefix}.wq")
+        self.wk = ReplicatedLinear(hidden_size, head_dim, bias=False, prefix=f"{prefix}.wk")
+        self.head_cls = nn.Parameter(torch.empty(head_dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.wq(x)[0], self.wk(x)[0]
 
 
 def uses_dash_attention(vllm_config: "VllmConfig") -> bool:
@@ -85,8 +139,13 @@ class DashLlamaAttention(LlamaAttention):
         self.kv_heads = kv_head_range(self.total_num_kv_heads, qkv.tp_size, qkv.tp_rank)
         self.indexer_q = nn.Parameter(torch.empty(self.num_kv_heads, self.head_dim), requires_grad=False)
         set_weight_attrs(self.indexer_q, {"weight_loader": self._load_head_cls})
+        self.dash_aux = self._aux_head(config)
+        if self.dash_aux is not None and self.dash_aux.indexer_heads:
+            setattr(self, INDEXER, DashIndexer(config.hidden_size, self.dash_aux.indexer_heads, self.head_dim,
+                                               prefix=f"{kwargs.get('prefix', '')}.{INDEXER}"))
         vllm_config = get_current_vllm_config()
-        if uses_dash_attention(vllm_config):
+        self.dash_on = uses_dash_attention(vllm_config)
+        if self.dash_on:
             self._build_dash_attention(vllm_config, kwargs.get("cache_config"))
         else:
             logger.warning("%s keeps the dense %s backend (--attention-backend names it): DASH routing is off and "
@@ -99,10 +158,59 @@ class DashLlamaAttention(LlamaAttention):
             raise ValueError(f"{old.layer_name}: DASH layers cannot use a sliding window "
                              f"(got {old.sliding_window})")
         del vllm_config.compilation_config.static_forward_context[old.layer_name]
-        self.attn = Attention(old.num_heads, old.head_size, old.impl.scale, num_kv_heads=old.num_kv_heads,
-                              cache_config=cache_config, quant_config=old.quant_config, prefix=old.layer_name,
-                              attn_backend=DashAttentionBackend, head_cls=self.indexer_q,
-                              dash_params=self.dash_params)
+        common = dict(cache_config=cache_config, quant_config=old.quant_config, prefix=old.layer_name,
+                      head_cls=self.indexer_q, dash_params=self.dash_params)
+        aux = self.dash_aux
+        if aux is None:
+            self.attn = Attention(old.num_heads, old.head_size, old.impl.scale, num_kv_heads=old.num_kv_heads,
+                                  attn_backend=DashAttentionBackend, **common)
+            return
+        # Hkv + 1 KV head slots (the last is the auxiliary head); the indexer queries ride in extra query slots.
+        self.attn = Attention(aux.q_slots(old.num_kv_heads), old.head_size, old.impl.scale,
+                              num_kv_heads=old.num_kv_heads + 1, attn_backend=DashAuxAttentionBackend,
+                              dash_aux=aux, head_cls_i=getattr(self, INDEXER).head_cls if aux.indexer_heads else None,
+                              **common)
+
+    def _aux_head(self, config) -> Optional[AuxHead]:
+        """The layer's ``AuxHead`` from the config keys (None for a plain DASH model)."""
+        hi = getattr(config, INDEXER_HEADS_KEY, None) or 0
+        if not isinstance(hi, int) or isinstance(hi, bool) or hi < 0:
+            raise ValueError(f"{INDEXER_HEADS_KEY} = {hi!r} is not allowed: expected None or an integer >= 1")
+        page_rope = None
+        if page_token_ids(config) is not None:
+            rope = self.rotary_emb
+            if type(rope) is not RotaryEmbedding or not rope.is_neox_style:
+                raise ValueError(f"DASH page mode supports plain neox RoPE (rope_type 'default'); this model's "
+                                 f"rotary embedding is {type(rope).__name__}")
+            rot = RotarySettings(theta=float(rope.base), rotary_dim=rope.rotary_dim)
+            page_rope = PageRopeSettings.from_params(self.dash_params, rot, rot)  # the indexer shares them
+        if not hi and page_rope is None:
+            return None
+        return AuxHead(num_q_heads=self.num_heads, indexer_heads=hi, page_rope=page_rope)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Llama attention; with an auxiliary head, q/k/v plus ``iq``/``ik`` packed into the DASH layer's
+        head slots (``AuxHead``), unrotated in page mode (the DASH ops apply page RoPE)."""
+        aux = self.dash_aux
+        if aux is None or not self.dash_on:
+            return super().forward(positions, hidden_states)
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        iq = ik = None
+        if aux.indexer_heads:
+            iq, ik = getattr(self, INDEXER)(hidden_states)
+        if aux.page_rope is None:
+            q, k = self.rotary_emb(positions, q, k)
+            if iq is not None:
+                iq, ik = self.rotary_emb(positions, iq, ik)
+        t, d = q.shape[0], self.head_dim
+        pad = aux.q_slots(self.num_kv_heads) * d - self.q_size - (0 if iq is None else iq.shape[1])
+        query = torch.cat([q] + ([iq] if iq is not None else []) + ([q.new_zeros(t, pad)] if pad else []), dim=-1)
+        key = torch.cat([k, ik if ik is not None else k.new_zeros(t, d)], dim=-1)
+        value = torch.cat([v, v.new_zeros(t, d)], dim=-1)
+        attn_output = self.attn(query, key, value)[:, : self.q_size]
+        output, _ = self.o_proj(attn_output)
+        return output
 
     def _load_head_cls(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Load ``indexer_q`` (flat ``[Hkv * D]`` or ``[Hkv, D]``) and keep this rank's KV heads."""
@@ -133,8 +241,25 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
         if (uses_dash_attention(vllm_config) and getattr(cache, "user_specified_block_size", True)
                 and cache.block_size != params.block_size):
             raise block_size_error(cache.block_size, params)
+        page_ids = page_token_ids(vllm_config.model_config.hf_config)
+        if page_ids is not None and uses_dash_attention(vllm_config):
+            check_page_mode_scheduling(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self.dash_params = params
+        # Page mode: the roles of each step's tokens, set in forward and read by every DASH impl.
+        self.page_token_ids = page_ids
+        self.step_roles = StepRoles()
+        for module in self.modules():
+            if isinstance(module, Attention) and isinstance(module.impl, DashAttentionImpl):
+                module.impl.step_roles = self.step_roles
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: Optional[torch.Tensor] = None):
+        if self.page_token_ids is not None:
+            if input_ids is None:
+                raise ValueError("a DASH page-mode model needs the input ids (its page placeholders give the roles)")
+            self.step_roles.roles = page_roles(input_ids, *self.page_token_ids)
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
@@ -142,6 +267,11 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
         if missing:
             raise ValueError(f"the checkpoint has no DASH weight for {len(missing)} layer(s), e.g. {missing[0]}: a DASH "
                              f"checkpoint carries model.layers.N.self_attn.{DASH_WEIGHT} (flat [Hkv * D]) per layer")
+        missing = [name for name, _ in self.named_parameters() if f".{INDEXER}." in name and name not in loaded]
+        if missing:
+            raise ValueError(f"the checkpoint has no indexer weight {missing[0]} ({len(missing)} missing): a model with "
+                             f"{INDEXER_HEADS_KEY} carries model.layers.N.self_attn.{INDEXER}.wq.weight [Hi * D, hidden], "
+                             f".wk.weight [D, hidden] and .head_cls [D] per layer")
         return loaded
 
     def dash_stats(self) -> dict:

@@ -132,6 +132,18 @@ def dash_attention_backends(model) -> list:
             if isinstance(m, Attention) and hasattr(m.impl, "stats")]
 
 
+def dash_kv_cache_shapes(model) -> list:
+    """The shape of every DASH layer's bound KV cache view (``[num_blocks, H_slots, block_size, C]``)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    shapes = []
+    for m in model.modules():
+        if isinstance(m, Attention) and hasattr(m.impl, "stats"):
+            kv = m.kv_cache[0] if isinstance(m.kv_cache, (list, tuple)) else m.kv_cache
+            shapes.append(tuple(kv.shape))
+    return shapes
+
+
 def capture_attention(model) -> None:
     """Record (layer name, q, k, v, output) of every attention call, as CPU float copies."""
     from vllm.model_executor.layers.attention import Attention

@@ -138,3 +138,32 @@ def test_attention_backend_option_from_the_config_and_the_environment(checkpoint
     monkeypatch.setenv(BACKEND_ENV, "FLASHINFER")
     with pytest.raises(ValueError, match="topk = None is not allowed for the segment backends"):
         serving_params(engine_config(checkpoints[16]).model_config.hf_config)
+
+
+def test_auxiliary_head_is_one_more_kv_head_in_vllms_spec(checkpoints):
+    """An indexer layer: ``Hkv + 1`` KV head slots (the auxiliary head, ``1 / Hkv`` of the K/V bytes)
+    counted in vLLM's page size, plus the summary padding; the query carries the ``Hi`` indexer heads
+    padded to a multiple of ``Hkv + 1``; such models declare no CUDA graphs (PyTorch aux path)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    from adapters.vllm.backend import AuxHead, DashAttentionMetadataBuilder, DashAuxAttentionBackend
+
+    cfg = engine_config(checkpoints[16], dtype="bfloat16", hf_overrides={"dash_indexer_heads": 2})
+    aux = AuxHead(num_q_heads=4, indexer_heads=2)
+    assert aux.q_slots(2) == 6  # 4 + 2 query heads over 3 KV heads
+    name = "model.layers.0.self_attn.attn"
+    with set_current_vllm_config(cfg):
+        cfg.compilation_config.static_forward_context.pop(name, None)
+        layer = Attention(aux.q_slots(2), 32, 32 ** -0.5, num_kv_heads=3, prefix=name, cache_config=cfg.cache_config,
+                          attn_backend=DashAuxAttentionBackend, head_cls=torch.zeros(2, 32),
+                          dash_params=DashParams(block_size=16), dash_aux=aux, head_cls_i=torch.zeros(32))
+        spec = customize_attention_spec(DashAuxAttentionBackend, layer.get_kv_cache_spec(cfg))
+    assert layer.impl.num_kv_heads == 2 and layer.impl.num_q_heads == 4
+    esz = torch.empty((), dtype=spec.dtype).element_size()
+    kv_bytes = 16 * 2 * (2 * 32) * esz
+    assert spec.num_kv_heads == 3 and spec.unpadded_page_size_bytes == kv_bytes * 3 // 2  # + 1 / Hkv
+    assert spec.page_size_bytes - spec.unpadded_page_size_bytes == 2 * 32 * esz  # Hkv * D summary elements
+    assert DashAttentionMetadataBuilder.get_cudagraph_support(cfg, spec) == AttentionCGSupport.NEVER
