@@ -90,25 +90,20 @@ def cache_dash_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, sl
 
 def _write_new(cache, k, v, slot_mapping, params, head_cls, ik, head_cls_i, rows) -> None:
     """Write K/V (summaries of K unless there is an indexer), the auxiliary rows, then the
-    summaries of ``ik`` (the indexer view of the cache) on CUDA with Triton, else with PyTorch."""
+    summaries of ``ik`` (the indexer view of the cache): Triton on CUDA bf16/fp16, else PyTorch."""
+    if cache.k_pages.is_cuda and cache.dtype in (torch.float16, torch.bfloat16):
+        from .kernels.launcher import write_new_triton
+        write_new_triton(cache, k, v, slot_mapping, params, head_cls, head_cls_i, rows)
+        return
     indexer = head_cls_i is not None
     kv = PagedKVCache(cache.k_pages, cache.v_pages, None if indexer else cache.summaries)
-    triton = cache.k_pages.is_cuda and cache.dtype in (torch.float16, torch.bfloat16)
-    if triton:
-        from .kernels.launcher import cache_dash_prefill_triton
-        cache_dash_prefill_triton(k, v, kv, slot_mapping, params, head_cls)
-    else:
-        paged.write_kv(kv, k, v, slot_mapping)
-        if kv.summaries is not None:
-            paged.write_summaries(kv, slot_mapping, head_cls, params)
+    paged.write_kv(kv, k, v, slot_mapping)
+    if kv.summaries is not None:
+        paged.write_summaries(kv, slot_mapping, head_cls, params)
     if rows is not None:
         paged.write_aux(cache, rows, slot_mapping)
     if indexer and cache.summaries is not None:
-        icache = cache.indexer_view()
-        if triton:  # rewrites ik into the rows (same values) and summarises the completed blocks
-            cache_dash_prefill_triton(ik[:, None], ik[:, None], icache, slot_mapping, params, head_cls_i[None])
-        else:
-            paged.write_summaries(icache, slot_mapping, head_cls_i[None], params)
+        paged.write_summaries(cache.indexer_view(), slot_mapping, head_cls_i[None], params)
 
 
 def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
@@ -232,6 +227,14 @@ def _paged_dash_aux(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slo
                                            cu_seqlens_q)
     if k is not None:
         _write_new(cache, k, v, slot_mapping, params, head_cls, ik, head_cls_i, rows)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # Triton launches, iq routes
+        from .kernels.launcher import paged_dash_decode_triton
+        from .kernels.prefill import paged_dash_prefill_triton
+        if op == "decode":
+            return paged_dash_decode_triton(q, None, None, cache, block_table, seq_lens, None, head_cls, params,
+                                            out=out, iq=iq, **decode_kw)
+        return paged_dash_prefill_triton(q, None, None, cache, block_table, cu_seqlens_q, seq_lens, None, head_cls,
+                                         params, out=out, iq=iq)
     recorder.record(op, q=q, cache=cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
                     slot_mapping=slot_mapping, params=params)
     return paged.paged_dash_torch(q, cache, block_table, cu_seqlens_q, seq_lens, head_cls, params, out, iq=iq,

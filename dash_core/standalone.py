@@ -22,6 +22,11 @@ Example (prefill 40 tokens, then decode one, equal to the oracle on all 41)::
 
 The cache is contiguous per sequence (its page table is the identity), so it is also the
 "contiguous cache" form; any other page table can be used through ``dash_core.ops`` directly.
+
+Models with an indexer or page mode (SPEC.md section 9): ``DashKVCache(..., indexer=True)`` or
+``aux=True`` adds the auxiliary head (and a 1-head summary store for the indexer), and
+``dash_attention`` takes ``iq, ik, head_cls_i`` and ``roles, page_rope`` (the README has a worked
+example). In page mode q, k, iq, ik are passed unrotated and a prompt goes in one call.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from typing import Optional
 
 import torch
 
-from .layout import PagedKVCache, alloc_summaries
+from .layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from .ops import paged_dash_decode, paged_dash_prefill
 from .params import DashParams
+from .rope import PageRopeSettings
 
 
 class DashKVCache:
@@ -40,12 +46,14 @@ class DashKVCache:
 
     Memory per layer: ``2 * batch_size * max_length * Hkv * D`` elements of K/V plus
     ``1 / (2 * block_size)`` of that for summaries. Lengths are tracked on the host per layer,
-    so a step never reads a device value.
+    so a step never reads a device value. indexer: the model routes with an indexer (summaries of
+    ``ik``, one head); aux: the auxiliary head (implied by ``indexer``; needed by page mode), which
+    adds ``1 / Hkv`` of the K/V memory.
     """
 
     def __init__(self, num_layers: int, batch_size: int, max_length: int, num_kv_heads: int, head_dim: int,
                  params: DashParams, dtype: torch.dtype = torch.float32, device=None,
-                 page_size: Optional[int] = None):
+                 page_size: Optional[int] = None, *, indexer: bool = False, aux: bool = False):
         self.params = params
         self.page_size = page_size or params.block_size
         self.pages_per_seq = -(-max_length // self.page_size)
@@ -54,8 +62,11 @@ class DashKVCache:
         shape = (num_layers, slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.summaries = torch.stack([alloc_summaries(slots, params.block_size, num_kv_heads, head_dim, dtype, device)
+        heads = 1 if indexer else num_kv_heads
+        self.summaries = torch.stack([alloc_summaries(slots, params.block_size, heads, head_dim, dtype, device)
                                       for _ in range(num_layers)])
+        self.aux = (torch.stack([alloc_aux_sglang(slots, head_dim, dtype, device) for _ in range(num_layers)])
+                    if indexer or aux else None)
         self.block_table = torch.arange(batch_size * self.pages_per_seq, dtype=torch.int32,
                                         device=device).view(batch_size, self.pages_per_seq)
         self.lengths = [0] * num_layers
@@ -66,19 +77,25 @@ class DashKVCache:
 
     def layer(self, i: int) -> PagedKVCache:
         """The ``PagedKVCache`` view of layer ``i``."""
-        return PagedKVCache.from_sglang(self.k[i], self.v[i], self.page_size, self.summaries[i])
+        return PagedKVCache.from_sglang(self.k[i], self.v[i], self.page_size, self.summaries[i],
+                                        aux=None if self.aux is None else self.aux[i])
 
     def reset(self) -> None:
         """Forget every sequence (the memory is reused)."""
         self.lengths = [0] * len(self.lengths)
 
 
-def dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: torch.Tensor,
-                   cache: DashKVCache, layer: int) -> torch.Tensor:
+def dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: Optional[torch.Tensor],
+                   cache: DashKVCache, layer: int, *, iq: Optional[torch.Tensor] = None,
+                   ik: Optional[torch.Tensor] = None, head_cls_i: Optional[torch.Tensor] = None,
+                   roles: Optional[torch.Tensor] = None,
+                   page_rope: Optional[PageRopeSettings] = None) -> torch.Tensor:
     """Append ``k, v [B, Hkv, S, D]`` to layer ``layer`` of ``cache`` and attend with ``q [B, Hq, S, D]``.
 
     The S new tokens of every sequence sit at positions ``L .. L + S - 1`` after the ``L`` tokens
     already cached. Returns ``[B, Hq, S, D]`` in ``q.dtype``.
+    Indexer: iq ``[B, Hi, S, D]``, ik ``[B, S, D]``, head_cls_i ``[D]`` (``head_cls`` unused). Page mode:
+    page_rope with roles ``[B, S]`` for a prompt (None for decode steps); q, k, iq, ik unrotated.
     """
     b, hq, s, d = q.shape
     if b != cache.batch_size:
@@ -93,12 +110,22 @@ def dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: 
     seq_lens = torch.full((b,), start + s, dtype=torch.int32, device=dev)
     flat = lambda x: x.permute(0, 2, 1, 3).reshape(b * s, x.shape[1], d)
     view = cache.layer(layer)
-    if s == 1:
+    extra = {}
+    if iq is not None or ik is not None or head_cls_i is not None:
+        extra.update(iq=None if iq is None else flat(iq), ik=None if ik is None else ik.reshape(b * s, d),
+                     head_cls_i=head_cls_i)
+    if page_rope is not None:
+        extra.update(page_rope=page_rope, positions=pos.repeat(b))
+        if roles is not None:
+            extra["roles"] = roles.reshape(b * s)
+    elif roles is not None:
+        raise ValueError("roles are given without page_rope: page mode needs page_rope (PageRopeSettings)")
+    if s == 1 and roles is None:
         out = paged_dash_decode(flat(q), flat(k), flat(v), view, cache.block_table, seq_lens, slots, head_cls,
-                                cache.params)
+                                cache.params, **extra)
     else:
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
         out = paged_dash_prefill(flat(q), flat(k), flat(v), view, cache.block_table, cu, seq_lens, slots, head_cls,
-                                 cache.params)
+                                 cache.params, **extra)
     cache.lengths[layer] = start + s
     return out.view(b, s, hq, d).permute(0, 2, 1, 3)

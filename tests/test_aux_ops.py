@@ -250,3 +250,30 @@ def test_validation_before_any_write():
     with pytest.raises(ValueError, match="block_table"):
         cache_dash_prefill(k, v, cache, slots, p, ik=ik, head_cls_i=hci, roles=roles, positions=pos, page_rope=PR)
     assert not cache.k_pages.any() and not cache.aux.any()
+
+
+def test_standalone_indexer_page_mode():
+    """The README's worked example: DashKVCache(indexer=True) and dash_attention with unrotated inputs,
+    a page-mode prompt of two sequences then two decode steps, against the oracle."""
+    from dash_core.standalone import DashKVCache, dash_attention
+
+    p = DashParams(block_size=16, scaling_factor=3.0)
+    roles = torch.tensor([page_prompt(), [0] * 20 + [1] + [2] * 40 + [0] * 15])  # [B = 2, S = 76]
+    b, s, gen = 2, roles.shape[1], 2
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(b, h, s + gen, D, generator=g) for h in (HQ, HKV, HKV))
+    iq, ik = torch.randn(b, HI, s + gen, D, generator=g), torch.randn(b, s + gen, D, generator=g)
+    hci = torch.randn(D, generator=g)
+    cache = DashKVCache(1, b, 128, HKV, D, p, indexer=True)
+    outs = [dash_attention(q[:, :, :s], k[:, :, :s], v[:, :, :s], None, cache, 0, iq=iq[:, :, :s], ik=ik[:, :s],
+                           head_cls_i=hci, roles=roles, page_rope=PR)]
+    for t in range(s, s + gen):
+        sl = slice(t, t + 1)
+        outs.append(dash_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], None, cache, 0, iq=iq[:, :, sl],
+                                   ik=ik[:, sl], head_cls_i=hci, page_rope=PR))
+    out = torch.cat(outs, dim=2)
+    for i in range(b):
+        tq, tk, tiq, tik = rotated(q[i].transpose(0, 1), k[i].transpose(0, 1), iq[i].transpose(0, 1), ik[i],
+                                   roles[i].tolist(), gen)
+        ref = oracle(tq, tk, v[i].transpose(0, 1), tiq, tik, hci, p)
+        assert torch.allclose(out[i].transpose(0, 1), ref, atol=1e-5, rtol=0)

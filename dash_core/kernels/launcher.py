@@ -14,7 +14,7 @@ so one captured CUDA graph serves every step. A decode step is four launches:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -78,16 +78,40 @@ def _check_on(name: str, x: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
 
 
+def check_indexer_query(q: torch.Tensor, iq: Optional[torch.Tensor], k: Optional[torch.Tensor],
+                        params: DashParams) -> DashParams:
+    """Validate the indexer queries ``iq [T, Hi, D]`` (already rotated) of a Triton launch and return
+    the routing parameters: router ``shared`` with an indexer (SPEC.md section 9), else ``params``.
+    With an indexer, K/V, the auxiliary rows and the indexer summaries are written first
+    (``ops._write_new``), so ``k`` must be None."""
+    if iq is None:
+        return params
+    t, _, d = q.shape
+    if iq.dim() != 3 or iq.shape[0] != t or iq.shape[2] != d or iq.dtype != q.dtype or iq.stride(-1) != 1:
+        raise ValueError(f"iq must be [T, Hi, D] = [{t}, Hi, {d}] {q.dtype} contiguous in D; got {tuple(iq.shape)} "
+                         f"{iq.dtype}")
+    if not 1 <= iq.shape[1] <= 8 * MAX_GROUP:
+        raise ValueError(f"iq has {iq.shape[1]} indexer heads; the Triton routing supports 1..{8 * MAX_GROUP}")
+    _check_on("iq", iq, q.device)
+    if k is not None:
+        raise ValueError("with an indexer pass k = v = slot_mapping = None to the Triton launch: the op writes "
+                         "K/V, the auxiliary rows and the indexer summaries first")
+    return replace(params, router="shared")
+
+
 def check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n: int, t: int, rows: str, d: int,
-                       dev) -> None:
+                       dev, indexer: bool = False) -> None:
     """Checks decode and prefill share: the page table ``[n, max_pages]``, ``head_cls`` and the new
-    ``k, v [t, Hkv, D]`` with their ``slot_mapping [t]`` (all three, or none). ``rows`` names t."""
+    ``k, v [t, Hkv, D]`` with their ``slot_mapping [t]`` (all three, or none). ``rows`` names t.
+    With an indexer ``head_cls`` is unused (may be None)."""
     if block_table.dim() != 2 or block_table.shape[0] != n or block_table.dtype != torch.int32:
         raise ValueError(f"block_table must be [n = {n}, max_pages] int32; got {tuple(block_table.shape)} "
                          f"{block_table.dtype}")
     if block_table.stride(-1) != 1:
         raise ValueError("block_table must be contiguous in its last dim")
-    if tuple(head_cls.shape) != (cache.num_kv_heads, d):
+    if indexer and head_cls is None:
+        pass
+    elif tuple(head_cls.shape) != (cache.num_kv_heads, d):
         raise ValueError(f"head_cls must be [Hkv, D] = {(cache.num_kv_heads, d)}, got {tuple(head_cls.shape)}")
     if (k is None) != (v is None) or (k is None) != (slot_mapping is None):
         raise ValueError("pass k, v and slot_mapping together, or none of them (K/V already written)")
@@ -103,7 +127,8 @@ def check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n: int,
         _check_on("slot_mapping", slot_mapping, dev)
 
 
-def check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, out) -> None:
+def check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, out,
+                      iq: Optional[torch.Tensor] = None) -> None:
     """Validate a decode step from shapes and dtypes only (no device reads)."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [n, Hq, D] contiguous in D; got {tuple(q.shape)}")
@@ -114,10 +139,12 @@ def check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_
     dev = q.device
     for name, x in (("k_pages", cache.k_pages), ("summaries", cache.summaries), ("block_table", block_table),
                     ("seq_lens", seq_lens), ("head_cls", head_cls)):
-        _check_on(name, x, dev)
+        if x is not None or name != "head_cls":
+            _check_on(name, x, dev)
     if tuple(seq_lens.shape) != (n,) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be [n = {n}] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n, n, "n", d, dev)
+    check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n, n, "n", d, dev, indexer=iq is not None)
+    check_indexer_query(q, iq, k, params)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {dev}, got {tuple(out.shape)} {out.dtype}")
 
@@ -135,6 +162,9 @@ class DecodeBuffers:
     sel_bias ``[max_batch, Hsel, cap]`` fp32, sel_count ``[max_batch, Hsel]`` int32,
     o_part ``[parts, Hq, D]`` fp32 and lse_part ``[parts, Hq]`` fp32 with ``parts`` the most
     ``batch * attn_splits`` over batches up to ``max_batch``.
+
+    With an indexer (``indexer_heads = Hi``) routing is ``shared`` over the Hi indexer queries:
+    scores and pmax have ``max(Hq, Hi)`` head rows and the selection one unit.
 
     The split counts depend only on the batch rows ``n`` (a shape): ``splits(n)``.
 
@@ -161,6 +191,7 @@ class DecodeBuffers:
     sel_count: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
+    indexer_heads: Optional[int] = None
 
     @staticmethod
     def _splits(n: int, hkv: int, max_cand: int, cap: int, local_blocks: int, num_sms: int,
@@ -181,13 +212,15 @@ class DecodeBuffers:
     @classmethod
     def allocate(cls, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_pages: int, params: DashParams, device, *, num_sms: Optional[int] = None,
-                 splits: Optional[tuple] = None) -> "DecodeBuffers":
+                 splits: Optional[tuple] = None, indexer_heads: Optional[int] = None) -> "DecodeBuffers":
         """Allocate for batches up to ``max_batch`` rows and page tables up to ``max_pages`` wide.
 
         splits: optional fixed ``(score_splits, attn_splits)`` (tests); by default they follow the
-        batch and the device's SM count.
+        batch and the device's SM count. indexer_heads: ``Hi`` for a model with an indexer.
         """
         device = torch.device(device)
+        if indexer_heads is not None:
+            params = replace(params, router="shared")
         if num_sms is None:
             num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                        if device.type == "cuda" else DEFAULT_NUM_SMS)
@@ -202,8 +235,8 @@ class DecodeBuffers:
         f32, i32 = torch.float32, torch.int32
         return cls(
             max_batch, num_q_heads, num_kv_heads, head_dim, max_cand, params, num_sms, splits,
-            scores=torch.empty(max_batch, num_q_heads, max_cand, dtype=f32, device=device),
-            pmax=torch.empty(max_batch, num_q_heads, nsr_max, dtype=f32, device=device),
+            scores=torch.empty(max_batch, max(num_q_heads, indexer_heads or 0), max_cand, dtype=f32, device=device),
+            pmax=torch.empty(max_batch, max(num_q_heads, indexer_heads or 0), nsr_max, dtype=f32, device=device),
             mp=torch.empty(max_batch, hsel, max_cand, dtype=f32, device=device),
             sel_idx=torch.zeros(max_batch, hsel, cap, dtype=i32, device=device),
             sel_blk=torch.zeros(max_batch, hsel, cap, dtype=i32, device=device),
@@ -211,6 +244,7 @@ class DecodeBuffers:
             sel_count=torch.zeros(max_batch, hsel, dtype=i32, device=device),
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
+            indexer_heads=indexer_heads,
         )
 
     @classmethod
@@ -220,9 +254,13 @@ class DecodeBuffers:
         return cls.allocate(q.shape[0], q.shape[1], cache.num_kv_heads, cache.head_dim, cache.page_size,
                             block_table.shape[1], params, q.device, **kw)
 
-    def check(self, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, params: DashParams) -> None:
-        """Raise ``ValueError`` unless these buffers fit this step."""
+    def check(self, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, params: DashParams,
+              iq: Optional[torch.Tensor] = None) -> None:
+        """Raise ``ValueError`` unless these buffers fit this step (``iq``: the indexer queries, if any)."""
         n, hq, d = q.shape
+        hi = None if iq is None else iq.shape[1]
+        if hi is not None:
+            params = replace(params, router="shared")
         max_cand = block_table.shape[1] * cache.page_size // params.block_size
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         hsel = 1 if params.router == "shared" else cache.num_kv_heads
@@ -241,6 +279,8 @@ class DecodeBuffers:
             problems.append("allocated for other DashParams (block_size, local, topk, router)")
         if self.scores.device != q.device:
             problems.append(f"on {self.scores.device}, q on {q.device}")
+        if hi != self.indexer_heads:
+            problems.append(f"allocated for indexer_heads {self.indexer_heads}, the step has {hi}")
         if problems:
             raise ValueError("buffers do not fit this decode step: " + "; ".join(problems))
 
@@ -272,7 +312,7 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
                              slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor, params: DashParams, *,
                              out: Optional[torch.Tensor] = None,
                              buffers: Optional[DecodeBuffers] = None, backend: str = "TRITON",
-                             plan_cache=None) -> torch.Tensor:
+                             plan_cache=None, iq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One DASH decode step with the Triton kernels (the CUDA branch of ``ops.paged_dash_decode``).
 
     q: ``[n, Hq, D]`` bf16/fp16; k, v: ``[n, Hkv, D]`` written at ``slot_mapping [n]`` first (or
@@ -281,13 +321,18 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
     buffers: ``DecodeBuffers`` to reuse (required under CUDA-graph capture); allocated when None.
     backend: the attention stage, ``"TRITON"`` (the fused paged kernel) or a segment backend of
     ``dash_core.segments`` (``"FLASHINFER"``, ``"FLASH_ATTN"``, ``"TORCH"``) fed by the same routing.
+    iq: ``[n, Hi, D]`` rotated indexer queries (SPEC.md section 9): they route (router ``shared``) over
+    the cache's 1-head store of ``ik`` summaries; then k, v must be None (the op wrote them, the
+    auxiliary rows and the summaries first) and buffers come from ``allocate(..., indexer_heads=Hi)``.
     Returns ``out [n, Hq, D]`` in ``q.dtype``. Launches only; never synchronises.
     """
-    check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, out)
+    check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, out, iq=iq)
     if buffers is None:
-        buffers = DecodeBuffers.for_step(q, cache, block_table, params)
+        buffers = DecodeBuffers.for_step(q, cache, block_table, params,
+                                         indexer_heads=None if iq is None else iq.shape[1])
     else:
-        buffers.check(q, cache, block_table, params)
+        buffers.check(q, cache, block_table, params, iq=iq)
+    params = check_indexer_query(q, iq, k, params)
     if out is None:
         out = torch.empty_like(q)
     fused = None
@@ -296,7 +341,7 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
             fused = write_args(k, v, cache, slot_mapping, head_cls)
         else:
             write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=True)
-    route(q, cache, block_table, seq_lens, params, buffers, write=fused)
+    route(q if iq is None else iq, cache, block_table, seq_lens, params, buffers, write=fused)
     if backend != "TRITON":
         from ..segments import decode_segment_attention
 
@@ -321,3 +366,22 @@ def cache_dash_prefill_triton(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCa
     k = k if k.stride(-1) == 1 else k.contiguous()  # the kernel reads whole [D] rows
     v = v if v.stride(-1) == 1 else v.contiguous()
     write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=False)
+
+
+def write_new_triton(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                     params: DashParams, head_cls: Optional[torch.Tensor], head_cls_i: Optional[torch.Tensor],
+                     rows: Optional[torch.Tensor]) -> None:
+    """The writes of a step with the auxiliary head (arguments validated by the op): K/V with the
+    summaries of K (none with an indexer), the auxiliary ``rows [T, 2D]`` (``paged.write_aux``, tensor
+    ops), then with an indexer the summaries of the stored ``ik`` with ``head_cls_i [D]`` into the
+    1-head store (the summary launch over ``cache.indexer_view()``). Stream-ordered, no host reads."""
+    from ..paged import write_aux
+
+    indexer = head_cls_i is not None
+    cache_dash_prefill_triton(k, v, PagedKVCache(cache.k_pages, cache.v_pages, None if indexer else cache.summaries),
+                              slot_mapping, params, head_cls)
+    if rows is not None:
+        write_aux(cache, rows, slot_mapping)
+    if indexer and cache.summaries is not None:
+        write_kv_and_summaries(None, None, cache.indexer_view(), slot_mapping, head_cls_i[None], params.block_size,
+                               decode=False)

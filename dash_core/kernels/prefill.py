@@ -44,7 +44,7 @@ import triton.language as tl
 from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_index
-from .launcher import check_kernel_config, check_step_tensors, _check_on
+from .launcher import check_indexer_query, check_kernel_config, check_step_tensors, _check_on
 from .routing import NUM_PIVOTS, route_tile
 
 logger = logging.getLogger(__name__)
@@ -482,7 +482,7 @@ class PrefillPlan:
 
 
 def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params,
-                       out) -> None:
+                       out, iq: Optional[torch.Tensor] = None) -> None:
     """Validate a prefill call from shapes and dtypes only (no device reads)."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, Hq, D] contiguous in D; got {tuple(q.shape)}")
@@ -493,14 +493,16 @@ def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot
     dev = q.device
     for name, x in (("k_pages", cache.k_pages), ("summaries", cache.summaries), ("block_table", block_table),
                     ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("head_cls", head_cls)):
-        _check_on(name, x, dev)
+        if x is not None or name != "head_cls":
+            _check_on(name, x, dev)
     n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be [n] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     if tuple(cu_seqlens_q.shape) != (n + 1,) or cu_seqlens_q.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens_q must be [n + 1 = {n + 1}] int32; got {tuple(cu_seqlens_q.shape)} "
                          f"{cu_seqlens_q.dtype}")
-    check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n, t, "T", d, dev)
+    check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n, t, "T", d, dev, indexer=iq is not None)
+    check_indexer_query(q, iq, k, params)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != dev
                             or out.stride(-1) != 1):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {dev} contiguous in D, got "
@@ -573,7 +575,7 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
                               cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               seq_lens: torch.Tensor, slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor,
                               params: DashParams, *, out: Optional[torch.Tensor] = None,
-                              scratch_bytes: Optional[int] = None) -> torch.Tensor:
+                              scratch_bytes: Optional[int] = None, iq: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal DASH for the new tokens of every request with the Triton kernels (the CUDA branch of
     ``ops.paged_dash_prefill``).
 
@@ -582,11 +584,16 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     max_pages]`` int32; cu_seqlens_q ``[n + 1]``; seq_lens ``[n]`` after the extend; head_cls ``[Hkv, D]``.
     scratch_bytes: routing scratch per wave (default ``SCRATCH_BYTES``). Returns ``out [T, Hq, D]`` in
     ``q.dtype``; rows of no request, of padded requests and of inconsistent requests are zero.
+    iq: ``[T, Hi, D]`` rotated indexer queries (SPEC.md section 9): the route launches score them
+    (router ``shared``) against the cache's 1-head store of ``ik`` summaries, the attention launches
+    use q; k, v must then be None (written with the auxiliary rows and summaries by the op).
     Launches only; never synchronises.
     """
     from .launcher import cache_dash_prefill_triton
 
-    check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params, out)
+    check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params, out,
+                       iq=iq)
+    params = check_indexer_query(q, iq, k, params)
     if out is None:
         out = torch.empty_like(q)
     if k is not None:
@@ -598,10 +605,15 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     if n == 0:
         return out.zero_()
     plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes)
-    scratch = PrefillScratch.allocate(plan.wave, plan.qt, hq, cache.num_kv_heads, plan.max_cand, params, q.device)
+    rq, rcache, hs = q, cache, hq  # what routes: the queries over the summaries, or the indexer's
+    if iq is not None:
+        rq, rcache, hs = iq, cache.indexer_view(), max(hq, iq.shape[1])
+        per_tile = PrefillScratch.bytes_per_tile(plan.qt, hs, cache.num_kv_heads, plan.max_cand, params)
+        plan.wave = max(1, min(plan.num_tiles, (SCRATCH_BYTES if scratch_bytes is None else scratch_bytes) // per_tile))
+    scratch = PrefillScratch.allocate(plan.wave, plan.qt, hs, cache.num_kv_heads, plan.max_cand, params, q.device)
     for tile0 in range(0, plan.num_tiles, plan.wave):
         tiles = min(plan.wave, plan.num_tiles - tile0)
-        route_wave(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
+        route_wave(rq, rcache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
         attend_wave(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, out, tile0, tiles)
     rows = 16
     _zero_tail_kernel[(triton.cdiv(t, rows), hq)](out, out.stride(0), out.stride(1), cu_seqlens_q[n:], t, D=d,
