@@ -70,7 +70,7 @@ def cache_dash_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, sl
                              f"request's stored state; got {None if block_table is None else tuple(block_table.shape)}"
                              f" and {None if cu_seqlens_q is None else tuple(cu_seqlens_q.shape)}")
     if _check_aux(cache, k, t, None, ik, head_cls_i, roles, positions, page_rope, decode=False,
-                  indexer=ik is not None or head_cls_i is not None):
+                  indexer=ik is not None or head_cls_i is not None, roles_optional=True):
         if cache.summaries is not None and head_cls_i is None:
             _check_head_cls(head_cls, cache)
         _, k, _, ik, rows = paged.prepare_aux(cache, None, k, None, ik, roles, positions, page_rope, block_table,
@@ -242,9 +242,10 @@ def _paged_dash_aux(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slo
 
 
 def _check_aux(cache, x, t, iq, ik, head_cls_i, roles, positions, page_rope, *, decode, query=None,
-               writes=True, indexer=None) -> bool:
+               writes=True, indexer=None, roles_optional=False) -> bool:
     """Validate the auxiliary-head inputs from shapes and dtypes (values of roles only off CUDA);
-    True when there is one (an indexer or page mode), False for a plain call."""
+    True when there is one (an indexer or page mode), False for a plain call. decode: roles are not
+    taken; roles_optional: None means all 0 (``cache_dash_prefill``)."""
     if indexer is None:
         indexer = iq is not None or head_cls_i is not None or (ik is not None and writes)
     if not indexer and page_rope is None:
@@ -289,7 +290,7 @@ def _check_aux(cache, x, t, iq, ik, head_cls_i, roles, positions, page_rope, *, 
         raise ValueError(f"page mode needs positions [T] = [{t}] int64 (missing)")
     if decode and roles is not None:
         raise ValueError("decode takes no roles: generated tokens are text (role 0)")
-    if not decode and writes:
+    if not decode and writes and (roles is not None or not roles_optional):
         if roles is None or tuple(roles.shape) != (t,) or roles.dtype.is_floating_point or roles.dtype == torch.bool:
             raise ValueError(f"page-mode prefill needs roles [T] = [{t}] integers (0 text, 1 page start, 2 page "
                              f"token); got {None if roles is None else (tuple(roles.shape), roles.dtype)}")

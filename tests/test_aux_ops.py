@@ -277,3 +277,20 @@ def test_standalone_indexer_page_mode():
                                    roles[i].tolist(), gen)
         ref = oracle(tq, tk, v[i].transpose(0, 1), tiq, tik, hci, p)
         assert torch.allclose(out[i].transpose(0, 1), ref, atol=1e-5, rtol=0)
+
+
+def test_cache_write_roles_default_to_text():
+    """cache_dash_prefill without roles stores role 0 (decode tokens of an engine's mixed batch): the
+    rows equal those of explicit zero roles."""
+    p = DashParams(block_size=16)
+    _, k, v, _, _ = inputs(20, torch.float32, 15)
+    req = Request([1, 2])
+    bt, slots, cu, _ = batch([req], [0], [20])
+    rows = []
+    for roles in (None, torch.zeros(20, dtype=torch.long)):
+        cache = make_cache(torch.float32, store=False)
+        cache_dash_prefill(k, v, cache, slots, p, roles=roles, positions=torch.arange(20), page_rope=PR,
+                           block_table=bt, cu_seqlens_q=cu)
+        rows.append(cache.aux_rows(slots))
+    assert torch.equal(rows[0], rows[1])
+    assert decode_aux(rows[0], D).tok.tolist() == list(range(20))
