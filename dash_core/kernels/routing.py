@@ -51,91 +51,18 @@ def _halley_sums(x, tau):
 
 
 @triton.jit
-def route_tile(
-    x_ptr, x_unit, x_row_stride, nrows, ncand, m,
-    mp_ptr, mp_unit, bt_ptr, bt_unit,
-    sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
-    count_ptr, count_unit, topk, inv_sigma,
-    QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
-    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
-    X_IN_REGS: tl.constexpr = False,
+def select_kept(
+    mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
+    count_ptr, count_unit, topk, inv_sigma, mp_regs,
+    QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
+    PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr,
 ):
-    """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
-
-    x: unit u, row r, candidate c at ``x_ptr + x_unit[u] + r * x_row_stride + c`` (fp32, rows
-    ``0 .. nrows-1``, candidates ``0 .. ncand[u]-1``; ``ncand[u] == 0`` = nothing to route);
-    m ``[QT, NH_PAD]``: the maximum of each row. mp scratch: ``mp_ptr + mp_unit[u] + c``.
-    bt: page-table row of unit u at ``bt_ptr + bt_unit[u]`` (to store physical block ids).
-    Writes, per unit, its kept blocks in increasing order: logical index (``sel_idx``), summary
-    index = physical block (``sel_blk``), ``log`` prior (``sel_bias``), at ``sel_unit[u] + j`` for
-    ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
-    Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TS]`` mp, ``[QT, NPIV, TS]`` pivot counts; ONE_TILE
-    (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes (with
-    one unit: a 4-pass radix select on 256-bin histograms instead of the pivot search);
-    X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
+    """The ``topk`` cap, ties, prior and compaction of ``QT`` units from their ``mp`` in scratch
+    (``mp_ptr + mp_unit[u] + c``, ``npos [QT]`` positive entries each, ``nmax`` the most candidates):
+    the second half of ``route_tile``, also called by routing kernels that compute ``mp`` themselves.
+    ``mp_regs [QT, TC]``: the mp already in registers (``X_IN_REGS``; otherwise any placeholder).
     """
-    offs_r = tl.arange(0, NH_PAD)
-    offs_c = tl.arange(0, TC)
     offs_s = tl.arange(0, TS)
-    row_ok = offs_r < nrows
-    nmax = tl.max(ncand, axis=0)
-    x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * x_row_stride
-
-    # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
-    if X_IN_REGS:  # every candidate in one [TC] tile: the scores are read once for all passes
-        x_all = tl.load(x_rows + offs_c[None, None, :],
-                        mask=row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None]),
-                        other=float("-inf"))
-    lo = m - 1.0
-    hi = m
-    tau = (lo + hi) * 0.5
-    for _ in tl.static_range(3):
-        if X_IN_REGS:
-            ssq, sdf, cnt = _halley_sums(x_all, tau)
-        else:
-            ssq = tl.zeros([QT, NH_PAD], tl.float32)
-            sdf = tl.zeros([QT, NH_PAD], tl.float32)
-            cnt = tl.zeros([QT, NH_PAD], tl.float32)
-            for c0 in range(0, nmax, TC):
-                c = c0 + offs_c
-                ok = row_ok[None, :, None] & (c[None, None, :] < ncand[:, None, None])
-                x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
-                t_ssq, t_sdf, t_cnt = _halley_sums(x, tau)
-                ssq += t_ssq
-                sdf += t_sdf
-                cnt += t_cnt
-        f = ssq - 1.0
-        df = -2.0 * sdf
-        ddf = 2.0 * cnt
-        den = 2.0 * df * df - f * ddf
-        # a zero denominator makes the step NaN or infinite: it fails the bracket test below
-        new = tl.where(den != 0, tau - tl.div_rn(2.0 * f * df, tl.where(den != 0, den, 1.0)), float("nan"))
-        lo = tl.where(f > 0, tau, lo)
-        hi = tl.where(f < 0, tau, hi)
-        good = (new > lo - 1e-5) & (new < hi + 1e-5)  # NaN fails both
-        tau = tl.where(good, new, (lo + hi) * 0.5)
-
-    # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
-    nrows_f = nrows * 1.0  # (a runtime int, or a constexpr where Triton specialises it)
-    if X_IN_REGS:
-        cok = offs_c[None, :] < ncand[:, None]
-        diff = tl.where(x_all > tau[:, :, None], x_all - tau[:, :, None], 0.0)
-        mp_regs = tl.sum(diff * diff, axis=1) / nrows_f
-        tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
-        npos = tl.sum(((mp_regs > 0) & cok).to(tl.int32), axis=1)
-    else:
-        npos = tl.zeros([QT], tl.int32)
-        for c0 in range(0, nmax, TC):
-            c = c0 + offs_c
-            cok = c[None, :] < ncand[:, None]
-            ok = row_ok[None, :, None] & cok[:, None, :]
-            x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
-            diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
-            mp = tl.sum(diff * diff, axis=1) / nrows_f
-            tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
-            npos += tl.sum(((mp > 0) & cok).to(tl.int32), axis=1)
-    tl.debug_barrier()  # mp is read back by other threads of this program
-
     # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
     thr = tl.zeros([QT], tl.int32)
     need = npos < 0
@@ -249,6 +176,104 @@ def route_tile(
         nkept += tl.sum(keep_i, axis=1)
         nties += tl.sum(tie_i, axis=1)
     tl.store(count_ptr + count_unit, tl.minimum(nkept, sel_cap))
+
+
+@triton.jit
+def route_tile(
+    x_ptr, x_unit, x_row_stride, nrows, ncand, m,
+    mp_ptr, mp_unit, bt_ptr, bt_unit,
+    sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
+    count_ptr, count_unit, topk, inv_sigma,
+    QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
+    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
+    X_IN_REGS: tl.constexpr = False,
+):
+    """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
+
+    x: unit u, row r, candidate c at ``x_ptr + x_unit[u] + r * x_row_stride + c`` (fp32, rows
+    ``0 .. nrows-1``, candidates ``0 .. ncand[u]-1``; ``ncand[u] == 0`` = nothing to route);
+    m ``[QT, NH_PAD]``: the maximum of each row. mp scratch: ``mp_ptr + mp_unit[u] + c``.
+    bt: page-table row of unit u at ``bt_ptr + bt_unit[u]`` (to store physical block ids).
+    Writes, per unit, its kept blocks in increasing order: logical index (``sel_idx``), summary
+    index = physical block (``sel_blk``), ``log`` prior (``sel_bias``), at ``sel_unit[u] + j`` for
+    ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
+    Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TS]`` mp, ``[QT, NPIV, TS]`` pivot counts; ONE_TILE
+    (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes (with
+    one unit: a 4-pass radix select on 256-bin histograms instead of the pivot search);
+    X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
+    The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``.
+    """
+    offs_r = tl.arange(0, NH_PAD)
+    offs_c = tl.arange(0, TC)
+    row_ok = offs_r < nrows
+    nmax = tl.max(ncand, axis=0)
+    x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * x_row_stride
+
+    # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
+    if X_IN_REGS:  # every candidate in one [TC] tile: the scores are read once for all passes
+        x_all = tl.load(x_rows + offs_c[None, None, :],
+                        mask=row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None]),
+                        other=float("-inf"))
+    lo = m - 1.0
+    hi = m
+    tau = (lo + hi) * 0.5
+    for _ in tl.static_range(3):
+        if X_IN_REGS:
+            ssq, sdf, cnt = _halley_sums(x_all, tau)
+        else:
+            ssq = tl.zeros([QT, NH_PAD], tl.float32)
+            sdf = tl.zeros([QT, NH_PAD], tl.float32)
+            cnt = tl.zeros([QT, NH_PAD], tl.float32)
+            for c0 in range(0, nmax, TC):
+                c = c0 + offs_c
+                ok = row_ok[None, :, None] & (c[None, None, :] < ncand[:, None, None])
+                x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
+                t_ssq, t_sdf, t_cnt = _halley_sums(x, tau)
+                ssq += t_ssq
+                sdf += t_sdf
+                cnt += t_cnt
+        f = ssq - 1.0
+        df = -2.0 * sdf
+        ddf = 2.0 * cnt
+        den = 2.0 * df * df - f * ddf
+        # a zero denominator makes the step NaN or infinite: it fails the bracket test below
+        new = tl.where(den != 0, tau - tl.div_rn(2.0 * f * df, tl.where(den != 0, den, 1.0)), float("nan"))
+        lo = tl.where(f > 0, tau, lo)
+        hi = tl.where(f < 0, tau, hi)
+        good = (new > lo - 1e-5) & (new < hi + 1e-5)  # NaN fails both
+        tau = tl.where(good, new, (lo + hi) * 0.5)
+
+    # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
+    nrows_f = nrows * 1.0  # (a runtime int, or a constexpr where Triton specialises it)
+    if X_IN_REGS:
+        cok = offs_c[None, :] < ncand[:, None]
+        diff = tl.where(x_all > tau[:, :, None], x_all - tau[:, :, None], 0.0)
+        mp_regs = tl.sum(diff * diff, axis=1) / nrows_f
+        tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
+        npos = tl.sum(((mp_regs > 0) & cok).to(tl.int32), axis=1)
+    else:
+        npos = tl.zeros([QT], tl.int32)
+        for c0 in range(0, nmax, TC):
+            c = c0 + offs_c
+            cok = c[None, :] < ncand[:, None]
+            ok = row_ok[None, :, None] & cok[:, None, :]
+            x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
+            diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
+            mp = tl.sum(diff * diff, axis=1) / nrows_f
+            tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
+            npos += tl.sum(((mp > 0) & cok).to(tl.int32), axis=1)
+    tl.debug_barrier()  # mp is read back by other threads of this program
+
+    if X_IN_REGS:  # the cap reads the mp bits from registers
+        select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
+                    sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs,
+                    QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
+                    X_IN_REGS=True, TC=TC)
+    else:
+        select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
+                    sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos,
+                    QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
+                    X_IN_REGS=False, TC=TC)
 
 
 @triton.jit
