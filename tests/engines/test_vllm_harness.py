@@ -170,3 +170,87 @@ def test_padded_decode_batch_uses_persistent_buffers(vllm_config):
             qi, ki, vi = (x[:n].permute(1, 0, 2)[None] for x in data[i])
             ref, _ = dash_reference(qi, ki, vi, head_cls, params, rows=[n - 1])
             torch.testing.assert_close(out[i], ref[0, :, 0].to(out.dtype), atol=ATOL, rtol=0)
+
+
+# --- the auxiliary head: indexer + page mode through a real layer (engine-free) ---
+
+HI = 3
+
+
+def _aux_layer(vllm_config, params, head_cls, head_cls_i, page_rope):
+    """A real ``Attention`` layer on ``DashAuxAttentionBackend`` (Hkv + 1 KV heads), its spec and builder."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    from adapters.vllm.backend import AuxHead, DashAuxAttentionBackend, StepRoles
+
+    aux = AuxHead(num_q_heads=HQ, indexer_heads=HI, page_rope=page_rope)
+    name = "model.layers.0.self_attn.attn"
+    with set_current_vllm_config(vllm_config):
+        vllm_config.compilation_config.static_forward_context.pop(name, None)
+        layer = Attention(aux.q_slots(HKV), D, D ** -0.5, num_kv_heads=HKV + 1, prefix=name,
+                          cache_config=vllm_config.cache_config, attn_backend=DashAuxAttentionBackend,
+                          head_cls=head_cls, dash_params=params, dash_aux=aux, head_cls_i=head_cls_i)
+        spec = customize_attention_spec(DashAuxAttentionBackend, layer.get_kv_cache_spec(vllm_config))
+        builder = DashAuxAttentionBackend.get_builder_cls()(spec, [name], vllm_config, torch.device("cpu"))
+    layer.impl.step_roles = StepRoles()
+    return layer, spec, builder, aux
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_indexer_page_mode_mixed_batch_matches_the_oracle(vllm_config, layout):
+    """Step 1 prefills request 0 (text, two pages, a question); step 2 decodes it while request 1
+    (adjacent pages, then text) is prefilled. The impl unpacks iq / ik from the layer's head slots,
+    takes roles from ``StepRoles`` and positions from the builder (derived: this metadata carries
+    none), and the ops apply page RoPE; the oracle gets q/k/iq/ik rotated at ``page_coordinates``."""
+    from dash_core.rope import PageRopeSettings, RotarySettings, page_coordinates, page_rope
+
+    params = DashParams(block_size=BS, topk=2, scaling_factor=2.0)
+    rot = RotarySettings(theta=10000.0)
+    settings = PageRopeSettings(rot, rot, None)
+    g = torch.Generator().manual_seed(3)
+    head_cls, head_cls_i = torch.randn(HKV, D, generator=g), torch.randn(D, generator=g) * 2
+    layer, spec, builder, aux = _aux_layer(vllm_config, params, head_cls, head_cls_i, settings)
+    _, kv = allocate_kv_cache(spec, NUM_BLOCKS, layout)
+    free = (torch.randperm(NUM_BLOCKS - 1, generator=g) + 1).to(torch.int32)  # scattered; block 0 unused
+    table = free[:10].view(2, 5)  # 5 pages (80 tokens) per request
+    roles = [torch.tensor([0] * 5 + [1] + [2] * 19 + [1] + [2] * 14 + [0] * 9),  # 49 prompt tokens + 1 decode
+             torch.tensor([1] + [2] * 16 + [1] + [2] * 20 + [0] * 30)]  # 68 prompt tokens
+    lengths = [roles[0].numel() + 1, roles[1].numel()]
+    data = [[torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV, HI, 1)] for n in lengths]  # q k v iq ik
+
+    def step(requests, step_roles):
+        parts = [[data[i][x][lo:hi] for i, lo, hi in requests] for x in range(5)]
+        q, k, v, iq, ik = (torch.cat(p) for p in parts)
+        t, pad = q.shape[0], aux.q_slots(HKV) - HQ - HI
+        query = torch.cat([q, iq, torch.zeros(t, pad, D)], 1)
+        key, value = torch.cat([k, ik], 1), torch.cat([v, torch.zeros(t, 1, D)], 1)
+        sm = torch.cat([slots(table[i], range(lo, hi), BS) for i, lo, hi in requests])
+        meta = common_metadata([hi - lo for _, lo, hi in requests], [hi for _, _, hi in requests],
+                               table[[i for i, _, _ in requests]], sm)
+        md = builder.build(0, meta)
+        layer.impl.step_roles.roles = step_roles
+        out = torch.full_like(query, float("nan"))
+        layer.impl.forward(layer, query, key, value, kv, md, output=out)
+        return md, out[:, :HQ]
+
+    n0 = roles[0].numel()
+    step([(0, 0, n0)], roles[0])
+    md, out = step([(0, n0, n0 + 1), (1, 0, lengths[1])], torch.cat([torch.zeros(1, dtype=torch.long), roles[1]]))
+    assert (md.num_decodes, md.num_prefills) == (1, 1)
+    assert md.decode_positions.tolist() == [n0] and md.prefill_positions.tolist() == list(range(lengths[1]))
+    assert md.decode_positions.data_ptr() == builder.graph_buffers.positions.data_ptr()  # persistent
+
+    for i, rows in ((0, [n0]), (1, list(range(lengths[1])))):
+        generated = lengths[i] - roles[i].numel()
+        tok, page = page_coordinates(roles[i], generated=generated)
+        q, k, v, iq, ik = data[i]
+        q, k = page_rope(q, tok, page, settings), page_rope(k, tok, page, settings)
+        iq, ik = page_rope(iq, tok, page, settings, main=False), page_rope(ik, tok, page, settings, main=False)
+        ref, active = dash_reference(*(x.permute(1, 0, 2)[None] for x in (q, k, v)), head_cls, params, rows=rows,
+                                     iq=iq.permute(1, 0, 2)[None], ik=ik[:, 0][None], head_cls_i=head_cls_i)
+        got = out[:1] if i == 0 else out[1:]
+        # fp32 cache and page RoPE in fp32 on both sides; the oracle's float64 math: fp32 rounding.
+        torch.testing.assert_close(got.permute(1, 0, 2), ref[0], atol=1e-5, rtol=0, msg=f"request {i}")
+        assert active[0, :, -1].max().item() < -(-lengths[i] // BS)  # the last row skips a block: routed
