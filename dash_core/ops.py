@@ -221,15 +221,24 @@ def _paged_dash_aux(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slo
         if cache.summaries is not None and not indexer:
             _check_head_cls(head_cls, cache)
     out = _out(out, q)
+    triton = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if triton:  # the launches' own checks, before anything is written
+        from .kernels.launcher import DecodeBuffers, check_decode_args, paged_dash_decode_triton
+        from .kernels.prefill import check_prefill_args, paged_dash_prefill_triton
+        if op == "decode":
+            check_decode_args(q, None, None, cache, block_table, seq_lens, None, head_cls, params, out, iq=iq)
+            if isinstance(decode_kw.get("buffers"), DecodeBuffers):
+                decode_kw["buffers"].check(q, cache, block_table, params, iq=iq)
+        else:
+            check_prefill_args(q, None, None, cache, block_table, cu_seqlens_q, seq_lens, None, head_cls, params,
+                               out, iq=iq)
     if positions is None:
         positions = paged.token_positions(cu_seqlens_q, seq_lens, q.shape[0], q.device)
     q, k, iq, ik, rows = paged.prepare_aux(cache, q, k, iq, ik, roles, positions, page_rope, block_table,
                                            cu_seqlens_q)
     if k is not None:
         _write_new(cache, k, v, slot_mapping, params, head_cls, ik, head_cls_i, rows)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # Triton launches, iq routes
-        from .kernels.launcher import paged_dash_decode_triton
-        from .kernels.prefill import paged_dash_prefill_triton
+    if triton:  # Triton launches; iq routes
         if op == "decode":
             return paged_dash_decode_triton(q, None, None, cache, block_table, seq_lens, None, head_cls, params,
                                             out=out, iq=iq, **decode_kw)

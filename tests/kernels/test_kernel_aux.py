@@ -62,11 +62,8 @@ def make(dtype, seed, lens, gen):
     return data, r(HKV, D), r(D)
 
 
-@pytest.mark.parametrize("page_mode", [False, True])
-@pytest.mark.parametrize("indexer", [True, False])
+@pytest.mark.parametrize("page_mode,indexer", [(False, True), (True, True), (True, False)])
 def test_aux_prefill_then_decode(page_mode, indexer):
-    if not (page_mode or indexer):
-        pytest.skip("plain calls are the other kernel tests")
     dtype = torch.bfloat16
     p = DashParams(block_size=BS, scaling_factor=3.0, topk=2)
     roles = [ROLES, PLAIN]
