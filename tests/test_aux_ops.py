@@ -294,3 +294,35 @@ def test_cache_write_roles_default_to_text():
         rows.append(cache.aux_rows(slots))
     assert torch.equal(rows[0], rows[1])
     assert decode_aux(rows[0], D).tok.tolist() == list(range(20))
+
+
+def test_padded_decode_rows_write_nothing():
+    """A captured decode pads the batch (seq_len 0, slot -1, position 0): the padded row writes no K/V,
+    row or summary and returns zeros; the real row equals the unpadded step."""
+    p = DashParams(block_size=16, scaling_factor=3.0)
+    roles = page_prompt()
+    n = len(roles)
+    req = Request([5, 2, 7, 9, 11, 3])
+    q, k, v, iq, ik = inputs(n + 1, torch.float32, 16)
+    hci = torch.randn(D, generator=torch.Generator().manual_seed(17))
+    results = []
+    for pad in (False, True):
+        cache = make_cache(torch.float32)
+        bt, slots, cu, sl = batch([req], [0], [n])
+        paged_dash_prefill(q[:n], k[:n], v[:n], cache, bt, cu, sl, slots, None, p, iq=iq[:n], ik=ik[:n],
+                           head_cls_i=hci, roles=torch.tensor(roles), positions=torch.arange(n), page_rope=PR)
+        before = [x.clone() for x in (cache.k_pages, cache.aux, cache.summaries)]
+        bt, slots, _, sl = batch([req], [n], [n + 1])
+        sel = [0, 0] if pad else [0]
+        rows = lambda x: x[n:][sel]  # noqa: E731
+        if pad:
+            bt, sl = torch.cat([bt, torch.zeros_like(bt)]), torch.tensor([n + 1, 0], dtype=I32)
+            slots = torch.cat([slots, torch.tensor([-1])])
+        out = paged_dash_decode(rows(q), rows(k), rows(v), cache, bt, sl, slots, None, p, iq=rows(iq), ik=rows(ik),
+                                head_cls_i=hci, positions=torch.tensor([n, 0][:len(sel)]), page_rope=PR)
+        changed = [(x != b).flatten(1).any(1).nonzero().flatten().tolist()
+                   for x, b in zip((cache.k_pages, cache.aux), before[:2])]
+        results.append((out, changed, cache.summaries.clone()))
+    (o1, c1, s1), (o2, c2, s2) = results
+    assert torch.equal(o2[0], o1[0]) and not o2[1].any()
+    assert c1 == c2 and torch.equal(s1, s2)  # the same pages changed, nothing else
