@@ -7,7 +7,8 @@ indexer and page mode, and one with an indexer only, against the torch reference
   and every layer's cache has ``Hkv + 1`` head slots (the auxiliary head, counted by vLLM);
 - indexer only: prefix caching and chunked prefill stay on (the indexer keys and their one-head
   summaries live in the pages), same comparison;
-- page mode with chunked prefill or prefix caching on fails at start-up, naming the flags.
+- page mode with chunked prefill or prefix caching on fails at start-up, naming the flags;
+- indexer + page mode in a multi-process TP 2 engine (each rank: one KV head + its auxiliary head).
 
 Plain DASH models are covered, unchanged, by test_vllm_engine.py.
 """
@@ -30,7 +31,7 @@ from tests.engines import _vllm_support as support  # noqa: E402
 from tests.tiny_dash_llama import DEFAULTS, reference_generate, write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.engine_vllm
-_budget = support.budget("aux-head", 240)
+_budget = support.budget("aux-head", 300)
 
 BS, HI = 16, 2
 SPARSE = dict(chunk_size=BS, scaling_factor=2.0, dash_topk=2)
@@ -145,3 +146,23 @@ def test_indexer_model_with_prefix_caching_and_chunked_prefill(tmp_path):
 def test_page_mode_refuses_chunked_prefill_and_prefix_caching(page_checkpoint, flags, match):
     with pytest.raises(ValueError, match=f"page-mode model must prefill every prompt in one chunk.*{match}"):
         _engine(page_checkpoint, **flags)
+
+
+def test_indexer_and_page_mode_under_real_tensor_parallel_2(page_checkpoint, tmp_path):
+    """A multi-process TP 2 engine (engine core + one worker per rank): each rank keeps one KV head plus
+    its own auxiliary head and computes the replicated indexer; tokens equal the reference model's."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("TP 2 on the CPU needs two cores (vLLM binds one per rank)")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    engine = dict(model=page_checkpoint, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
+                  max_model_len=512, max_num_seqs=2, max_num_batched_tokens=512, enforce_eager=True, seed=0,
+                  block_size=BS, enable_prefix_caching=False, enable_chunked_prefill=False, tensor_parallel_size=2)
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    new = 6
+    got = support.generate_in_subprocess(engine, [p for p, _ in prompts], new, str(tmp_path / "tp2.json"), env,
+                                         timeout=400)
+    assert len(got["stats"]) == 2 and all(s["forwards"] > 0 and s["decode_tokens"] > 0 for s in got["stats"])
+    _check_against_reference(page_checkpoint, [(p, new) for p, _ in prompts], [tuple(r) for r in got["results"]])
