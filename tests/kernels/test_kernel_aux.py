@@ -156,3 +156,76 @@ def test_indexer_launch_checks():
     bufs = launcher.DecodeBuffers.for_step(q, cache, bt, p)
     with pytest.raises(ValueError, match="indexer_heads"):
         launcher.paged_dash_decode_triton(q, None, None, cache, bt, sl, None, None, p, iq=iq, buffers=bufs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="CUDA-graph capture needs a CUDA device")
+def test_captured_decode_with_indexer_and_page_mode():
+    """``ops.paged_dash_decode`` with an indexer and page mode captured in a CUDA graph over static
+    inputs: two replays (new inputs copied in place, positions and seq_lens advanced on the device
+    side by copies) equal eager steps on a copy of the cache, bit for bit (same kernels, same inputs)."""
+    dtype = torch.bfloat16
+    p = DashParams(block_size=BS, scaling_factor=3.0, topk=2)
+    lens, gen = [len(ROLES), len(PLAIN)], 2
+    data, hc, hci = make(dtype, 11, lens, gen)
+    slots_n = 8 * 4 * PS
+    bt = torch.tensor([[5, 2, 7, 9], [8, 1, 13, 20]], dtype=torch.int32, device=DEV)
+
+    def new_cache():
+        return PagedKVCache.from_sglang(torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV),
+                                        torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV), PS,
+                                        alloc_summaries(slots_n, BS, 1, D, dtype, DEV),
+                                        aux=alloc_aux_sglang(slots_n, D, dtype, DEV))
+
+    def cat(j, lo, hi):
+        return torch.cat([d[j][a:b] for d, a, b in zip(data, lo, hi)])
+
+    def slots_at(pos):  # the slot of request i at pos[i]
+        return bt[torch.arange(len(pos), device=DEV), pos // PS].long() * PS + pos % PS
+
+    caches = [new_cache(), new_cache()]
+    cu = torch.tensor([0, lens[0], lens[0] + lens[1]], dtype=torch.int32, device=DEV)
+    prompt_pos = torch.cat([torch.arange(n) for n in lens]).to(DEV)
+    prompt_req = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]).to(DEV)
+    prompt_slots = bt[prompt_req, prompt_pos // PS].long() * PS + prompt_pos % PS
+    for c in caches:
+        ops.paged_dash_prefill(cat(0, [0, 0], lens), cat(1, [0, 0], lens), cat(2, [0, 0], lens), c, bt, cu,
+                               torch.tensor(lens, dtype=torch.int32, device=DEV), prompt_slots, hc, p, iq=cat(3, [0, 0], lens), ik=cat(4, [0, 0], lens), head_cls_i=hci,
+                               roles=torch.tensor(ROLES + PLAIN, device=DEV), positions=prompt_pos, page_rope=PR)
+    bufs = launcher.DecodeBuffers.allocate(2, HQ, HKV, D, PS, bt.shape[1], p, DEV, indexer_heads=HI)
+    static = {}
+    graph = None
+    for s in range(gen):
+        lo = [n + s for n in lens]
+        pos = torch.tensor(lo, device=DEV)
+        step = dict(q=cat(0, lo, [x + 1 for x in lo]), k=cat(1, lo, [x + 1 for x in lo]),
+                    v=cat(2, lo, [x + 1 for x in lo]), iq=cat(3, lo, [x + 1 for x in lo]),
+                    ik=cat(4, lo, [x + 1 for x in lo]), seq_lens=(pos + 1).to(torch.int32), slots=slots_at(pos),
+                    positions=pos)
+        eager = ops.paged_dash_decode(step["q"], step["k"], step["v"], caches[1], bt, step["seq_lens"],
+                                      step["slots"], hc, p, iq=step["iq"], ik=step["ik"], head_cls_i=hci,
+                                      positions=step["positions"], page_rope=PR)
+
+        def run():
+            return ops.paged_dash_decode(static["q"], static["k"], static["v"], caches[0], bt, static["seq_lens"],
+                                         static["slots"], hc, p, iq=static["iq"], ik=static["ik"], head_cls_i=hci,
+                                         positions=static["positions"], page_rope=PR, buffers=bufs)
+        if graph is None:
+            static = {name: x.clone() for name, x in step.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up (idempotent: the same writes as the replay)
+                run()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static["out"] = run()
+        else:
+            for name, x in step.items():
+                static[name].copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static["out"], eager), s
+    for a, b in ((caches[0].k_pages, caches[1].k_pages), (caches[0].aux, caches[1].aux),
+                 (caches[0].summaries, caches[1].summaries)):
+        assert torch.equal(a, b)
