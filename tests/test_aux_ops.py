@@ -326,3 +326,37 @@ def test_padded_decode_rows_write_nothing():
     (o1, c1, s1), (o2, c2, s2) = results
     assert torch.equal(o2[0], o1[0]) and not o2[1].any()
     assert c1 == c2 and torch.equal(s1, s2)  # the same pages changed, nothing else
+
+
+@pytest.mark.parametrize("indexer", [True, False])
+def test_page_invariance_through_the_op(indexer):
+    """The same page (block-aligned) at two prompt offsets: the op stores bit-identical rotated keys,
+    indexer keys and block summaries for it (SPEC.md section 9, page invariance)."""
+    p = DashParams(block_size=16, scaling_factor=3.0)
+    page = [1] + [2] * 31
+    prompts = [[0] * 16 + page + [0] * 5, [0] * 48 + page + [0] * 9]
+    starts = [16, 48]
+    g = torch.Generator().manual_seed(18)
+    shared = [torch.randn(32, *s, generator=g).to(torch.bfloat16) for s in ((HQ, D), (HKV, D), (HKV, D), (HI, D), (D,))]
+    reqs = [Request([5, 2, 7, 9, 11, 3]), Request([8, 1, 13, 20, 4, 6])]
+    cache = make_cache(torch.bfloat16) if indexer else PagedKVCache.from_sglang(
+        torch.zeros(512, HKV, D, dtype=torch.bfloat16), torch.zeros(512, HKV, D, dtype=torch.bfloat16), PS,
+        alloc_summaries(512, 16, HKV, D, torch.bfloat16), aux=alloc_aux_sglang(512, D, torch.bfloat16))
+    data = []
+    for r, st in zip(prompts, starts):
+        x = list(inputs(len(r), torch.bfloat16, 19 + st))
+        for j in range(5):
+            x[j][st: st + 32] = shared[j]
+        data.append(x)
+    lens = [len(r) for r in prompts]
+    bt, slots, cu, sl = batch(reqs, [0, 0], lens)
+    cat = lambda j: torch.cat([d[j] for d in data])  # noqa: E731
+    ind = dict(iq=cat(3), ik=cat(4), head_cls_i=torch.randn(D, generator=g).to(torch.bfloat16)) if indexer else {}
+    paged_dash_prefill(cat(0), cat(1), cat(2), cache, bt, cu, sl, slots, torch.randn(HKV, D, generator=g), p,
+                       roles=torch.tensor(sum(prompts, [])), positions=torch.cat([torch.arange(n) for n in lens]),
+                       page_rope=PR, **ind)
+    page_slots = [req.slots(st, st + 32) for req, st in zip(reqs, starts)]
+    assert torch.equal(cache.keys(page_slots[0]), cache.keys(page_slots[1]))
+    assert torch.equal(cache.aux_rows(page_slots[0])[:, :D], cache.aux_rows(page_slots[1])[:, :D])
+    summ = [cache.summaries[s[::16] // 16] for s in page_slots]
+    assert torch.equal(summ[0], summ[1]) and summ[0].abs().sum() > 0
