@@ -56,6 +56,10 @@ ROUTE_WARPS = 8
 ATTN_WARPS = 4
 ATTN_STAGES = 3
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
+# 1: route with ``prefill_route`` (scores recomputed from the L2-resident summaries in every entmax pass,
+# no score scratch); 0: store the scores once and read them back. Kept switchable until both are timed
+# on the GPU (``benchmarks/prefill.py --tune ROUTE_RECOMPUTE=1``).
+ROUTE_RECOMPUTE = 0
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E_HOST)
@@ -409,7 +413,7 @@ def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr
 class PrefillScratch:
     """Routing scratch of one wave of ``W`` tiles (``slots = W * QT`` token slots).
 
-    scores ``[slots, Hq, max_cand]`` fp32, mp ``[slots, Hsel, max_cand]`` fp32, sel_idx / sel_blk
+    scores ``[slots, Hq, max_cand]`` fp32 (empty with ``ROUTE_RECOMPUTE``), mp ``[slots, Hsel, max_cand]`` fp32, sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_idx / union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32.
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
@@ -432,7 +436,8 @@ class PrefillScratch:
     def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams) -> int:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
-        per_slot = 4 * (hq * max_cand + hsel * max_cand + 3 * hsel * cap + hsel)
+        score_rows = 0 if ROUTE_RECOMPUTE else hq
+        per_slot = 4 * (score_rows * max_cand + hsel * max_cand + 3 * hsel * cap + hsel)
         return qt * per_slot + 4 * hkv * max_cand * (2 + qt)
 
     @classmethod
@@ -444,7 +449,7 @@ class PrefillScratch:
         f32, i32 = torch.float32, torch.int32
         return cls(
             qt, tiles, max_cand,
-            scores=torch.empty(slots, hq, max_cand, dtype=f32, device=device),
+            scores=torch.empty(0 if ROUTE_RECOMPUTE else slots, hq, max_cand, dtype=f32, device=device),
             mp=torch.empty(slots, hsel, max_cand, dtype=f32, device=device),
             sel_idx=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_blk=torch.empty(slots, hsel, cap, dtype=i32, device=device),
@@ -526,6 +531,10 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
                seq_lens: torch.Tensor, params: DashParams, plan: PrefillPlan, scratch: PrefillScratch,
                tile0: int, tiles: int) -> None:
     """Route tiles ``tile0 .. tile0 + tiles - 1`` into ``scratch`` (slot ``w * QT + u``)."""
+    if ROUTE_RECOMPUTE:
+        from .prefill_route import route_wave_recompute
+
+        return route_wave_recompute(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
     t, hq, d = q.shape
     hkv = cache.num_kv_heads
     g = hq // hkv

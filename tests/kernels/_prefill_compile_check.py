@@ -17,11 +17,13 @@ import torch
 
 from dash_core import DashParams
 from dash_core.kernels import prefill as pf
+from dash_core.kernels import prefill_route as pr
 from dash_core.layout import PagedKVCache, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
-PREFILL_KERNELS = ("_prefill_route_kernel", "_prefill_attn_kernel", "_zero_tail_kernel")
-kc.KERNELS.update({name: pf for name in PREFILL_KERNELS})  # the shared compiler looks kernels up here
+PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf,
+                   "_prefill_route_recompute_kernel": pr}  # both routing variants (prefill.ROUTE_RECOMPUTE)
+kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 
 CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
     (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64)),  # the benchmark's shape
@@ -35,11 +37,12 @@ CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
 
 def record_launches() -> dict:
     calls: dict = {}
-    saved = {name: getattr(pf, name) for name in PREFILL_KERNELS}
-    for name in PREFILL_KERNELS:
-        setattr(pf, name, kc._Recorder(name, saved[name], calls))
+    saved = {name: getattr(mod, name) for name, mod in PREFILL_KERNELS.items()}
+    for name, mod in PREFILL_KERNELS.items():
+        setattr(mod, name, kc._Recorder(name, saved[name], calls))
+    recompute = pf.ROUTE_RECOMPUTE
     try:
-        for dtype, hq, hkv, d, bs, ps, max_pages, pk in CONFIGS:
+        for (dtype, hq, hkv, d, bs, ps, max_pages, pk), pf.ROUTE_RECOMPUTE in [(c, r) for c in CONFIGS for r in (0, 1)]:
             p = DashParams(block_size=bs, **pk)
             num_pages = 4
             kb = torch.zeros(num_pages * ps, hkv, d, dtype=dtype)
@@ -52,8 +55,9 @@ def record_launches() -> dict:
                 hc = torch.zeros(hkv, d, dtype=dtype)
                 pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, scratch_bytes=1 << 24)
     finally:
-        for name in PREFILL_KERNELS:
-            setattr(pf, name, saved[name])
+        pf.ROUTE_RECOMPUTE = recompute
+        for name, mod in PREFILL_KERNELS.items():
+            setattr(mod, name, saved[name])
     return calls
 
 
