@@ -262,6 +262,7 @@ def _check_aux(cache, x, t, iq, ik, head_cls_i, roles, positions, page_rope, *, 
             raise ValueError("roles are given without page_rope: page mode needs page_rope (PageRopeSettings)")
         if ik is not None:
             raise ValueError("ik is given without iq and head_cls_i: the indexer needs all three")
+        _check_kv_store(cache)
         return False
     d = cache.head_dim
     if cache.aux is None:
@@ -283,9 +284,8 @@ def _check_aux(cache, x, t, iq, ik, head_cls_i, roles, positions, page_rope, *, 
         if cache.summaries is not None and cache.summaries.shape[1] != 1:
             raise ValueError(f"with an indexer the summary store holds summaries of ik, one head: "
                              f"alloc_summaries(num_slots, bs, 1, D, ...); got {tuple(cache.summaries.shape)}")
-    elif cache.summaries is not None and cache.summaries.shape[1] != cache.num_kv_heads:
-        raise ValueError(f"summaries must be [num_slots // block_size, Hkv = {cache.num_kv_heads}, D] without an "
-                         f"indexer; got {tuple(cache.summaries.shape)}")
+    else:
+        _check_kv_store(cache)
     if positions is not None and (tuple(positions.shape) != (t,) or positions.dtype.is_floating_point
                                   or positions.dtype == torch.bool):
         raise ValueError(f"positions must be [T] = [{t}] integers, got {tuple(positions.shape)} {positions.dtype}")
@@ -307,6 +307,14 @@ def _check_aux(cache, x, t, iq, ik, head_cls_i, roles, positions, page_rope, *, 
             raise ValueError(f"roles must be 0 (text), 1 (page start) or 2 (page token); got values "
                              f"{int(roles.min())}..{int(roles.max())}")
     return True
+
+
+def _check_kv_store(cache: PagedKVCache) -> None:
+    """A call without an indexer summarises K: the store (if any) must have the Hkv heads of K."""
+    if cache.summaries is not None and cache.summaries.shape[1] != cache.num_kv_heads:
+        raise ValueError(f"summaries must be [num_slots // block_size, Hkv = {cache.num_kv_heads}, D] without an "
+                         f"indexer; got {tuple(cache.summaries.shape)} (a 1-head indexer store needs iq, ik and "
+                         f"head_cls_i)")
 
 
 def _out(out: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:

@@ -252,6 +252,27 @@ def test_validation_before_any_write():
     assert not cache.k_pages.any() and not cache.aux.any()
 
 
+def test_plain_call_on_an_indexer_store_fails_before_any_write():
+    """A cache whose summary store holds the indexer's 1-head summaries of ik, called without the
+    indexer (iq, ik, head_cls_i forgotten): every op refuses it with a ValueError before writing K/V
+    (the store cannot take summaries of the Hkv heads of K)."""
+    p = DashParams(block_size=16)
+    q, k, v, _, _ = inputs(20, torch.float32, 21)
+    hc = torch.randn(HKV, D)
+    req = Request([1, 2])
+    bt, slots, cu, sl = batch([req], [0], [20])
+    cache = make_cache(torch.float32)  # 1-head (indexer) store
+    calls = [
+        lambda: cache_dash_prefill(k, v, cache, slots, p, head_cls=hc),
+        lambda: paged_dash_prefill(q, k, v, cache, bt, cu, sl, slots, hc, p),
+        lambda: paged_dash_decode(q[:1], k[:1], v[:1], cache, bt, torch.tensor([1], dtype=I32), slots[:1], hc, p),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="indexer"):
+            call()
+        assert not cache.k_pages.any() and not cache.summaries.any()
+
+
 def test_standalone_indexer_page_mode():
     """The README's worked example: DashKVCache(indexer=True) and dash_attention with unrotated inputs,
     a page-mode prompt of two sequences then two decode steps, against the oracle."""
