@@ -24,6 +24,13 @@ the longest context; ``init_forward_metadata_out_graph`` refills them in place b
 before every replay, so captured kernels always read the same addresses. Padded rows arrive with
 ``req_pool_indices = 0`` and ``seq_lens = 1``: one token in the padding page.
 
+Indexer and page mode (SPEC.md section 9, ``adapters.sglang.aux``): the auxiliary head, one
+``[slots, 2D]`` buffer per layer, hangs on the pool as ``pool.dash_aux`` next to the summary store
+(one head for an indexer model: summaries of ``ik``). The model passes ``iq``, ``ik`` and
+``head_cls_i`` as keywords; in page mode the backend adds ``roles`` (from the placeholder token ids
+of ``forward_batch.input_ids``, extend only), ``positions`` (``forward_batch.positions``; a static
+graph buffer in captured decode) and the model's ``PageRopeSettings``.
+
 Attention-stage backend (``DashParams.attention_backend``: ``TRITON``, ``FLASHINFER``,
 ``FLASH_ATTN``): the model config's ``dash_attention_backend`` (``--json-model-override-args``), or
 the environment variable ``DASH_ATTENTION_BACKEND``, which wins when set; read once when the
@@ -39,7 +46,14 @@ from typing import Optional
 
 import torch
 
-from dash_core.layout import PagedKVCache, alloc_summaries, block_table_from_req_to_token, check_page_size
+from adapters.sglang.aux import AuxConfig
+from dash_core.layout import (
+    PagedKVCache,
+    alloc_aux_sglang,
+    alloc_summaries,
+    block_table_from_req_to_token,
+    check_page_size,
+)
 from dash_core.ops import SUPPORTED_DTYPES, paged_dash_decode, paged_dash_prefill
 from dash_core.params import ATTENTION_BACKENDS, DashParams
 from graphs.decode import DecodeGraphBuffers
@@ -60,27 +74,46 @@ class DashForwardMetadata:
     seq_lens: torch.Tensor
     cu_seqlens_q: Optional[torch.Tensor]  # None for captured decode (the decode op takes none)
     graph: bool = False  # built by init_forward_metadata_out_graph: views of the static graph buffers
+    positions: Optional[torch.Tensor] = None  # page mode: [T] int64, forward_batch.positions
+    roles: Optional[torch.Tensor] = None  # page mode, extend: [T] int64 from the placeholder token ids
 
 
-def summary_store(pool, block_size: int) -> list:
+def summary_store(pool, block_size: int, heads: Optional[int] = None) -> list:
     """The per-layer summary stores attached to SGLang's KV ``pool``, allocated on first use.
 
-    Returns ``pool.dash_summaries``: one ``[(pool.size + page_size) // block_size, Hkv, D]``
-    tensor per layer of the pool, in the pool's dtype, zeroed (index 0 = the padding page).
+    Returns ``pool.dash_summaries``: one ``[(pool.size + page_size) // block_size, heads, D]``
+    tensor per layer of the pool, in the pool's dtype, zeroed (index 0 = the padding page);
+    ``heads`` is ``Hkv`` by default, 1 for a model with an indexer (summaries of ``ik``).
     """
+    heads = pool.head_num if heads is None else heads
     store = getattr(pool, "dash_summaries", None)
     if store is not None:
-        if pool.dash_block_size != block_size:
-            raise ValueError(f"the KV pool already holds DASH summaries for block size {pool.dash_block_size}; "
-                             f"a second backend asked for block size {block_size}")
+        if pool.dash_block_size != block_size or store[0].shape[1] != heads:
+            raise ValueError(f"the KV pool already holds DASH summaries for block size {pool.dash_block_size} and "
+                             f"{store[0].shape[1]} head(s); a second backend asked for {block_size} and {heads}")
         return store
     num_slots = pool.size + pool.page_size
-    store = [alloc_summaries(num_slots, block_size, pool.head_num, pool.head_dim, pool.dtype, pool.device)
+    store = [alloc_summaries(num_slots, block_size, heads, pool.head_dim, pool.dtype, pool.device)
              for _ in range(pool.layer_num)]
     pool.dash_summaries, pool.dash_block_size = store, block_size
     nbytes = sum(s.numel() * s.element_size() for s in store)
     logger.info("DASH summary store: %d layers x %s %s, %.2f MB (block size %d)", pool.layer_num,
                 tuple(store[0].shape), pool.dtype, nbytes / 2**20, block_size)
+    return store
+
+
+def aux_store(pool) -> list:
+    """The per-layer auxiliary heads attached to SGLang's KV ``pool`` (``pool.dash_aux``), allocated on
+    first use: one ``[pool.size + page_size, 2D]`` buffer per layer in the pool's dtype, indexed by the
+    same slot as K and V (``dash_core.layout.alloc_aux_sglang``)."""
+    store = getattr(pool, "dash_aux", None)
+    if store is None:
+        num_slots = pool.size + pool.page_size
+        store = [alloc_aux_sglang(num_slots, pool.head_dim, pool.dtype, pool.device) for _ in range(pool.layer_num)]
+        pool.dash_aux = store
+        nbytes = sum(a.numel() * a.element_size() for a in store)
+        logger.info("DASH auxiliary head: %d layers x %s %s, %.2f MB", pool.layer_num, tuple(store[0].shape),
+                    pool.dtype, nbytes / 2**20)
     return store
 
 
@@ -128,8 +161,10 @@ class DashAttnBackend(AttentionBackend):
         self.params = dash_params(model_runner.model_config.hf_config)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(self._attn_tp_size())
         check_page_size(self.page_size, self.params.block_size, PAGE_SIZE_FLAG)
+        self.aux = AuxConfig.from_config(model_runner.model_config.hf_config)
         self._validate_runner(model_runner)
-        self.summaries = summary_store(self.token_to_kv_pool, self.params.block_size)
+        self.summaries = summary_store(self.token_to_kv_pool, self.params.block_size, self.aux.summary_heads)
+        self.aux_rows = aux_store(self.token_to_kv_pool) if self.aux.needs_aux else None
         self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
         self.max_pages = -(-self.max_context_len // self.page_size)
         self.forward_metadata: Optional[DashForwardMetadata] = None
@@ -173,11 +208,38 @@ class DashAttnBackend(AttentionBackend):
             raise _reject(f"the model {type(model).__name__}",
                           "it passes no head_cls to attention; serve a DASH checkpoint "
                           "(\"architectures\": [\"DashLlamaForCausalLM\"])")
+        self.page_rope = None
+        if self.aux.page_mode:
+            self.page_rope = getattr(model, "dash_page_rope", None)
+            if self.page_rope is None:
+                raise _reject(f"page mode with the model {type(model).__name__}",
+                              "it does not hand unrotated q/k and its page RoPE settings to DASH; serve "
+                              "DashLlamaForCausalLM")
+            self._check_page_mode_args(runner)
         tp = self._attn_tp_size()
         if self.params.router == "shared" and tp > 1:
             raise _reject(f"router 'shared' with attention tensor parallelism {tp}",
                           "its block selection averages routing probabilities over all query heads, which "
                           "would need an all-reduce across ranks every layer; use router 'kv_head'")
+
+    @staticmethod
+    def _check_page_mode_args(runner) -> None:
+        """Page mode prefills each prompt in one chunk and keeps decode tokens out of extend batches."""
+        args = getattr(runner, "server_args", None)
+        chunk = getattr(args, "chunked_prefill_size", None)
+        context = getattr(getattr(runner, "model_config", None), "context_len", None)
+        if chunk is not None and chunk > 0 and (context is None or chunk < context):
+            raise _reject(f"page mode (dash_page_mode) with --chunked-prefill-size {chunk}",
+                          f"a page-mode prompt must be prefilled in one chunk (the coordinates of its text "
+                          f"depend on the whole prompt); pass --chunked-prefill-size -1 (or at least the context "
+                          f"length {context})")
+        if getattr(args, "enable_mixed_chunk", False):
+            raise _reject("page mode with --enable-mixed-chunk",
+                          "decode tokens inside an extend batch would take roles from their ids")
+        if args is not None and not getattr(args, "disable_radix_cache", True):
+            logger.warning("DASH page mode with the radix cache: a prefix hit is exact only when the cached part "
+                           "has the coordinates the new prompt gives it (docs/sglang.md, 'Indexer and page mode'); "
+                           "pass --disable-radix-cache when prompts with different pages share leading tokens")
 
     @staticmethod
     def _attn_tp_size() -> int:
@@ -219,8 +281,14 @@ class DashAttnBackend(AttentionBackend):
         else:
             cu = torch.zeros(n + 1, dtype=torch.int32, device=seq_lens.device)
             cu[1:] = torch.cumsum(forward_batch.extend_seq_lens, 0)
+        positions = roles = None
+        if self.page_rope is not None:
+            positions = forward_batch.positions
+            if not mode.is_decode():
+                roles = self.aux.roles(forward_batch.input_ids)
         self.forward_metadata = DashForwardMetadata(
-            self._block_table(forward_batch.req_pool_indices, num_pages), seq_lens, cu)
+            self._block_table(forward_batch.req_pool_indices, num_pages), seq_lens, cu, positions=positions,
+            roles=roles)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Static decode buffers (``graphs.decode.DecodeGraphBuffers``): block table ``[max_bs, max_pages]``,
@@ -229,7 +297,8 @@ class DashAttnBackend(AttentionBackend):
         # SGLang owns q, k, v, the output and out_cache_loc; the Triton scratch is needed where decode runs it.
         self.graph_buffers = DecodeGraphBuffers.allocate(
             max_bs, self.max_pages, self.num_q_heads, pool.head_num, pool.head_dim, self.page_size, self.params,
-            pool.dtype, self.device, io=False, kernel=torch.device(self.device).type == "cuda")
+            pool.dtype, self.device, io=False, kernel=torch.device(self.device).type == "cuda",
+            positions=self.page_rope is not None)
         logger.info("DASH decode graph buffers: %.2f MB (%d bytes per batch slot)",
                     self.graph_buffers.nbytes() / 2**20, int(self.graph_buffers.bytes_per_slot()))
 
@@ -247,8 +316,11 @@ class DashAttnBackend(AttentionBackend):
             raise ValueError(f"graph batch size {bs} exceeds init_cuda_graph_state's max_bs "
                              f"{0 if bufs is None else bufs.max_batch}")
         rows = self.req_to_token_pool.req_to_token[forward_batch.req_pool_indices[:bs].long()]
-        bufs.fill_metadata(block_table_from_req_to_token(rows, self.page_size), forward_batch.seq_lens[:bs])
-        self.forward_metadata = DashForwardMetadata(bufs.block_table[:bs], bufs.seq_lens[:bs], None, graph=True)
+        page_mode = self.page_rope is not None
+        bufs.fill_metadata(block_table_from_req_to_token(rows, self.page_size), forward_batch.seq_lens[:bs],
+                           forward_batch.positions[:bs] if page_mode else None)
+        self.forward_metadata = DashForwardMetadata(bufs.block_table[:bs], bufs.seq_lens[:bs], None, graph=True,
+                                                    positions=bufs.positions[:bs] if page_mode else None)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded graph rows get one KV token (in the padding page), as SGLang's own backends."""
@@ -258,10 +330,28 @@ class DashAttnBackend(AttentionBackend):
 
     def _cache(self, layer) -> PagedKVCache:
         pool = self.token_to_kv_pool
+        i = layer.layer_id - pool.start_layer
         return PagedKVCache.from_sglang(pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                                        self.page_size, self.summaries[layer.layer_id - pool.start_layer])
+                                        self.page_size, self.summaries[i],
+                                        aux=None if self.aux_rows is None else self.aux_rows[i])
 
-    def _run(self, op, q, k, v, layer, forward_batch, save_kv_cache, head_cls):
+    def _aux_args(self, op, layer, md: DashForwardMetadata, iq, ik, head_cls_i, d: int) -> dict:
+        """The ops' indexer and page-mode keywords for this layer (empty for a plain model)."""
+        kw = {}
+        if self.aux.indexer_heads is not None:
+            if iq is None or head_cls_i is None:
+                raise ValueError(f"layer {layer.layer_id}: the model config has dash_indexer_heads = "
+                                 f"{self.aux.indexer_heads} but the model passed no iq/head_cls_i; serve "
+                                 f"DashLlamaForCausalLM")
+            kw.update(iq=iq.reshape(iq.shape[0], -1, d), ik=None if ik is None else ik.reshape(-1, d),
+                      head_cls_i=head_cls_i)
+        if self.page_rope is not None:
+            kw.update(page_rope=self.page_rope, positions=md.positions)
+            if op is paged_dash_prefill:
+                kw["roles"] = md.roles
+        return kw
+
+    def _run(self, op, q, k, v, layer, forward_batch, save_kv_cache, head_cls, iq=None, ik=None, head_cls_i=None):
         if head_cls is None:
             raise ValueError(f"attention backend 'dash' needs head_cls [Hkv, D] from the model (layer "
                              f"{layer.layer_id} passed none); serve a DASH model such as DashLlamaForCausalLM")
@@ -281,19 +371,28 @@ class DashAttnBackend(AttentionBackend):
             raise ValueError(f"layer {layer.layer_id}: save_kv_cache=True but k/v are None")
         else:
             v = slots = None
-        extra = {}
+        extra = self._aux_args(op, layer, md, iq, ik, head_cls_i, d)
+        if k is None:
+            extra.pop("ik", None)  # K/V (and ik) were written already
         if op is paged_dash_decode and md.graph:
             extra["buffers"] = self.graph_buffers.kernel  # the captured graph's Triton scratch (None on the CPU)
         out = op(q3, k, v, cache, md.block_table, *_op_lens(op, md), slots, head_cls, self.params, **extra)
         return out.view(-1, hq * d)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, head_cls=None, **kwargs):
-        """Prefill, chunked prefill and mixed batches: ``q [T, Hq * D]`` -> ``[T, Hq * D]``."""
-        return self._run(paged_dash_prefill, q, k, v, layer, forward_batch, save_kv_cache, head_cls)
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, head_cls=None, iq=None, ik=None,
+                       head_cls_i=None, **kwargs):
+        """Prefill, chunked prefill and mixed batches: ``q [T, Hq * D]`` -> ``[T, Hq * D]``.
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, head_cls=None, **kwargs):
-        """One token per request: ``q [n, Hq * D]`` -> ``[n, Hq * D]``."""
-        return self._run(paged_dash_decode, q, k, v, layer, forward_batch, save_kv_cache, head_cls)
+        An indexer model also passes ``iq [T, Hi * D]``, ``ik [T, D]`` and ``head_cls_i [D]``.
+        """
+        return self._run(paged_dash_prefill, q, k, v, layer, forward_batch, save_kv_cache, head_cls, iq, ik,
+                         head_cls_i)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, head_cls=None, iq=None, ik=None,
+                       head_cls_i=None, **kwargs):
+        """One token per request: ``q [n, Hq * D]`` -> ``[n, Hq * D]`` (indexer inputs as ``forward_extend``)."""
+        return self._run(paged_dash_decode, q, k, v, layer, forward_batch, save_kv_cache, head_cls, iq, ik,
+                         head_cls_i)
 
 
 def _op_lens(op, md: DashForwardMetadata) -> tuple:

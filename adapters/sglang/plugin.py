@@ -96,24 +96,32 @@ def uses_dash(server_args) -> bool:
 
 
 def add_summary_bytes(cell_size: int, kvc, num_layers: int) -> int:
-    """``cell_size`` (KV bytes per token over all layers) plus the DASH summary store's share.
+    """``cell_size`` (KV bytes per token over all layers) plus the DASH summary store's and the
+    auxiliary head's share.
 
     The store keeps one ``[Hkv, D]`` summary per block of ``block_size`` slots per layer, in the
-    KV dtype: ``Hkv * D * itemsize / block_size`` bytes per token and layer (``1 / (2 bs)`` of K+V).
+    KV dtype: ``Hkv * D * itemsize / block_size`` bytes per token and layer (``1 / (2 bs)`` of K+V);
+    with an indexer one ``[1, D]`` summary of ``ik``. A model with an indexer or page mode also keeps
+    the auxiliary head, ``2 D`` elements per token and layer (``1 / Hkv`` of K+V).
     """
     if num_layers == 0 or not uses_dash(kvc.server_args):
         return cell_size
     import torch
 
-    from dash_core.layout import summary_bytes_per_token
+    from adapters.sglang.aux import AuxConfig
+    from dash_core.layout import aux_bytes_per_token, summary_bytes_per_token
     from dash_core.params import DashParams
     from sglang.srt.runtime_context import get_parallel
 
     mc = kvc.model_config
     bs = DashParams.from_config(mc.hf_config).block_size
+    aux = AuxConfig.from_config(mc.hf_config)
     hkv = mc.get_num_kv_heads(get_parallel().attn_tp_size)
     dtype = kvc.kv_cache_dtype if isinstance(kvc.kv_cache_dtype, torch.dtype) else torch.float32
-    extra = summary_bytes_per_token(bs, hkv, mc.head_dim, dtype) * num_layers
+    heads = aux.summary_heads or hkv
+    extra = summary_bytes_per_token(bs, heads, mc.head_dim, dtype) * num_layers
+    if aux.needs_aux:
+        extra += aux_bytes_per_token(hkv, mc.head_dim, dtype) * num_layers
     return cell_size + math.ceil(extra)  # round up: never under-count
 
 

@@ -169,6 +169,35 @@ def prompt_logprobs(result: dict) -> list:
     return [x[0] for x in result["meta_info"]["input_token_logprobs"][1:]]
 
 
+def ref_prompt_logprobs(path: str, ids: list, dense: bool = False) -> list:
+    """The reference forward's log-probability of prompt token t given tokens < t, for t = 1 .. len - 1."""
+    from tests.tiny_dash_llama import reference_logprobs
+
+    lp = reference_logprobs(path, ids, dense=dense)
+    return [float(lp[t - 1, ids[t]]) for t in range(1, len(ids))]
+
+
+def max_diff(a: list, b: list) -> float:
+    """Largest absolute difference of two equally long lists of numbers."""
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@contextlib.contextmanager
+def environment(**values):
+    """Set environment variables for an engine start (SGLang's processes inherit them); restore them after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def output_logprobs(result: dict) -> list:
     return [x[0] for x in result["meta_info"]["output_token_logprobs"]]
 

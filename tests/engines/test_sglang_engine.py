@@ -29,13 +29,16 @@ pytest.importorskip("sglang")
 from tests.engines._sglang_support import (  # noqa: E402
     budget,
     engine,
+    environment,
     generate,
+    max_diff,
     output_logprobs,
     prompt,
     prompt_logprobs,
     write_tiny_checkpoint,
 )
-from tests.tiny_dash_llama import reference_generate, reference_logprobs  # noqa: E402
+from tests.engines._sglang_support import ref_prompt_logprobs as _ref_prompt_logprobs  # noqa: E402
+from tests.tiny_dash_llama import reference_generate  # noqa: E402
 
 _budget = budget("engine", 330)
 
@@ -48,16 +51,6 @@ LOGPROB_TOL = 2e-3
 ENGINE_TOL = 5e-4
 NEW_TOKENS = 4
 PROMPTS = [prompt(100, seed=1), prompt(37, seed=2), prompt(16, seed=3)]
-
-
-def _ref_prompt_logprobs(path, ids, dense=False):
-    lp = reference_logprobs(path, ids, dense=dense)
-    return [float(lp[t - 1, ids[t]]) for t in range(1, len(ids))]
-
-
-def _max_diff(a, b):
-    assert len(a) == len(b)
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -82,27 +75,19 @@ def test_dense_equivalent_matches_torch_native_and_reference(dense_ckpt):
             assert eng.get_server_info()["attention_backend"] == backend
     for ids, d, n in zip(PROMPTS, runs["dash"], runs["torch_native"]):
         assert d["output_ids"] == n["output_ids"]
-        assert _max_diff(prompt_logprobs(d), prompt_logprobs(n)) < ENGINE_TOL
-        assert _max_diff(output_logprobs(d), output_logprobs(n)) < ENGINE_TOL
-        assert _max_diff(prompt_logprobs(d), _ref_prompt_logprobs(dense_ckpt, ids, dense=True)) < LOGPROB_TOL
+        assert max_diff(prompt_logprobs(d), prompt_logprobs(n)) < ENGINE_TOL
+        assert max_diff(output_logprobs(d), output_logprobs(n)) < ENGINE_TOL
+        assert max_diff(prompt_logprobs(d), _ref_prompt_logprobs(dense_ckpt, ids, dense=True)) < LOGPROB_TOL
 
 
 @pytest.fixture(scope="module")
 def sparse_engine(sparse_ckpt, tmp_path_factory):
     """One sparse DASH engine for the tests below; its op calls are recorded (``DASH_RECORD_DIR``)."""
     record_dir = str(tmp_path_factory.mktemp("batches"))
-    old = {k: os.environ.get(k) for k in ("DASH_RECORD_DIR", "DASH_RECORD_MAX")}
-    os.environ.update(DASH_RECORD_DIR=record_dir, DASH_RECORD_MAX="400")  # read by the scheduler process
-    try:
+    with environment(DASH_RECORD_DIR=record_dir, DASH_RECORD_MAX="400"):  # read by the scheduler process
         with engine(sparse_ckpt, chunked_prefill_size=32, context_length=256) as eng:
             eng.record_dir = record_dir
             yield eng
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_sparse_matches_reference_forward(sparse_engine, sparse_ckpt):
@@ -110,11 +95,11 @@ def test_sparse_matches_reference_forward(sparse_engine, sparse_ckpt):
     dense_gap = 0.0
     for ids, r in zip(PROMPTS, results):
         ref = _ref_prompt_logprobs(sparse_ckpt, ids)
-        assert _max_diff(prompt_logprobs(r), ref) < LOGPROB_TOL
-        dense_gap = max(dense_gap, _max_diff(ref, _ref_prompt_logprobs(sparse_ckpt, ids, dense=True)))
+        assert max_diff(prompt_logprobs(r), ref) < LOGPROB_TOL
+        dense_gap = max(dense_gap, max_diff(ref, _ref_prompt_logprobs(sparse_ckpt, ids, dense=True)))
         new, lps = reference_generate(sparse_ckpt, ids, NEW_TOKENS)
         assert r["output_ids"] == new
-        assert _max_diff(output_logprobs(r), lps) < LOGPROB_TOL
+        assert max_diff(output_logprobs(r), lps) < LOGPROB_TOL
     assert dense_gap > 0.05  # the sparse configuration really routes (it differs from dense attention)
 
 
@@ -129,7 +114,7 @@ def test_prefix_cache_reuses_pages_and_summaries(sparse_engine, sparse_ckpt):
     (r,) = generate(sparse_engine, [shared], NEW_TOKENS, with_prompt_logprobs=False)
     assert r["meta_info"]["cached_tokens"] >= 64  # whole pages of the shared prefix came from the cache
     new, lps = reference_generate(sparse_ckpt, shared, NEW_TOKENS)
-    assert r["output_ids"] == new and _max_diff(output_logprobs(r), lps) < LOGPROB_TOL
+    assert r["output_ids"] == new and max_diff(output_logprobs(r), lps) < LOGPROB_TOL
 
 
 def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(sparse_engine, sparse_ckpt):

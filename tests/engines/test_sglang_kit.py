@@ -21,7 +21,7 @@ pytest.importorskip("sglang")
 
 from dash_core import DashParams, dash_reference  # noqa: E402
 from graphs.decode import DecodeGraphBuffers  # noqa: E402
-from tests.engines._sglang_support import KitTestCase, budget, dash_kit  # noqa: E402,F401
+from tests.engines._sglang_support import KitTestCase, budget, dash_kit, head_cls_for  # noqa: E402,F401
 
 _budget = budget("kit", 90)
 
@@ -300,3 +300,111 @@ def test_backend_reads_the_environment_once_at_start_up(dash_kit, monkeypatch):
     assert fx.backend.params.topk == SPARSE.topk  # the rest still comes from the model config
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "TRITON")  # later changes do not reach a running backend
     assert fx.backend.params.attention_backend == "FLASH_ATTN"
+
+
+# ---- indexer + page mode through the backend (SPEC.md section 9) --------------------------------
+
+PAGE_START, PAGE_TOKEN = 3, 4  # placeholder ids of the test config
+AUX_KEYS = dict(dash_indexer_heads=2, dash_page_mode=True, dash_page_start_token_id=PAGE_START,
+                dash_page_token_id=PAGE_TOKEN)
+
+
+def _page_ids(roles):
+    """Token ids whose placeholder ids give ``roles`` (text tokens get ids >= 5)."""
+    return torch.tensor([PAGE_START if r == 1 else PAGE_TOKEN if r == 2 else 5 + i for i, r in enumerate(roles)])
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_indexer_page_mode_prefill_and_decode_match_oracle(dash_kit, monkeypatch, graph):
+    """Two page-mode prompts (pages, text between, a question) prefilled through forward_extend with roles from
+    the placeholder ids, then 3 decode steps (eager, or through init_forward_metadata_out_graph with the batch
+    padded to 4 rows as SGLang pads, positions in the graph buffers): equal to the oracle on page-RoPE-rotated
+    inputs with the indexer routing."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from dash_core.rope import PageRopeSettings, RotarySettings, page_coordinates, page_rope
+
+    kit = dash_kit(SPARSE)
+    pr = PageRopeSettings(RotarySettings(theta=10000.0), RotarySettings(theta=10000.0), None)
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    kit_factory = ATTENTION_BACKENDS["dash"]
+
+    def factory(runner):  # the DASH model's side: aux keys and page RoPE settings
+        for key, value in AUX_KEYS.items():
+            setattr(runner.model_config.hf_config, key, value)
+        runner.model = types.SimpleNamespace(config=object(), dash_layers={0: None}, dash_page_rope=pr)
+        return kit_factory(runner)
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, "dash", factory)
+    roles = [[0] * 5 + [1] + [2] * 19 + [0] * 3 + [1] + [2] * 9 + [0] * 8,  # 46 tokens, 2 pages
+             [1] + [2] * 15 + [1] + [2] * 7 + [0] * 6]  # 30 tokens, adjacent pages
+    steps = 3
+    lens = [len(r) for r in roles]
+    max_ctx, d, hq, hkv, hi = 128, 32, 4, 2, 2
+    case = _case(kit, "dash_aux", "EXTEND", 16, (0, 0), tuple(lens))
+    fx = kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=max_ctx, head_dim=d, **F32)
+    be, layer = fx.backend, fx.actual_module.attn
+    assert be.aux_rows is not None and be.summaries[0].shape[1] == 1  # aux head on the pool, 1-head ik store
+    total = [n + steps for n in lens]
+    loc_fn = kit.make_loc_fn("shuffled_pages", batch_size=2, seq_lens=tuple(total), prefix_lens=(0, 0), page_size=16,
+                             max_context_len=max_ctx, seed=5)
+    g = torch.Generator().manual_seed(9)
+    x = {name: [torch.randn(n, h, d, generator=g) for n in total]
+         for name, h in (("q", hq), ("k", hkv), ("v", hkv), ("iq", hi), ("ik", 1))}
+    hc, hci = head_cls_for(hkv, d), torch.randn(d, generator=g)
+
+    def rows(name, lo, hi_):
+        return torch.cat([t[lo[i]:hi_[i]] for i, t in enumerate(x[name])]).flatten(1)
+
+    def call(op, batch, lo, hi_):
+        return op(rows("q", lo, hi_), rows("k", lo, hi_), rows("v", lo, hi_), layer, batch, head_cls=hc,
+                  iq=rows("iq", lo, hi_), ik=rows("ik", lo, hi_), head_cls_i=hci)
+
+    outs = []
+    with forward_context(ForwardContext(attn_backend=be)):
+        batch = kit._make_forward_batch(case, fx.runner, max_context_len=max_ctx, device="cpu", loc_fn=loc_fn)
+        batch.input_ids = torch.cat([_page_ids(r) for r in roles])
+        be.init_forward_metadata(batch)
+        outs.append(call(be.forward_extend, batch, [0, 0], lens))
+        if graph:
+            be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+            assert be.graph_buffers.positions is not None
+        for s in range(steps):
+            pos = [n + s for n in lens]
+            dcase = _case(kit, "step", "DECODE", 16, tuple(pos))
+            batch = kit._make_forward_batch(dcase, fx.runner, max_context_len=max_ctx, device="cpu", loc_fn=loc_fn)
+            if graph:  # SGLang's padded replay view: rows 2..3 are padding (pool row 0, length 1, slot 0)
+                z = torch.zeros(2, dtype=torch.int64)
+                batch = types.SimpleNamespace(
+                    batch_size=4, forward_mode=ForwardMode.DECODE, out_cache_loc=torch.cat([batch.out_cache_loc, z]),
+                    req_pool_indices=torch.cat([batch.req_pool_indices.long(), z]),
+                    seq_lens=torch.cat([batch.seq_lens.long(), z + 1]), positions=torch.cat([batch.positions, z]))
+                be.init_forward_metadata_out_graph(batch, in_capture=s == 0)
+                md = be.forward_metadata
+                assert md.positions.data_ptr() == be.graph_buffers.positions.data_ptr()
+                live = {n: rows(n, pos, [p + 1 for p in pos]) for n in x}
+                padded = {n: torch.cat([t, torch.zeros(2, t.shape[1])]) for n, t in live.items()}
+                out = be.forward_decode(padded["q"], padded["k"], padded["v"], layer, batch, head_cls=hc,
+                                        iq=padded["iq"], ik=padded["ik"], head_cls_i=hci)
+                assert torch.isfinite(out).all()  # padded rows: no NaN
+                out = out[:2]
+            else:
+                be.init_forward_metadata(batch)
+                out = call(be.forward_decode, batch, pos, [p + 1 for p in pos])
+            outs.append(out)
+
+    got = [[] for _ in roles]
+    for j, out in enumerate(outs):
+        parts = out.view(out.shape[0], hq, d).split(lens if j == 0 else [1, 1])
+        for i, part in enumerate(parts):
+            got[i].append(part)
+    for i, r in enumerate(roles):
+        tok, page = page_coordinates(torch.tensor(r), generated=steps)
+        q, k, iq = (page_rope(x[n][i], tok, page, pr, main=n != "iq") for n in ("q", "k", "iq"))
+        ik = page_rope(x["ik"][i], tok, page, pr, main=False)[:, 0]
+        heads = lambda t: t.permute(1, 0, 2)[None]
+        ref, _ = dash_reference(heads(q), heads(k), heads(x["v"][i]), hc, SPARSE, iq=heads(iq), ik=ik[None],
+                                head_cls_i=hci)
+        torch.testing.assert_close(torch.cat(got[i]), ref[0].permute(1, 0, 2), atol=ATOL, rtol=RTOL)

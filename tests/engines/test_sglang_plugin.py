@@ -74,9 +74,9 @@ def test_register_is_idempotent_and_registers_the_model():
     assert cls is DashLlamaForCausalLM and arch == "DashLlamaForCausalLM"
 
 
-def _kvc(backend: str, dtype=torch.bfloat16, chunk_size=16):
-    model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(chunk_size=chunk_size), head_dim=128,
-                                         get_num_kv_heads=lambda tp: 8 // tp)
+def _kvc(backend: str, dtype=torch.bfloat16, chunk_size=16, **config):
+    model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(chunk_size=chunk_size, **config),
+                                         head_dim=128, get_num_kv_heads=lambda tp: 8 // tp)
     return types.SimpleNamespace(server_args=types.SimpleNamespace(attention_backend=backend),
                                  model_config=model_config, kv_cache_dtype=dtype)
 
@@ -94,6 +94,24 @@ def test_summary_store_bytes_are_added_to_the_kv_cell_size():
         assert add_summary_bytes(kv_cell, _kvc("torch_native"), layers) == kv_cell
     with fake_tp(2, 0):  # KV heads (and summaries) are split across TP ranks
         assert add_summary_bytes(kv_cell // 2, _kvc("dash"), layers) - kv_cell // 2 == 64 * layers
+
+
+def test_aux_head_and_indexer_summaries_are_counted_in_the_kv_cell_size():
+    """SPEC.md section 9: an indexer model keeps one [1, D] summary of ik per block and the auxiliary head
+    (2 D elements per token and layer); page mode alone keeps the auxiliary head next to the [Hkv, D] store."""
+    from adapters.sglang.plugin import add_summary_bytes
+
+    layers = 32
+    kv_cell = 8 * (128 + 128) * layers * 2
+    aux_row = 2 * 128 * 2  # [2D] bf16 per token and layer: 1 / Hkv of K+V
+    page = dict(dash_page_mode=True, dash_page_start_token_id=5, dash_page_token_id=6)
+    with fake_tp(1, 0):
+        got = add_summary_bytes(kv_cell, _kvc("dash", dash_indexer_heads=4), layers)
+        assert got - kv_cell == (128 * 2 // 16 + aux_row) * layers  # 16 + 512 bytes per token and layer
+        got = add_summary_bytes(kv_cell, _kvc("dash", **page), layers)
+        assert got - kv_cell == (128 + aux_row) * layers
+        assert aux_row * layers == kv_cell // 8
+        assert add_summary_bytes(kv_cell, _kvc("torch_native", dash_indexer_heads=4), layers) == kv_cell
 
 
 def test_pool_sizing_hook_is_applied_when_the_models_load():

@@ -80,7 +80,7 @@ def test_checkpoint_without_the_dash_weight_fails_clearly(tmp_path):
     sd = load_file(f"{path}/model.safetensors")
     del sd["model.layers.1.self_attn.indexer_q"]
     save_file(sd, f"{path}/model.safetensors")
-    with pytest.raises(ValueError, match=r"no DASH weight .*model\.layers\.1\.self_attn\.indexer_q"):
+    with pytest.raises(ValueError, match=r"lacks 1 DASH weight.*model\.layers\.1\.self_attn\.indexer_q"):
         _model_for_rank(path, 1, 0)
 
 
@@ -110,3 +110,25 @@ def test_router_shared_is_refused_under_tensor_parallelism(dash_kit):
                                               device="cpu")
     # At TP 1 the same configuration is accepted.
     kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=48, dtype=torch.float32, device="cpu")
+
+
+def test_indexer_weights_are_replicated_on_every_rank(tmp_path):
+    """The indexer's one shared selection averages all Hi heads: every rank holds the whole indexer."""
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path / "ckpt")
+    cfg = write_tiny_checkpoint(path, indexer_heads=3, page_mode=True)
+    sd = load_file(f"{path}/model.safetensors")
+    for rank in range(2):
+        model = _model_for_rank(path, 2, rank)
+        assert model.dash_page_rope is not None and model.dash_page_rope.main.theta == cfg["rope_theta"]
+        for i in range(cfg["num_hidden_layers"]):
+            ind = model.model.layers[i].self_attn.dash_indexer
+            pre = f"model.layers.{i}.self_attn.dash_indexer."
+            assert torch.equal(ind.wq.weight.detach(), sd[pre + "wq.weight"])  # [3 * D, hidden], all heads
+            assert torch.equal(ind.wk.weight.detach(), sd[pre + "wk.weight"])
+            assert torch.equal(ind.head_cls.detach(), sd[pre + "head_cls"])
+    del sd["model.layers.1.self_attn.dash_indexer.wk.weight"]
+    save_file(sd, f"{path}/model.safetensors")
+    with pytest.raises(ValueError, match=r"lacks 1 DASH weight.*model\.layers\.1\.self_attn\.dash_indexer\.wk\.weight"):
+        _model_for_rank(path, 1, 0)

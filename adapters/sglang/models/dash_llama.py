@@ -11,26 +11,55 @@ where SGLang replicates KV heads), and passes it to the attention backend as a k
 ``self.attn(q, k, v, forward_batch, head_cls=self.head_cls)``. Under another attention backend
 (e.g. ``torch_native``, which takes no extra keywords) the weight is loaded but not passed, and
 attention is dense: the engine's own dense run of the same checkpoint.
+
+Indexer and page mode (SPEC.md section 9; config keys in ``adapters.sglang.aux``): with
+``dash_indexer_heads = Hi`` each layer also has ``self_attn.dash_indexer`` (``wq [Hi * D, hidden]``,
+``wk [D, hidden]``, ``head_cls [D]``, replicated on every tensor-parallel rank: its one shared
+selection needs all Hi heads), and passes ``iq = wq(x) [T, Hi * D]``, ``ik = wk(x) [T, D]`` and
+``head_cls_i`` of the layer's normed input ``x``. With ``dash_page_mode`` the layer hands q, k, iq, ik
+to the backend unrotated and the DASH op applies page RoPE (the model's ``dash_page_rope``);
+otherwise iq and ik are rotated like q and k (same theta and head size).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import nn
 
+from adapters.sglang.aux import AuxConfig, page_rope_settings
+from dash_core.params import DashParams
 from sglang.srt.distributed.utils import get_group_rank_size
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 CHECKPOINT_NAME = "self_attn.indexer_q"  # the published per-layer DASH weight
 PARAM_NAME = "self_attn.head_cls"
+INDEXER_PREFIX = "self_attn.dash_indexer."  # indexer weights: our checkpoint names, loaded as they are
+INDEXER_WEIGHTS = ("wq.weight", "wk.weight", "head_cls")
 
 
 def _backend_takes_head_cls() -> bool:
     """Whether the attention backend of the running forward is DASH's (it declares ``takes_head_cls``)."""
     return getattr(get_attn_backend(), "takes_head_cls", False)
+
+
+class DashIndexer(nn.Module):
+    """The indexer of one layer: ``wq [Hi * D, hidden]``, ``wk [D, hidden]`` (no bias), ``head_cls [D]``."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, dtype, device) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.wq = nn.Linear(hidden_size, num_heads * head_dim, bias=False, dtype=dtype, device=device)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype, device=device)
+        self.head_cls = nn.Parameter(torch.zeros(head_dim, dtype=dtype, device=device), requires_grad=False)
+        for p in (self.wq.weight, self.wk.weight):
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> ``iq [T, Hi * D]``, ``ik [T, D]`` (unrotated)."""
+        return self.wq(x), self.wk(x)
 
 
 class DashLlamaAttention(LlamaAttention):
@@ -41,15 +70,24 @@ class DashLlamaAttention(LlamaAttention):
     """
 
     head_cls: nn.Parameter
+    dash_indexer: Optional[DashIndexer]
+    dash_page_mode: bool
 
     @classmethod
-    def adopt(cls, attn: LlamaAttention) -> "DashLlamaAttention":
-        """Turn ``attn`` into a ``DashLlamaAttention`` in place with a ``head_cls [Hkv_local, D]`` parameter."""
+    def adopt(cls, attn: LlamaAttention, aux: Optional[AuxConfig] = None) -> "DashLlamaAttention":
+        """Turn ``attn`` into a ``DashLlamaAttention`` in place with a ``head_cls [Hkv_local, D]`` parameter
+        (and the indexer of ``aux.indexer_heads`` heads, and page mode, where ``aux`` says so)."""
+        aux = aux or AuxConfig()
         attn.__class__ = cls
         dtype = attn.qkv_proj.weight.dtype if attn.qkv_proj.weight.is_floating_point() else None
-        attn.head_cls = nn.Parameter(torch.zeros(attn.num_kv_heads, attn.head_dim, dtype=dtype,
-                                                 device=attn.qkv_proj.weight.device), requires_grad=False)
+        device = attn.qkv_proj.weight.device
+        attn.head_cls = nn.Parameter(torch.zeros(attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device),
+                                     requires_grad=False)
         attn.head_cls.weight_loader = attn.load_head_cls
+        attn.dash_indexer = None
+        if aux.indexer_heads is not None:
+            attn.dash_indexer = DashIndexer(attn.hidden_size, aux.indexer_heads, attn.head_dim, dtype, device)
+        attn.dash_page_mode = aux.page_mode
         return attn
 
     def head_cls_rows(self) -> Tuple[int, int]:
@@ -76,11 +114,23 @@ class DashLlamaAttention(LlamaAttention):
         param.data.copy_(rows.to(param.dtype))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
-        q, k, v = self.forward_prepare_native(positions=positions, hidden_states=hidden_states)
-        if _backend_takes_head_cls():
-            attn_output = self.attn(q, k, v, forward_batch, head_cls=self.head_cls)
-        else:
+        if not _backend_takes_head_cls():  # another backend: the plain Llama layer (dense attention)
+            q, k, v = self.forward_prepare_native(positions=positions, hidden_states=hidden_states)
             attn_output = self.attn(q, k, v, forward_batch)
+            output, _ = self.o_proj(attn_output)
+            return output
+        if self.dash_page_mode:  # unrotated: the DASH op applies page RoPE
+            qkv, _ = self.qkv_proj(hidden_states)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = self.forward_prepare_native(positions=positions, hidden_states=hidden_states)
+        extra = {}
+        if self.dash_indexer is not None:
+            iq, ik = self.dash_indexer(hidden_states)
+            if not self.dash_page_mode:
+                iq, ik = self.rotary_emb(positions, iq, ik)
+            extra = dict(iq=iq, ik=ik, head_cls_i=self.dash_indexer.head_cls)
+        attn_output = self.attn(q, k, v, forward_batch, head_cls=self.head_cls, **extra)
         output, _ = self.o_proj(attn_output)
         return output
 
@@ -90,11 +140,19 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, quant_config=None, prefix: str = "") -> None:
         super().__init__(config, quant_config=quant_config, prefix=prefix)
+        self.dash_aux = AuxConfig.from_config(config)
         self.dash_layers = {}
+        self.dash_page_rope = None  # PageRopeSettings of a page-mode model (read by the backend)
         for layer in self.model.layers:
             if isinstance(layer, LlamaDecoderLayer):
-                attn = DashLlamaAttention.adopt(layer.self_attn)
+                attn = DashLlamaAttention.adopt(layer.self_attn, self.dash_aux)
                 self.dash_layers[attn.attn.layer_id] = attn
+                if self.dash_aux.page_mode:
+                    rope = page_rope_settings(attn.rotary_emb, DashParams.from_config(config))
+                    if self.dash_page_rope not in (None, rope):
+                        raise ValueError(f"page mode needs one rotary setting for all layers; layer "
+                                         f"{attn.attn.layer_id} has {rope}, earlier layers {self.dash_page_rope}")
+                    self.dash_page_rope = rope
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
         """Llama's loader, with ``...self_attn.indexer_q`` loaded into ``...self_attn.head_cls``.
@@ -107,17 +165,21 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
             for name, tensor in weights:
                 if name.endswith(CHECKPOINT_NAME):
                     name = name[: -len(CHECKPOINT_NAME)] + PARAM_NAME
-                if name.endswith(PARAM_NAME):
+                if name.endswith(PARAM_NAME) or INDEXER_PREFIX in name:
                     seen.add(name)
                 yield name, tensor
 
         result = super().load_weights(renamed())
         missing = [f"model.layers.{i}.{CHECKPOINT_NAME}" for i in sorted(self.dash_layers)
                    if f"model.layers.{i}.{PARAM_NAME}" not in seen]
+        if self.dash_aux.indexer_heads is not None:
+            missing += [f"model.layers.{i}.{INDEXER_PREFIX}{w}" for i in sorted(self.dash_layers)
+                        for w in INDEXER_WEIGHTS if f"model.layers.{i}.{INDEXER_PREFIX}{w}" not in seen]
         if missing:
-            raise ValueError(f"the checkpoint has no DASH weight for {len(missing)} layer(s): {', '.join(missing[:4])}"
+            raise ValueError(f"the checkpoint lacks {len(missing)} DASH weight(s): {', '.join(missing[:4])}"
                              f"{' ...' if len(missing) > 4 else ''}; a DashLlamaForCausalLM checkpoint needs a flat "
-                             f"[num_key_value_heads * head_dim] tensor per layer under that name")
+                             f"[num_key_value_heads * head_dim] indexer_q per layer (and, with dash_indexer_heads, "
+                             f"dash_indexer.wq.weight [Hi * D, hidden], .wk.weight [D, hidden], .head_cls [D])")
         return result
 
 
