@@ -53,11 +53,12 @@ class DecodeGraphBuffers:
     def allocate(cls, max_batch: int, max_pages: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, params: DashParams, dtype: torch.dtype = torch.bfloat16,
                  device="cuda", *, io: bool = True, kernel: bool = True,
-                 positions: bool = False) -> "DecodeGraphBuffers":
+                 positions: bool = False, indexer_heads: Optional[int] = None) -> "DecodeGraphBuffers":
         """Allocate for batches up to ``max_batch`` and contexts up to ``max_pages * page_size`` tokens.
 
         io: allocate q/k/v/out and the slot mapping (False when the engine owns them); kernel:
-        allocate the Triton scratch; positions: allocate the page-mode positions.
+        allocate the Triton scratch; positions: allocate the page-mode positions; indexer_heads:
+        ``Hi`` for a model that routes with an indexer (its Triton scratch routes ``iq``, router shared).
         """
         dev = torch.device(device)
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=dev)
@@ -66,7 +67,7 @@ class DecodeGraphBuffers:
             from dash_core.kernels.launcher import DecodeBuffers
 
             scratch = DecodeBuffers.allocate(max_batch, num_q_heads, num_kv_heads, head_dim, page_size, max_pages,
-                                             params, dev)
+                                             params, dev, indexer_heads=indexer_heads)
         return cls(
             params=params,
             block_table=z(max_batch, max_pages, dt=torch.int32),

@@ -158,6 +158,37 @@ def test_indexer_launch_checks():
         launcher.paged_dash_decode_triton(q, None, None, cache, bt, sl, None, None, p, iq=iq, buffers=bufs)
 
 
+def test_graph_buffers_serve_an_indexer_decode():
+    """The engines' captured decode takes its Triton scratch from ``graphs.DecodeGraphBuffers``:
+    allocated with ``indexer_heads`` it fits an indexer step, which then equals the same step with
+    scratch sized for it by the launcher, bit for bit (same kernels, same inputs)."""
+    from graphs import DecodeGraphBuffers
+
+    dtype = torch.bfloat16
+    p = DashParams(block_size=BS, scaling_factor=3.0, topk=2)
+    lens = [70, 41]
+    data, hc, hci = make(dtype, 23, lens, 1)
+    slots_n = 8 * 4 * PS
+    cache = PagedKVCache.from_sglang(torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV),
+                                     torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV), PS,
+                                     alloc_summaries(slots_n, BS, 1, D, dtype, DEV),
+                                     aux=alloc_aux_sglang(slots_n, D, dtype, DEV))
+    bt = torch.tensor([[5, 2, 7, 9], [8, 1, 13, 20]], dtype=torch.int32, device=DEV)
+    pos = torch.cat([torch.arange(n + 1) for n in lens]).to(DEV)
+    req = torch.cat([torch.full((n + 1,), i) for i, n in enumerate(lens)]).to(DEV)
+    slots = bt[req, pos // PS].long() * PS + pos % PS
+    cu = torch.tensor([0, lens[0] + 1, lens[0] + lens[1] + 2], dtype=torch.int32, device=DEV)
+    sl = torch.tensor([n + 1 for n in lens], dtype=torch.int32, device=DEV)
+    q, k, v, iq, ik = (torch.cat([d[j] for d in data]) for j in range(5))
+    _, _, _, _, rows = paged.prepare_aux(cache, None, k, None, ik, None, pos, None, bt, cu)  # ik into the rows
+    launcher.write_new_triton(cache, k, v, slots, p, hc, hci, rows)
+    last = cu[1:].long() - 1
+    gb = DecodeGraphBuffers.allocate(4, bt.shape[1], HQ, HKV, D, PS, p, dtype, DEV, io=False, indexer_heads=HI)
+    outs = [launcher.paged_dash_decode_triton(q[last], None, None, cache, bt, sl, None, hc, p, iq=iq[last],
+                                              buffers=b) for b in (None, gb.kernel)]
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="CUDA-graph capture needs a CUDA device")
 def test_captured_decode_with_indexer_and_page_mode():
