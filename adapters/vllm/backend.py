@@ -12,6 +12,11 @@ slots ``b*bs .. b*bs+bs-1`` and the store is one strided view ``[num_blocks, Hkv
 ``slot // bs``, as ``dash_core.layout`` defines it. Cost: ``Hkv*D`` elements per ``bs*Hkv*2D`` of K/V,
 ``1 / (2 bs)`` of the KV memory, inside vLLM's own KV budget; summaries move, get shared and get
 freed with their page (prefix caching, preemption). See ``docs/vllm.md``.
+
+Auxiliary head (indexer and/or page mode, ``DashAuxAttentionBackend``): the layer has ``Hkv + 1`` KV
+heads, head slot ``Hkv`` holding ``dash_core.layout``'s auxiliary rows; ``AuxHead`` says how ``iq`` and
+``ik`` ride in the layer's head slots, ``StepRoles`` carries page-mode roles from the model, and
+``forward`` writes K/V and the rows itself (page RoPE needs positions and roles before the write).
 """
 
 from __future__ import annotations
@@ -162,8 +167,8 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
     CUDA graphs: FULL capture is declared for uniform single-token decode batches. The decode
     ``seq_lens`` and block table are copied in place into a ``graphs.DecodeGraphBuffers`` sized
     once from ``max_num_seqs`` and ``max_model_len / block_size`` (with the Triton scratch), so a
-    captured graph reads stable addresses; padded rows carry ``seq_len = 0`` and produce zeros. Mixed and prefill batches
-    run eagerly (vLLM's piecewise mode keeps attention outside the graphs).
+    captured graph reads stable addresses; padded rows carry ``seq_len = 0`` and produce zeros.
+    Mixed and prefill batches run eagerly (vLLM's piecewise mode keeps attention outside the graphs).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE

@@ -11,6 +11,12 @@ selector ignores ``CUSTOM`` and would pick ``CPU_ATTN``. With ``--attention-back
 ``CUSTOM`` the layers are DASH; naming another backend (e.g. ``FLASH_ATTN``, ``CPU_ATTN``) keeps
 that engine's dense attention, the dense baseline of the same weights (head_cls is then unused).
 
+Indexer and page mode (SPEC.md section 9; config keys ``dash_indexer_heads``, ``dash_page_mode``,
+``dash_page_start_token_id``, ``dash_page_token_id``): each layer gets a ``dash_indexer`` module
+(``wq``, ``wk``, ``head_cls``; replicated on every TP rank) and a DASH layer with ``Hkv + 1`` KV heads
+(``DashAuxAttentionBackend``), into whose head slots ``iq`` and ``ik`` are packed; in page mode
+q, k, iq, ik stay unrotated (the ops apply page RoPE) and ``forward`` maps the input ids to roles.
+
 Tensor parallelism: ``head_cls`` rows follow the KV heads of ``k_proj`` on every rank
 (partitioned when ``Hkv >= tp``, replicated like vLLM replicates KV heads otherwise), so
 per-KV-head routing needs no communication. Router ``shared`` averages the routing of all query
@@ -269,9 +275,9 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
                              f"checkpoint carries model.layers.N.self_attn.{DASH_WEIGHT} (flat [Hkv * D]) per layer")
         missing = [name for name, _ in self.named_parameters() if f".{INDEXER}." in name and name not in loaded]
         if missing:
-            raise ValueError(f"the checkpoint has no indexer weight {missing[0]} ({len(missing)} missing): a model with "
-                             f"{INDEXER_HEADS_KEY} carries model.layers.N.self_attn.{INDEXER}.wq.weight [Hi * D, hidden], "
-                             f".wk.weight [D, hidden] and .head_cls [D] per layer")
+            raise ValueError(f"the checkpoint has no indexer weight {missing[0]} ({len(missing)} missing): a model "
+                             f"with {INDEXER_HEADS_KEY} carries model.layers.N.self_attn.{INDEXER}.wq.weight "
+                             f"[Hi * D, hidden], .wk.weight [D, hidden] and .head_cls [D] per layer")
         return loaded
 
     def dash_stats(self) -> dict:

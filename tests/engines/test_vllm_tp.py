@@ -100,3 +100,35 @@ def test_checkpoint_without_dash_weight_is_refused(monkeypatch, tmp_path):
     save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"no DASH weight .*self_attn\.indexer_q"):
         _load_as_rank(monkeypatch, path, 1, 0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_indexer_weights_load_replicated_on_every_rank(monkeypatch, tmp_path, tp):
+    """An indexer checkpoint: every rank holds the whole indexer (wq, wk, head_cls) as stored, and its
+    DASH layer has this rank's KV heads plus the auxiliary one."""
+    from adapters.vllm.backend import DashAuxAttentionBackend
+
+    path = str(tmp_path)
+    write_checkpoint(path, num_key_value_heads=4, num_hidden_layers=1, indexer_heads=3)
+    _, sd = load(path)
+    pre = "model.layers.0.self_attn.dash_indexer."
+    for rank in range(tp):
+        model = _load_as_rank(monkeypatch, path, tp, rank)
+        attn = model.model.layers[0].self_attn
+        ind = attn.dash_indexer
+        for got, name in ((ind.wq.weight, "wq.weight"), (ind.wk.weight, "wk.weight"), (ind.head_cls, "head_cls")):
+            torch.testing.assert_close(got.data.float(), sd[pre + name].float(), atol=0, rtol=0)
+        assert attn.attn.attn_backend is DashAuxAttentionBackend and attn.attn.impl.head_cls_i is ind.head_cls
+        assert attn.attn.num_kv_heads == 4 // tp + 1 and attn.attn.impl.num_kv_heads == 4 // tp
+
+
+def test_checkpoint_without_the_indexer_weights_is_refused(monkeypatch, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = str(tmp_path)
+    write_checkpoint(path, num_hidden_layers=1, indexer_heads=2)
+    sd = load_file(f"{path}/model.safetensors")
+    del sd["model.layers.0.self_attn.dash_indexer.wk.weight"]
+    save_file(sd, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no indexer weight .*dash_indexer\.wk\.weight"):
+        _load_as_rank(monkeypatch, path, 1, 0)
