@@ -408,3 +408,33 @@ def test_indexer_page_mode_prefill_and_decode_match_oracle(dash_kit, monkeypatch
         ref, _ = dash_reference(heads(q), heads(k), heads(x["v"][i]), hc, SPARSE, iq=heads(iq), ik=ik[None],
                                 head_cls_i=hci)
         torch.testing.assert_close(torch.cat(got[i]), ref[0].permute(1, 0, 2), atol=ATOL, rtol=RTOL)
+
+
+def test_page_mode_start_up_checks_and_config_errors():
+    """Page mode refuses chunked prefill below the context length and mixed chunks (naming the flags);
+    the auxiliary-head config keys are validated with errors that name the key."""
+    from adapters.sglang.aux import AuxConfig
+    from adapters.sglang.backend import DashAttnBackend
+
+    def runner(**args):
+        base = dict(chunked_prefill_size=-1, enable_mixed_chunk=False, disable_radix_cache=True)
+        return types.SimpleNamespace(server_args=types.SimpleNamespace(**dict(base, **args)),
+                                     model_config=types.SimpleNamespace(context_len=4096))
+
+    DashAttnBackend._check_page_mode_args(runner())
+    DashAttnBackend._check_page_mode_args(runner(chunked_prefill_size=4096))  # covers any prompt
+    with pytest.raises(ValueError, match=r"--chunked-prefill-size 2048.*pass --chunked-prefill-size -1"):
+        DashAttnBackend._check_page_mode_args(runner(chunked_prefill_size=2048))
+    with pytest.raises(ValueError, match="--enable-mixed-chunk"):
+        DashAttnBackend._check_page_mode_args(runner(enable_mixed_chunk=True))
+
+    assert not AuxConfig.from_config({}).needs_aux
+    aux = AuxConfig.from_config(dict(AUX_KEYS, vocab_size=512))
+    assert aux.needs_aux and aux.summary_heads == 1
+    assert aux.roles(torch.tensor([7, PAGE_START, PAGE_TOKEN, PAGE_TOKEN, 9])).tolist() == [0, 1, 2, 2, 0]
+    with pytest.raises(ValueError, match="dash_indexer_heads = 0"):
+        AuxConfig.from_config(dict(dash_indexer_heads=0))
+    with pytest.raises(ValueError, match="dash_page_token_id = None"):
+        AuxConfig.from_config(dict(dash_page_mode=True, dash_page_start_token_id=3))
+    with pytest.raises(ValueError, match="dash_page_start_token_id = 600"):
+        AuxConfig.from_config(dict(AUX_KEYS, dash_page_start_token_id=600, vocab_size=512))
