@@ -352,10 +352,8 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
     return attend(q, cache, block_table, seq_lens, params, buffers, out)
 
 
-def cache_dash_prefill_triton(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, slot_mapping: torch.Tensor,
-                              params: DashParams, head_cls: Optional[torch.Tensor]) -> None:
-    """Write ``k, v [T, Hkv, D]`` at ``slot_mapping [T]`` and summarise the blocks completed (the
-    CUDA branch of ``ops.cache_dash_prefill``; arguments already validated there)."""
+def check_write_config(cache: PagedKVCache, params: DashParams) -> None:
+    """Raise ``ValueError`` unless the Triton K/V write (and summary) kernel supports ``cache``."""
     if cache.dtype not in KERNEL_DTYPES or cache.k_pages.stride(-1) != 1 or cache.v_pages.stride(-1) != 1:
         raise ValueError(f"the Triton K/V write needs a {KERNEL_DTYPES} cache contiguous in head_dim; "
                          f"got {cache.dtype}")
@@ -363,6 +361,13 @@ def cache_dash_prefill_triton(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCa
         if params.block_size not in BLOCK_SIZES or cache.summaries.stride(-1) != 1:
             raise ValueError(f"block_size = {params.block_size} is not supported by the Triton summary kernel; "
                              f"use one of {BLOCK_SIZES}")
+
+
+def cache_dash_prefill_triton(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, slot_mapping: torch.Tensor,
+                              params: DashParams, head_cls: Optional[torch.Tensor]) -> None:
+    """Write ``k, v [T, Hkv, D]`` at ``slot_mapping [T]`` and summarise the blocks completed (the
+    CUDA branch of ``ops.cache_dash_prefill``; arguments already validated there)."""
+    check_write_config(cache, params)
     k = k if k.stride(-1) == 1 else k.contiguous()  # the kernel reads whole [D] rows
     v = v if v.stride(-1) == 1 else v.contiguous()
     write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=False)
@@ -378,10 +383,12 @@ def write_new_triton(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, slot
     from ..paged import write_aux
 
     indexer = head_cls_i is not None
+    icache = cache.indexer_view() if indexer and cache.summaries is not None else None
+    if icache is not None:  # the summary launch of ik is checked before anything is written
+        check_write_config(icache, params)
     cache_dash_prefill_triton(k, v, PagedKVCache(cache.k_pages, cache.v_pages, None if indexer else cache.summaries),
                               slot_mapping, params, head_cls)
     if rows is not None:
         write_aux(cache, rows, slot_mapping)
-    if indexer and cache.summaries is not None:
-        write_kv_and_summaries(None, None, cache.indexer_view(), slot_mapping, head_cls_i[None], params.block_size,
-                               decode=False)
+    if icache is not None:
+        write_kv_and_summaries(None, None, icache, slot_mapping, head_cls_i[None], params.block_size, decode=False)

@@ -158,6 +158,26 @@ def test_indexer_launch_checks():
         launcher.paged_dash_decode_triton(q, None, None, cache, bt, sl, None, None, p, iq=iq, buffers=bufs)
 
 
+def test_indexer_write_checks_the_summary_launch_before_writing():
+    """``cache_dash_prefill`` with an indexer on CUDA (``launcher.write_new_triton``): a block size the
+    Triton summary kernel does not support is refused before K/V or rows are written (the K/V write
+    itself has no summaries to check, the ik summaries into the 1-head store do)."""
+    dtype = torch.bfloat16
+    p = DashParams(block_size=256)
+    assert p.block_size not in launcher.BLOCK_SIZES
+    slots_n = 512
+    cache = PagedKVCache.from_sglang(torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV),
+                                     torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV), 256,
+                                     alloc_summaries(slots_n, 256, 1, D, dtype, DEV),
+                                     aux=alloc_aux_sglang(slots_n, D, dtype, DEV))
+    k = torch.ones(256, HKV, D, dtype=dtype, device=DEV)
+    rows = torch.ones(256, 2 * D, dtype=dtype, device=DEV)
+    with pytest.raises(ValueError, match="block_size = 256"):
+        launcher.write_new_triton(cache, k, k, torch.arange(256, device=DEV), p, None,
+                                  torch.ones(D, dtype=dtype, device=DEV), rows)
+    assert not cache.k_pages.any() and not cache.aux.any() and not cache.summaries.any()
+
+
 def test_graph_buffers_serve_an_indexer_decode():
     """The engines' captured decode takes its Triton scratch from ``graphs.DecodeGraphBuffers``:
     allocated with ``indexer_heads`` it fits an indexer step, which then equals the same step with
