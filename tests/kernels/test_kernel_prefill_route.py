@@ -69,7 +69,7 @@ def test_recomputed_routing_wide_rows_and_caps():
 def test_prefill_op_with_recomputed_routing(router, monkeypatch):
     """The whole prefill (write, route, attend) with ``ROUTE_RECOMPUTE`` on: most rows within the
     attention tolerance of the oracle, as the stored-score path is held to."""
-    monkeypatch.setattr(pf, "ROUTE_RECOMPUTE", 1, raising=False)
+    monkeypatch.setattr(pf, "ROUTE_RECOMPUTE", 1)  # raises if the switch is renamed (else this tests nothing new)
     p = DashParams(block_size=16, topk=4, scaling_factor=2.0, router=router)
     case = make_prefill_case(5, [(150, 150), (90, 33), (17, 17)], hq=4, hkv=2, params=p).to(DEV)
     checked, bad = count_differing_rows(case, prefill(case))
