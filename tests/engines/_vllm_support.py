@@ -176,7 +176,8 @@ def release_attention(model) -> list:
 def generate_in_subprocess(engine_args: dict, prompts: list, max_tokens: int, out_json: str, env: dict,
                            timeout: float) -> dict:
     """Run ``LLM(**engine_args)`` greedily over ``prompts`` in a new Python process; returns
-    ``{"results": [[token ids, logprobs], ...], "stats": [per-worker dash_stats]}``."""
+    ``{"results": [[token ids, logprobs], ...], "stats": [per-worker dash_stats],
+    "attention_backends": [per-worker dash_attention_backends]}``."""
     import json
     import subprocess
 
@@ -199,7 +200,8 @@ def _main(argv: list) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tests.engines._vllm_support import dash_stats as stats  # by reference, not as __main__.dash_stats
+    from tests.engines._vllm_support import dash_attention_backends  # by reference, not as __main__.*
+    from tests.engines._vllm_support import dash_stats as stats
 
     spec = json.loads(argv[0])
     llm = LLM(**spec["engine"])
@@ -209,8 +211,9 @@ def _main(argv: list) -> None:
         c = out.outputs[0]
         results.append([list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]])
     per_worker = llm.apply_model(stats)
+    backends = llm.apply_model(dash_attention_backends)
     with open(spec["out"], "w") as f:
-        json.dump({"results": results, "stats": per_worker}, f)
+        json.dump({"results": results, "stats": per_worker, "attention_backends": backends}, f)
 
 
 if __name__ == "__main__":

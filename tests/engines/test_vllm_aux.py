@@ -150,12 +150,13 @@ def test_page_mode_refuses_chunked_prefill_and_prefix_caching(page_checkpoint, f
 
 def test_indexer_and_page_mode_under_real_tensor_parallel_2(page_checkpoint, tmp_path):
     """A multi-process TP 2 engine (engine core + one worker per rank): each rank keeps one KV head plus
-    its own auxiliary head and computes the replicated indexer; tokens equal the reference model's."""
+    its own auxiliary head and computes the replicated indexer; tokens equal the reference model's.
+    ``DASH_ATTENTION_BACKEND`` set for the engine reaches every layer of both worker processes."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("TP 2 on the CPU needs two cores (vLLM binds one per rank)")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND=f"{cpus[0]}|{cpus[1]}",
-               VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1", DASH_ATTENTION_BACKEND="FLASH_ATTN",
                PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
     engine = dict(model=page_checkpoint, load_format="safetensors", skip_tokenizer_init=True, dtype="float32",
                   max_model_len=512, max_num_seqs=2, max_num_batched_tokens=512, enforce_eager=True, seed=0,
@@ -165,4 +166,5 @@ def test_indexer_and_page_mode_under_real_tensor_parallel_2(page_checkpoint, tmp
     got = support.generate_in_subprocess(engine, [p for p, _ in prompts], new, str(tmp_path / "tp2.json"), env,
                                          timeout=400)
     assert len(got["stats"]) == 2 and all(s["forwards"] > 0 and s["decode_tokens"] > 0 for s in got["stats"])
+    assert got["attention_backends"] == [["FLASH_ATTN"] * 2] * 2  # 2 ranks x 2 layers (CPU: PyTorch path)
     _check_against_reference(page_checkpoint, [(p, new) for p, _ in prompts], [tuple(r) for r in got["results"]])
