@@ -29,7 +29,7 @@ from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_index
 from .prefill import PrefillPlan, PrefillScratch, ROUTE_WARPS, _route_constexprs, _tile_bounds
-from .routing import select_kept
+from .routing import halley_step, select_kept
 
 
 @triton.jit
@@ -113,16 +113,7 @@ def _prefill_route_recompute_kernel(
                     ssq += tl.sum(diff * diff, axis=1)
                     sdf += tl.sum(diff, axis=1)
                     cnt += tl.sum(above.to(tl.float32), axis=1)
-                f = ssq - 1.0
-                df = -2.0 * sdf
-                ddf = 2.0 * cnt
-                den = 2.0 * df * df - f * ddf
-                # a zero denominator makes the step NaN or infinite: it fails the bracket test below
-                new = tl.where(den != 0, tau - tl.div_rn(2.0 * f * df, tl.where(den != 0, den, 1.0)), float("nan"))
-                lo = tl.where(f > 0, tau, lo)
-                hi = tl.where(f < 0, tau, hi)
-                good = (new > lo - 1e-5) & (new < hi + 1e-5)  # NaN fails both
-                tau = tl.where(good, new, (lo + hi) * 0.5)
+                tau, lo, hi = halley_step(ssq, sdf, cnt, tau, lo, hi)
             # probabilities summed over the unit's rows of this head; mean over all its rows in mp
             for c0 in range(0, ncand, BLOCK_N):
                 c = c0 + offs_n

@@ -33,11 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import reference
 from .common import block_page, decode_bounds, summary_index
 from .kv_write import write_token
 
 PRIOR_EPS = 1e-20  # SPEC.md section 5
-HALLEY_SLACK = 1e-5  # SPEC.md section 4
+HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # SPEC.md section 4 (globals kernels read are constexprs)
 INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
 
 
@@ -48,6 +49,23 @@ def _halley_sums(x, tau):
     above = x > tau[:, :, None]
     diff = tl.where(above, x - tau[:, :, None], 0.0)
     return tl.sum(diff * diff, axis=2), tl.sum(diff, axis=2), tl.sum(above.to(tl.float32), axis=2)
+
+
+@triton.jit
+def halley_step(ssq, sdf, cnt, tau, lo, hi):
+    """One safeguarded Halley step of the 1.5-entmax threshold (SPEC.md section 4) from the sums over the
+    entries above ``tau``: of ``(x - tau)^2`` (``ssq``), of ``x - tau`` (``sdf``) and their count. Returns
+    ``(tau, lo, hi)``: the step when it stays inside the bracket ``[lo, hi]`` (with slack), else its middle."""
+    f = ssq - 1.0
+    df = -2.0 * sdf
+    ddf = 2.0 * cnt
+    den = 2.0 * df * df - f * ddf
+    # a zero denominator makes the step NaN or infinite: it fails the bracket test below
+    new = tl.where(den != 0, tau - tl.div_rn(2.0 * f * df, tl.where(den != 0, den, 1.0)), float("nan"))
+    lo = tl.where(f > 0, tau, lo)
+    hi = tl.where(f < 0, tau, hi)
+    good = (new > lo - HALLEY_SLACK) & (new < hi + HALLEY_SLACK)  # NaN fails both
+    return tl.where(good, new, (lo + hi) * 0.5), lo, hi
 
 
 @triton.jit
@@ -232,16 +250,7 @@ def route_tile(
                 ssq += t_ssq
                 sdf += t_sdf
                 cnt += t_cnt
-        f = ssq - 1.0
-        df = -2.0 * sdf
-        ddf = 2.0 * cnt
-        den = 2.0 * df * df - f * ddf
-        # a zero denominator makes the step NaN or infinite: it fails the bracket test below
-        new = tl.where(den != 0, tau - tl.div_rn(2.0 * f * df, tl.where(den != 0, den, 1.0)), float("nan"))
-        lo = tl.where(f > 0, tau, lo)
-        hi = tl.where(f < 0, tau, hi)
-        good = (new > lo - 1e-5) & (new < hi + 1e-5)  # NaN fails both
-        tau = tl.where(good, new, (lo + hi) * 0.5)
+        tau, lo, hi = halley_step(ssq, sdf, cnt, tau, lo, hi)
 
     # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
     nrows_f = nrows * 1.0  # (a runtime int, or a constexpr where Triton specialises it)
