@@ -7,11 +7,12 @@
 #   .whl/fa4/part1/*.part1         first half of the cutlass-dsl cu13 wheel (stage it: it does not fit with part2)
 #   .whl/fa4/part2/*               the rest of FlashAttention 4 and its dependencies, *.part2 and SHA256SUMS
 #
-# gpu_env REPORT installs whatever is carried or staged into /tmp/site (offline, no dependency resolution),
+# gpu_env REPORT installs whatever is carried or staged into $TMPDIR/site (offline, no dependency resolution),
 # sets the environment each library needs, points DASH_PUBLISHED_DIR at an ignored copy of the published
 # kernels when present, and writes versions, imports and nvidia-smi to "$out/REPORT".
-wheels=${DASH_WHEEL_STAGE:-/tmp/dash_wheels}
-site=/tmp/site
+tmp=${TMPDIR:-/tmp}  # caches and staged wheels of the GPU machine (lost when it is given back)
+wheels=${DASH_WHEEL_STAGE:-$tmp/dash_wheels}
+site=$tmp/site
 
 _pip_target() {
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$@" \
@@ -42,7 +43,7 @@ _install_flashinfer() {
   [ -n "$dir" ] || return 0
   _pip_target "$dir"/*.whl || { echo "flashinfer install failed (see wheel_install.log)"; return 0; }
   export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
-  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer_ws}
+  export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$tmp/flashinfer_ws}
   export MAX_JOBS=${MAX_JOBS:-$(nproc)}
   if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
     CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")"); export CUDA_HOME
@@ -53,8 +54,8 @@ _install_flashinfer() {
     local lib1
     lib1=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')
     if [ -n "$lib1" ]; then
-      mkdir -p /tmp/dash_cuda_link && ln -sf "$lib1" /tmp/dash_cuda_link/libcuda.so
-      export FLASHINFER_EXTRA_LDFLAGS="-L/tmp/dash_cuda_link${FLASHINFER_EXTRA_LDFLAGS:+ $FLASHINFER_EXTRA_LDFLAGS}"
+      mkdir -p "$tmp/dash_cuda_link" && ln -sf "$lib1" "$tmp/dash_cuda_link/libcuda.so"
+      export FLASHINFER_EXTRA_LDFLAGS="-L$tmp/dash_cuda_link${FLASHINFER_EXTRA_LDFLAGS:+ $FLASHINFER_EXTRA_LDFLAGS}"
     fi
   fi
 }
@@ -82,14 +83,14 @@ _install_fa4() {
   # directories, not on PYTHONPATH: add that directory explicitly.
   export PYTHONPATH="$site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
   export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-  export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/fa4_cache}
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$tmp/fa4_cache}
 }
 
 gpu_env() {
   local report=$1
   mkdir -p "$site"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-  export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi}
+  export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-$tmp/tvm-ffi}
   _install_flashinfer
   _install_fa4
   if [ -z "${DASH_PUBLISHED_DIR:-}" ] && [ -d third_party/dash-attention/dash_attn ]; then
