@@ -215,9 +215,11 @@ def _paged_dash_aux(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slo
     if k is not None:
         _check_tokens("k", k, q.shape[0], cache)
         _check_tokens("v", v, q.shape[0], cache)
-        if slot_mapping is None or tuple(slot_mapping.shape) != (q.shape[0],):
-            raise ValueError(f"slot_mapping must be [T] = [{q.shape[0]}] with k and v, got "
-                             f"{None if slot_mapping is None else tuple(slot_mapping.shape)}")
+        if (slot_mapping is None or tuple(slot_mapping.shape) != (q.shape[0],)
+                or slot_mapping.dtype not in (torch.int64, torch.int32) or slot_mapping.device != q.device):
+            raise ValueError(f"slot_mapping must be [T] = [{q.shape[0]}] int64 on {q.device} with k and v, got "
+                             f"{None if slot_mapping is None else (tuple(slot_mapping.shape), slot_mapping.dtype)}"
+                             f"{'' if slot_mapping is None else ' on ' + str(slot_mapping.device)}")
         if cache.summaries is not None and not indexer:
             _check_head_cls(head_cls, cache)
     out = _out(out, q)

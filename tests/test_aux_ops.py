@@ -246,6 +246,8 @@ def test_validation_before_any_write():
         c = kw.pop("cache", cache)
         with pytest.raises(ValueError, match=msg):
             paged_dash_prefill(q, k, v, c, bt, cu, sl, slots, None, p, **kw)
+    with pytest.raises(ValueError, match="slot_mapping must be"):  # a float slot mapping would index garbage
+        paged_dash_prefill(q, k, v, cache, bt, cu, sl, slots.float(), None, p, iq=iq, ik=ik, head_cls_i=hci)
     assert not cache.k_pages.any() and not cache.aux.any() and not cache.summaries.any()
     with pytest.raises(ValueError, match="block_table"):
         cache_dash_prefill(k, v, cache, slots, p, ik=ik, head_cls_i=hci, roles=roles, positions=pos, page_rope=PR)
