@@ -298,7 +298,7 @@ class DashAttnBackend(AttentionBackend):
         self.graph_buffers = DecodeGraphBuffers.allocate(
             max_bs, self.max_pages, self.num_q_heads, pool.head_num, pool.head_dim, self.page_size, self.params,
             pool.dtype, self.device, io=False, kernel=torch.device(self.device).type == "cuda",
-            positions=self.page_rope is not None)
+            positions=self.page_rope is not None, indexer_heads=self.aux.indexer_heads)
         logger.info("DASH decode graph buffers: %.2f MB (%d bytes per batch slot)",
                     self.graph_buffers.nbytes() / 2**20, int(self.graph_buffers.bytes_per_slot()))
 
