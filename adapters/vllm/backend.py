@@ -210,7 +210,8 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         self.graph_buffers = DecodeGraphBuffers.allocate(
             max_seqs, self.max_blocks, num_heads, num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.block_size,
             self.params, dtype, device, io=False, kernel=triton_decode,
-            positions=self.aux is not None and self.aux.page_rope is not None)
+            positions=self.aux is not None and self.aux.page_rope is not None,
+            indexer_heads=self.aux.indexer_heads or None if self.aux is not None else None)
 
     def build(self, common_prefix_len: int, common_attn_metadata: "CommonAttentionMetadata",
               fast_build: bool = False) -> DashAttentionMetadata:
