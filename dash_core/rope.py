@@ -208,7 +208,8 @@ def extend_coordinates(roles: torch.Tensor, cu_seqlens: torch.Tensor, has_prev: 
     has_prev: ``[n]`` bool, whether a request has history (its first new token is not position 0);
     prev_*: ``[n]`` int64, the state of the last history token (``decode_aux`` of its row; ignored
     where ``has_prev`` is False). A request's new tokens are treated as the end of its prompt:
-    pages counted from ``prev_num_pages``, text after the chunk's last page in the query page, text
+    pages counted on from the last history token's page (from ``prev_num_pages`` when that token is in
+    its prompt's query page), text after the chunk's last page in the query page, text
     before it continuing the previous token's run. Without history this is ``page_coordinates``;
     for one role-0 token with history it is ``decode_coordinates``.
 
@@ -230,7 +231,14 @@ def extend_coordinates(roles: torch.Tensor, cu_seqlens: torch.Tensor, has_prev: 
 
     has_prev = has_prev.to(torch.bool)
     start = r == ROLE_PAGE_START
-    p_prev = torch.where(has_prev, prev_num_pages.to(torch.long), torch.zeros_like(prev_num_pages, dtype=torch.long))
+    # pages before the new tokens: the last history token's page index, or the page count of the prompt
+    # that wrote it when that token is in its query page (a decode, or text after its last page); none
+    # when that prompt had no page. (Not prev_num_pages alone: a prefix cached by a prompt with more pages
+    # would shift this prompt's page indices.)
+    prev_page, prev_qp = prev_page.to(torch.long), prev_query_page.to(torch.long)
+    pp = torch.where(prev_page == prev_qp, prev_num_pages.to(torch.long), prev_page)
+    pp = torch.where(prev_qp == 0, torch.zeros_like(pp), pp)
+    p_prev = torch.where(has_prev, pp, torch.zeros_like(pp))
     pidx = p_prev[rid] + seg_cumsum(start)
     npages = p_prev + torch.zeros(n, dtype=torch.long, device=dev).index_add_(0, rid, start.to(torch.long))
     qpage = torch.where(npages > 0, npages + 1, torch.zeros_like(npages))
@@ -239,7 +247,7 @@ def extend_coordinates(roles: torch.Tensor, cu_seqlens: torch.Tensor, has_prev: 
     in_query = (r == ROLE_TEXT) & (lidx > last[rid]) & (npages[rid] > 0)
     page = torch.where(in_query, qpage[rid], pidx)
     first_in_query = (last < 0) & (npages > 0)
-    cont = has_prev & ~(first_in_query & (prev_page.to(torch.long) != prev_query_page.to(torch.long)))
+    cont = has_prev & ~(first_in_query & (prev_page != prev_qp))
     base = torch.where(cont, prev_tok.to(torch.long) + 1, torch.zeros_like(p_prev))
     run_start = (start | (in_query & (lidx == last[rid] + 1) & (last[rid] >= 0))
                  | ((lidx == 0) & ~cont[rid]))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dash_core import DashParams
-from dash_core.rope import (PageRopeSettings, RotarySettings, decode_coordinates, page_coordinates,
-                            page_rope, page_state)
+from dash_core.rope import (PageRopeSettings, RotarySettings, decode_coordinates, extend_coordinates,
+                            page_coordinates, page_rope, page_state)
 
 
 def direct_coordinates(roles, generated=0):
@@ -118,6 +118,23 @@ def test_decode_coordinates_batched():
     # (ordinary RoPE: tok = page = position)
     t, p = decode_coordinates(torch.tensor([4, 7, 9]), torch.tensor([3, 2, 9]), torch.tensor([3, 3, 0]))
     assert t.tolist() == [5, 0, 10] and p.tolist() == [3, 3, 10]
+
+
+def test_extend_on_a_prefix_written_by_a_prompt_with_more_pages():
+    """A prefix-cache hit: prompt B reuses the first tokens of prompt A (cut inside A's first or second
+    page); A has more pages than B. B's new tokens, continued from the state A stored at the cut, must get
+    B's own coordinates (pages counted from the cut token's page, not from A's page count)."""
+    a = [0, 0, 1, 2, 2, 2, 1, 2, 2, 1, 2, 0, 0]  # three pages, then the question
+    b = [0, 0, 1, 2, 2, 2, 1, 2, 0, 0, 0]  # the same first two pages (second one shorter), then its question
+    tok_a, page_a = page_coordinates(torch.tensor(a))
+    p_a, q_a = page_state(a)
+    tok_b, page_b = page_coordinates(torch.tensor(b))
+    for cut in (4, 7):  # inside page 1, inside page 2
+        t, p, npages, qpage, _ = extend_coordinates(
+            torch.tensor(b[cut:]), torch.tensor([0, len(b) - cut]), torch.tensor([True]),
+            tok_a[cut - 1: cut], page_a[cut - 1: cut], torch.tensor([p_a]), torch.tensor([q_a]))
+        assert t.tolist() == tok_b[cut:].tolist() and p.tolist() == page_b[cut:].tolist(), cut
+        assert (int(npages), int(qpage)) == page_state(b)
 
 
 def neox_rope(x, pos, theta, rotary_dim):

@@ -108,9 +108,6 @@ def test_page_mode_prefix_cache_hit_with_another_question(page_engine):
     assert r["output_ids"] == new and max_diff(output_logprobs(r), lps) < LOGPROB_TOL
 
 
-@pytest.mark.xfail(strict=True, reason="dash_core.rope.extend_coordinates counts a continuing request's pages from "
-                   "the stored page count of the prompt that wrote the history (prev_num_pages), not from the page "
-                   "index of its last token: a prefix cached by a prompt with more pages numbers the new pages wrong")
 def test_page_mode_prefix_hit_from_a_prompt_with_more_pages(page_engine):
     """A one-page prompt whose first page is cached from a three-page prompt (equal placeholder ids)."""
     generate(page_engine, [_page(20) + _page(20) + _page(20) + prompt(8, seed=33)], 1, with_prompt_logprobs=False)
