@@ -474,10 +474,15 @@ class PrefillPlan:
 
     @classmethod
     def build(cls, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-              seq_lens: torch.Tensor, params: DashParams, scratch_bytes: Optional[int] = None) -> "PrefillPlan":
+              seq_lens: torch.Tensor, params: DashParams, scratch_bytes: Optional[int] = None,
+              route_heads: Optional[int] = None) -> "PrefillPlan":
+        """route_heads: the indexer's ``Hi`` when it routes (one group of Hi score rows per token): the
+        tile then also keeps ``QT * pow2(Hi)`` within ``ATTN_ROWS`` (registers, shared memory)."""
         t, hq, _ = q.shape
         hkv = cache.num_kv_heads
         qt = tile_tokens(hq, hkv, params.block_size)
+        if route_heads is not None:
+            qt = min(qt, tile_tokens(route_heads, 1, params.block_size))
         max_cand = max(1, block_table.shape[1] * cache.page_size // params.block_size)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
         per_tile = PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, params)
@@ -613,7 +618,8 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
         return out
     if n == 0:
         return out.zero_()
-    plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes)
+    plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes,
+                             route_heads=None if iq is None else iq.shape[1])
     rq, rcache, hs = q, cache, hq  # what routes: the queries over the summaries, or the indexer's
     if iq is not None:
         rq, rcache, hs = iq, cache.indexer_view(), max(hq, iq.shape[1])

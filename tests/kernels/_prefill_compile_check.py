@@ -18,7 +18,7 @@ import torch
 from dash_core import DashParams
 from dash_core.kernels import prefill as pf
 from dash_core.kernels import prefill_route as pr
-from dash_core.layout import PagedKVCache, alloc_summaries
+from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
 PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf,
@@ -33,6 +33,13 @@ CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
     (torch.bfloat16, 32, 2, 256, 128, 256, 40, dict(local=256)),  # D 256: 8 warps
     (torch.bfloat16, 24, 24, 64, 32, 32, 100, dict(topk=1, estimate_diagonal=True)),  # G = 1, 32 tokens a tile
 ]
+# Indexer models (SPEC.md section 9): routing runs on iq [T, Hi, D] over the 1-head ik store, router shared,
+# with the attention heads' tile of QT tokens: QT * pow2(Hi) score rows per program.
+INDEXER_CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs, Hi)
+    (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64), 4),
+    (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64), 16),
+    (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64), 64),
+]
 
 
 def record_launches() -> dict:
@@ -42,18 +49,24 @@ def record_launches() -> dict:
         setattr(mod, name, kc._Recorder(name, saved[name], calls))
     recompute = pf.ROUTE_RECOMPUTE
     try:
-        for (dtype, hq, hkv, d, bs, ps, max_pages, pk), pf.ROUTE_RECOMPUTE in [(c, r) for c in CONFIGS for r in (0, 1)]:
+        configs = [c + (None,) for c in CONFIGS] + INDEXER_CONFIGS
+        for (dtype, hq, hkv, d, bs, ps, max_pages, pk, hi), pf.ROUTE_RECOMPUTE in [(c, r) for c in configs
+                                                                                  for r in (0, 1)]:
             p = DashParams(block_size=bs, **pk)
             num_pages = 4
             kb = torch.zeros(num_pages * ps, hkv, d, dtype=dtype)
-            cache = PagedKVCache.from_sglang(kb, kb.clone(), ps, alloc_summaries(num_pages * ps, bs, hkv, d, dtype))
+            summ = alloc_summaries(num_pages * ps, bs, 1 if hi else hkv, d, dtype)
+            aux = alloc_aux_sglang(num_pages * ps, d, dtype) if hi else None
+            cache = PagedKVCache.from_sglang(kb, kb.clone(), ps, summ, aux=aux)
             for t, n in ((40, 2),):
                 q = torch.zeros(t, hq, d, dtype=dtype)
                 bt = torch.zeros(n, max_pages, dtype=torch.int32)
                 cu = torch.linspace(0, t, n + 1).to(torch.int32)
                 seq = torch.full((n,), t, dtype=torch.int32)
-                hc = torch.zeros(hkv, d, dtype=dtype)
-                pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, scratch_bytes=1 << 24)
+                hc = None if hi else torch.zeros(hkv, d, dtype=dtype)
+                iq = torch.zeros(t, hi, d, dtype=dtype) if hi else None
+                pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, scratch_bytes=1 << 24,
+                                             iq=iq)
     finally:
         pf.ROUTE_RECOMPUTE = recompute
         for name, mod in PREFILL_KERNELS.items():

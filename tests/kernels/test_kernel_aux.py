@@ -51,24 +51,25 @@ def step(op, cache, q, k, v, iq, ik, hc, hci, bt, cu, sl, slots, params, roles=N
     return pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, sl, None, hc, params, iq=iq)
 
 
-def make(dtype, seed, lens, gen):
+def make(dtype, seed, lens, gen, hi=HI):
     g = torch.Generator().manual_seed(seed)
 
     def r(*s, sc=1.0):
         return (torch.randn(*s, generator=g) * sc).to(dtype).to(DEV)
 
-    data = [(r(n + gen, HQ, D), r(n + gen, HKV, D), r(n + gen, HKV, D), r(n + gen, HI, D, sc=2.0),
+    data = [(r(n + gen, HQ, D), r(n + gen, HKV, D), r(n + gen, HKV, D), r(n + gen, hi, D, sc=2.0),
              r(n + gen, D, sc=2.0)) for n in lens]
     return data, r(HKV, D), r(D)
 
 
-@pytest.mark.parametrize("page_mode,indexer", [(False, True), (True, True), (True, False)])
-def test_aux_prefill_then_decode(page_mode, indexer):
+@pytest.mark.parametrize("page_mode,indexer,hi", [(False, True, HI), (True, True, HI), (True, False, HI),
+                                                  (False, True, 16)])  # 16 heads: a smaller prefill tile
+def test_aux_prefill_then_decode(page_mode, indexer, hi):
     dtype = torch.bfloat16
     p = DashParams(block_size=BS, scaling_factor=3.0, topk=2)
     roles = [ROLES, PLAIN]
     lens, gen = [len(x) for x in roles], 2
-    data, hc, hci = make(dtype, 3 + page_mode + 2 * indexer, lens, gen)
+    data, hc, hci = make(dtype, 3 + page_mode + 2 * indexer, lens, gen, hi)
     slots_n = 8 * 4 * PS
     summ = alloc_summaries(slots_n, BS, 1 if indexer else HKV, D, dtype, DEV)
     cache = PagedKVCache.from_sglang(torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV),
