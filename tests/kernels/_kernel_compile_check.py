@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from dash_core import DashParams  # noqa: E402
 from dash_core.kernels import decode_attention, kv_write, launcher, routing  # noqa: E402
-from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
@@ -97,6 +97,19 @@ def record_launches() -> dict:
                 bufs = launcher.DecodeBuffers.for_step(q, cache, bt, p, num_sms=132)
                 launcher.paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
             launcher.cache_dash_prefill_triton(k, k, cache, slots, p, hc)
+        for hi in (4, 16, 64):  # indexer models: iq [n, Hi, D] routes over the 1-head ik store (router shared)
+            p = DashParams(block_size=64, topk=64)
+            num_pages, ps, d = 4, 64, 128
+            kb = torch.zeros(num_pages * ps, 8, d, dtype=torch.bfloat16)
+            cache = PagedKVCache.from_sglang(kb, kb.clone(), ps, alloc_summaries(num_pages * ps, 64, 1, d, kb.dtype),
+                                             aux=alloc_aux_sglang(num_pages * ps, d, kb.dtype))
+            for n in (1, 8):
+                q = torch.zeros(n, 32, d, dtype=kb.dtype)
+                iq = torch.zeros(n, hi, d, dtype=kb.dtype)
+                bt = torch.zeros(n, 2048, dtype=torch.int32)
+                seq = torch.ones(n, dtype=torch.int32)
+                bufs = launcher.DecodeBuffers.for_step(q, cache, bt, p, num_sms=132, indexer_heads=hi)
+                launcher.paged_dash_decode_triton(q, None, None, cache, bt, seq, None, None, p, buffers=bufs, iq=iq)
     finally:
         for name, mod in KERNELS.items():
             setattr(mod, name, saved[name])
