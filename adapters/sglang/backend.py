@@ -24,7 +24,7 @@ the longest context; ``init_forward_metadata_out_graph`` refills them in place b
 before every replay, so captured kernels always read the same addresses. Padded rows arrive with
 ``req_pool_indices = 0`` and ``seq_lens = 1``: one token in the padding page.
 
-Indexer and page mode (SPEC.md section 9, ``adapters.sglang.aux``): the auxiliary head, one
+Indexer and page mode (SPEC.md section 9, ``dash_core.model_config.AuxConfig``): the auxiliary head, one
 ``[slots, 2D]`` buffer per layer, hangs on the pool as ``pool.dash_aux`` next to the summary store
 (one head for an indexer model: summaries of ``ik``). The model passes ``iq``, ``ik`` and
 ``head_cls_i`` as keywords; in page mode the backend adds ``roles`` (from the placeholder token ids
@@ -34,19 +34,17 @@ graph buffer in captured decode) and the model's ``PageRopeSettings``.
 Attention-stage backend (``DashParams.attention_backend``: ``TRITON``, ``FLASHINFER``,
 ``FLASH_ATTN``): the model config's ``dash_attention_backend`` (``--json-model-override-args``), or
 the environment variable ``DASH_ATTENTION_BACKEND``, which wins when set; read once when the
-backend is built (``dash_params``).
+backend is built (``dash_core.model_config.serving_params``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from adapters.sglang.aux import AuxConfig
 from dash_core.layout import (
     PagedKVCache,
     alloc_aux_sglang,
@@ -55,7 +53,7 @@ from dash_core.layout import (
     check_page_size,
 )
 from dash_core.ops import SUPPORTED_DTYPES, paged_dash_decode, paged_dash_prefill
-from dash_core.params import ATTENTION_BACKENDS, DashParams
+from dash_core.model_config import AuxConfig, serving_params
 from graphs.decode import DecodeGraphBuffers
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.runtime_context import get_parallel
@@ -63,7 +61,6 @@ from sglang.srt.runtime_context import get_parallel
 logger = logging.getLogger(__name__)
 
 PAGE_SIZE_FLAG = "--page-size"
-ATTENTION_BACKEND_ENV = "DASH_ATTENTION_BACKEND"
 
 
 @dataclass
@@ -117,27 +114,6 @@ def aux_store(pool) -> list:
     return store
 
 
-def dash_params(hf_config, environ=os.environ) -> DashParams:
-    """The ``DashParams`` of a model config, with ``DASH_ATTENTION_BACKEND`` (if set) as the attention backend.
-
-    The environment variable takes the names of ``DashParams.attention_backend`` in any case and
-    overrides the config key ``dash_attention_backend``; the segment backends (``FLASHINFER``,
-    ``FLASH_ATTN``) need ``dash_topk``. Raises ``ValueError`` naming the variable or key otherwise.
-    """
-    overrides = {}
-    env = environ.get(ATTENTION_BACKEND_ENV, "").strip()
-    if env:
-        if env.upper() not in ATTENTION_BACKENDS:
-            raise ValueError(f"{ATTENTION_BACKEND_ENV}={env!r} is not allowed: expected one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
-        overrides["attention_backend"] = env.upper()
-    params = DashParams.from_config(hf_config, **overrides)
-    from dash_core.segments import check_decode_backend
-
-    check_decode_backend(params.attention_backend, params)  # e.g. a segment backend without topk: fail at start-up
-    return params
-
-
 def _reject(what: str, why: str) -> ValueError:
     return ValueError(f"attention backend 'dash' does not support {what}: {why}")
 
@@ -158,7 +134,7 @@ class DashAttnBackend(AttentionBackend):
         self.page_size = model_runner.page_size or 1
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.params = dash_params(model_runner.model_config.hf_config)
+        self.params = serving_params(model_runner.model_config.hf_config)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(self._attn_tp_size())
         check_page_size(self.page_size, self.params.block_size, PAGE_SIZE_FLAG)
         self.aux = AuxConfig.from_config(model_runner.model_config.hf_config)

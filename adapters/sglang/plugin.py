@@ -108,8 +108,8 @@ def add_summary_bytes(cell_size: int, kvc, num_layers: int) -> int:
         return cell_size
     import torch
 
-    from adapters.sglang.aux import AuxConfig
     from dash_core.layout import aux_bytes_per_token, summary_bytes_per_token
+    from dash_core.model_config import AuxConfig
     from dash_core.params import DashParams
     from sglang.srt.runtime_context import get_parallel
 

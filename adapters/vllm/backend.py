@@ -22,7 +22,6 @@ heads, head slot ``Hkv`` holding ``dash_core.layout``'s auxiliary rows; ``AuxHea
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional
 
@@ -30,9 +29,9 @@ import torch
 
 from dash_core.layout import PagedKVCache
 from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill
-from dash_core.params import ATTENTION_BACKENDS, DashParams
+from dash_core.model_config import AuxConfig, serving_params
+from dash_core.params import DashParams
 from dash_core.rope import PageRopeSettings
-from dash_core.segments import check_decode_backend
 from graphs.decode import DecodeGraphBuffers
 
 try:
@@ -50,36 +49,6 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "CUSTOM"  # vLLM's placeholder member for out-of-tree backends (docs/vllm.md)
 MIN_DASH_BLOCK = 16  # smallest DASH block size (SPEC.md section 1): every kernel block is a multiple
-BACKEND_ENV = "DASH_ATTENTION_BACKEND"  # serving-time choice of the decode attention stage (docs/vllm.md)
-# Config keys of the auxiliary head (SPEC.md section 9); dash_page_rope_tok_pairs is a DashParams key.
-INDEXER_HEADS_KEY, PAGE_MODE_KEY = "dash_indexer_heads", "dash_page_mode"
-PAGE_START_KEY, PAGE_TOKEN_KEY = "dash_page_start_token_id", "dash_page_token_id"
-
-
-def uses_aux_head(hf_config) -> bool:
-    """Whether a model config asks for the auxiliary head (an indexer or page mode)."""
-    return bool(getattr(hf_config, INDEXER_HEADS_KEY, None)) or bool(getattr(hf_config, PAGE_MODE_KEY, False))
-
-
-def serving_params(hf_config) -> DashParams:
-    """The ``DashParams`` a served model runs with, read when the engine builds it.
-
-    The model config's DASH keys (``--hf-overrides '{"dash_attention_backend": "FLASHINFER"}'`` sets
-    the attention stage like any other ``dash_*`` key), then the environment variable
-    ``DASH_ATTENTION_BACKEND`` (``TRITON``, ``FLASHINFER`` or ``FLASH_ATTN``), which wins when set.
-    A segment backend without ``dash_topk`` fails here, at start-up, not at the first decode step.
-    """
-    overrides = {}
-    env = os.environ.get(BACKEND_ENV, "").strip()
-    if env:
-        if env.upper() not in ATTENTION_BACKENDS:
-            raise ValueError(f"environment variable {BACKEND_ENV} = {env!r} is not allowed: expected one of "
-                             f"{ATTENTION_BACKENDS} (the DASH decode attention stage), or unset for the "
-                             f"model config's dash_attention_backend (default TRITON)")
-        overrides["attention_backend"] = env.upper()
-    params = DashParams.from_config(hf_config, **overrides)
-    check_decode_backend(params.attention_backend, params)
-    return params
 
 
 def _model_params(vllm_config: Optional["VllmConfig"]) -> Optional[DashParams]:
@@ -178,7 +147,7 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         """Uniform decode graphs where decode runs the Triton kernels (CUDA, bf16/fp16); the
         PyTorch path (fp32, CPU) reads lengths on the host and cannot be captured. Models with the
         auxiliary head run dash_core's PyTorch path for now (no Triton kernels for it yet): never."""
-        if uses_aux_head(vllm_config.model_config.hf_config):
+        if AuxConfig.from_config(vllm_config.model_config.hf_config).needs_aux:
             return AttentionCGSupport.NEVER
         if vllm_config.model_config.dtype in (torch.float16, torch.bfloat16):
             return cls._cudagraph_support

@@ -12,7 +12,7 @@ selector ignores ``CUSTOM`` and would pick ``CPU_ATTN``. With ``--attention-back
 that engine's dense attention, the dense baseline of the same weights (head_cls is then unused).
 
 Indexer and page mode (SPEC.md section 9; config keys ``dash_indexer_heads``, ``dash_page_mode``,
-``dash_page_start_token_id``, ``dash_page_token_id``): each layer gets a ``dash_indexer`` module
+``dash_page_start_token_id``, ``dash_page_token_id``, read by ``dash_core.model_config.AuxConfig``): each layer gets a ``dash_indexer`` module
 (``wq``, ``wk``, ``head_cls``; replicated on every TP rank) and a DASH layer with ``Hkv + 1`` KV heads
 (``DashAuxAttentionBackend``), into whose head slots ``iq`` and ``ik`` are packed; in page mode
 q, k, iq, ik stay unrotated (the ops apply page RoPE) and ``forward`` maps the input ids to roles.
@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 
+from dash_core.model_config import AuxConfig, serving_params
 from dash_core.rope import PageRopeSettings, RotarySettings
 
-from .backend import (INDEXER_HEADS_KEY, PAGE_MODE_KEY, PAGE_START_KEY, PAGE_TOKEN_KEY, AuxHead, DashAttentionBackend,
-                      DashAttentionImpl, DashAuxAttentionBackend, StepRoles, block_size_error, serving_params)
+from .backend import (AuxHead, DashAttentionBackend, DashAttentionImpl, DashAuxAttentionBackend, StepRoles,
+                      block_size_error)
 
 try:
     from vllm.config import VllmConfig, get_current_vllm_config
@@ -56,22 +57,6 @@ logger = logging.getLogger(__name__)
 
 DASH_WEIGHT = "indexer_q"  # published per-layer name of head_cls, flat [Hkv * D]
 INDEXER = "dash_indexer"  # per-layer module of an indexer model: wq [Hi * D, hidden], wk [D, hidden], head_cls [D]
-
-
-def page_token_ids(config) -> Optional[tuple[int, int]]:
-    """``(page-start id, page-token id)`` of a page-mode model config, None without page mode."""
-    if not getattr(config, PAGE_MODE_KEY, False):
-        return None
-    ids = (getattr(config, PAGE_START_KEY, None), getattr(config, PAGE_TOKEN_KEY, None))
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or ids[0] == ids[1]:
-        raise ValueError(f"{PAGE_MODE_KEY} needs two different integer token ids {PAGE_START_KEY} and "
-                         f"{PAGE_TOKEN_KEY}; got {ids}")
-    return ids
-
-
-def page_roles(input_ids: torch.Tensor, start_id: int, page_id: int) -> torch.Tensor:
-    """Roles ``[T]`` int64 of the step's tokens: 1 at ``start_id``, 2 at ``page_id``, else 0 (text)."""
-    return torch.where(input_ids == start_id, 1, torch.where(input_ids == page_id, 2, 0)).to(torch.int64)
 
 
 def check_page_mode_scheduling(vllm_config: "VllmConfig") -> None:
@@ -178,21 +163,19 @@ class DashLlamaAttention(LlamaAttention):
                               **common)
 
     def _aux_head(self, config) -> Optional[AuxHead]:
-        """The layer's ``AuxHead`` from the config keys (None for a plain DASH model)."""
-        hi = getattr(config, INDEXER_HEADS_KEY, None) or 0
-        if not isinstance(hi, int) or isinstance(hi, bool) or hi < 0:
-            raise ValueError(f"{INDEXER_HEADS_KEY} = {hi!r} is not allowed: expected None or an integer >= 1")
+        """The layer's ``AuxHead`` from the config keys (``AuxConfig``; None for a plain DASH model)."""
+        aux = AuxConfig.from_config(config)
+        if not aux.needs_aux:
+            return None
         page_rope = None
-        if page_token_ids(config) is not None:
+        if aux.page_mode:
             rope = self.rotary_emb
             if type(rope) is not RotaryEmbedding or not rope.is_neox_style:
                 raise ValueError(f"DASH page mode supports plain neox RoPE (rope_type 'default'); this model's "
                                  f"rotary embedding is {type(rope).__name__}")
             rot = RotarySettings(theta=float(rope.base), rotary_dim=rope.rotary_dim)
             page_rope = PageRopeSettings.from_params(self.dash_params, rot, rot)  # the indexer shares them
-        if not hi and page_rope is None:
-            return None
-        return AuxHead(num_q_heads=self.num_heads, indexer_heads=hi, page_rope=page_rope)
+        return AuxHead(num_q_heads=self.num_heads, indexer_heads=aux.indexer_heads or 0, page_rope=page_rope)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """Llama attention; with an auxiliary head, q/k/v plus ``iq``/``ik`` packed into the DASH layer's
@@ -247,13 +230,13 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
         if (uses_dash_attention(vllm_config) and getattr(cache, "user_specified_block_size", True)
                 and cache.block_size != params.block_size):
             raise block_size_error(cache.block_size, params)
-        page_ids = page_token_ids(vllm_config.model_config.hf_config)
-        if page_ids is not None and uses_dash_attention(vllm_config):
+        aux = AuxConfig.from_config(vllm_config.model_config.hf_config)
+        if aux.page_mode and uses_dash_attention(vllm_config):
             check_page_mode_scheduling(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self.dash_params = params
         # Page mode: the roles of each step's tokens, set in forward and read by every DASH impl.
-        self.page_token_ids = page_ids
+        self.dash_aux_config = aux
         self.step_roles = StepRoles()
         for module in self.modules():
             if isinstance(module, Attention) and isinstance(module.impl, DashAttentionImpl):
@@ -261,10 +244,10 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: Optional[torch.Tensor] = None):
-        if self.page_token_ids is not None:
+        if self.dash_aux_config.page_mode:
             if input_ids is None:
                 raise ValueError("a DASH page-mode model needs the input ids (its page placeholders give the roles)")
-            self.step_roles.roles = page_roles(input_ids, *self.page_token_ids)
+            self.step_roles.roles = self.dash_aux_config.roles(input_ids)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -276,7 +259,7 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
         missing = [name for name, _ in self.named_parameters() if f".{INDEXER}." in name and name not in loaded]
         if missing:
             raise ValueError(f"the checkpoint has no indexer weight {missing[0]} ({len(missing)} missing): a model "
-                             f"with {INDEXER_HEADS_KEY} carries model.layers.N.self_attn.{INDEXER}.wq.weight "
+                             f"with dash_indexer_heads carries model.layers.N.self_attn.{INDEXER}.wq.weight "
                              f"[Hi * D, hidden], .wk.weight [D, hidden] and .head_cls [D] per layer")
         return loaded
 

@@ -270,27 +270,10 @@ def test_a_model_without_dash_layers_is_refused(dash_kit):
 
 # ---- the attention-stage backend option (DashParams.attention_backend) ---------------------------
 
-def test_attention_backend_from_config_and_environment():
-    """``dash_attention_backend`` in the model config (what ``--json-model-override-args`` edits) picks the
-    backend; ``DASH_ATTENTION_BACKEND`` wins when set (any case); bad values and a missing topk fail early."""
-    from adapters.sglang.backend import ATTENTION_BACKEND_ENV, dash_params
-
-    cfg = dict(chunk_size=16, dash_topk=4)
-    assert dash_params(cfg, environ={}).attention_backend == "TRITON"
-    assert dash_params(dict(cfg, dash_attention_backend="FLASH_ATTN"), environ={}).attention_backend == "FLASH_ATTN"
-    env = {ATTENTION_BACKEND_ENV: "flashinfer"}
-    assert dash_params(dict(cfg, dash_attention_backend="FLASH_ATTN"), environ=env).attention_backend == "FLASHINFER"
-    assert dash_params(cfg, environ={ATTENTION_BACKEND_ENV: " "}).attention_backend == "TRITON"  # blank = unset
-    with pytest.raises(ValueError, match=r"DASH_ATTENTION_BACKEND='cudnn' is not allowed: expected one of TRITON"):
-        dash_params(cfg, environ={ATTENTION_BACKEND_ENV: "cudnn"})
-    with pytest.raises(ValueError, match="attention_backend = 'flash'"):
-        dash_params(dict(cfg, dash_attention_backend="flash"), environ={})
-    with pytest.raises(ValueError, match="dash_topk"):  # segment backends need a static segment count
-        dash_params(dict(chunk_size=16), environ=env)
-
-
 def test_backend_reads_the_environment_once_at_start_up(dash_kit, monkeypatch):
-    from adapters.sglang.backend import ATTENTION_BACKEND_ENV
+    """``DASH_ATTENTION_BACKEND`` reaches the backend's DashParams once, when it is built (the option's
+    values and errors: tests/test_model_config.py)."""
+    from dash_core.model_config import ATTENTION_BACKEND_ENV
 
     kit = dash_kit(SPARSE)
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "FLASH_ATTN")
@@ -410,10 +393,9 @@ def test_indexer_page_mode_prefill_and_decode_match_oracle(dash_kit, monkeypatch
         torch.testing.assert_close(torch.cat(got[i]), ref[0].permute(1, 0, 2), atol=ATOL, rtol=RTOL)
 
 
-def test_page_mode_start_up_checks_and_config_errors():
+def test_page_mode_start_up_checks():
     """Page mode refuses chunked prefill below the context length and mixed chunks (naming the flags);
-    the auxiliary-head config keys are validated with errors that name the key."""
-    from adapters.sglang.aux import AuxConfig
+    the config keys' validation: tests/test_model_config.py."""
     from adapters.sglang.backend import DashAttnBackend
 
     def runner(**args):
@@ -427,14 +409,3 @@ def test_page_mode_start_up_checks_and_config_errors():
         DashAttnBackend._check_page_mode_args(runner(chunked_prefill_size=2048))
     with pytest.raises(ValueError, match="--enable-mixed-chunk"):
         DashAttnBackend._check_page_mode_args(runner(enable_mixed_chunk=True))
-
-    assert not AuxConfig.from_config({}).needs_aux
-    aux = AuxConfig.from_config(dict(AUX_KEYS, vocab_size=512))
-    assert aux.needs_aux and aux.summary_heads == 1
-    assert aux.roles(torch.tensor([7, PAGE_START, PAGE_TOKEN, PAGE_TOKEN, 9])).tolist() == [0, 1, 2, 2, 0]
-    with pytest.raises(ValueError, match="dash_indexer_heads = 0"):
-        AuxConfig.from_config(dict(dash_indexer_heads=0))
-    with pytest.raises(ValueError, match="dash_page_token_id = None"):
-        AuxConfig.from_config(dict(dash_page_mode=True, dash_page_start_token_id=3))
-    with pytest.raises(ValueError, match="dash_page_start_token_id = 600"):
-        AuxConfig.from_config(dict(AUX_KEYS, dash_page_start_token_id=600, vocab_size=512))

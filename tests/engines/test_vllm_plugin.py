@@ -121,21 +121,22 @@ def test_cuda_graph_support_follows_the_decode_path(checkpoints, dtype, support)
 
 def test_attention_backend_option_from_the_config_and_the_environment(checkpoints, monkeypatch):
     """``--hf-overrides '{"dash_attention_backend": ...}'`` and ``DASH_ATTENTION_BACKEND`` (which wins)
-    both reach the served model's DashParams; bad values fail at start-up naming what is allowed."""
-    from adapters.vllm.backend import BACKEND_ENV, serving_params
+    both reach the served model's DashParams through vLLM's config; bad values fail at start-up naming what
+    is allowed (the option itself: tests/test_model_config.py)."""
+    from dash_core.model_config import ATTENTION_BACKEND_ENV, serving_params
 
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
     topk = {"dash_topk": 4}
     hf = engine_config(checkpoints[16], hf_overrides=dict(topk, dash_attention_backend="FLASHINFER")).model_config
     assert serving_params(hf.hf_config).attention_backend == "FLASHINFER"
     assert serving_params(engine_config(checkpoints[16]).model_config.hf_config).attention_backend == "TRITON"
-    monkeypatch.setenv(BACKEND_ENV, "flash_attn")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "flash_attn")
     assert serving_params(hf.hf_config).attention_backend == "FLASH_ATTN"
-    monkeypatch.setenv(BACKEND_ENV, "CUDNN")
-    with pytest.raises(ValueError, match=r"DASH_ATTENTION_BACKEND = 'CUDNN' is not allowed.*'FLASHINFER'"):
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "CUDNN")
+    with pytest.raises(ValueError, match=r"DASH_ATTENTION_BACKEND = 'CUDNN' is not allowed.*FLASHINFER"):
         serving_params(hf.hf_config)
     # the segment backends need a static segment count: no dash_topk, no start
-    monkeypatch.setenv(BACKEND_ENV, "FLASHINFER")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "FLASHINFER")
     with pytest.raises(ValueError, match="topk = None is not allowed for the segment backends"):
         serving_params(engine_config(checkpoints[16]).model_config.hf_config)
 

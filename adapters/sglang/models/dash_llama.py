@@ -12,7 +12,7 @@ where SGLang replicates KV heads), and passes it to the attention backend as a k
 (e.g. ``torch_native``, which takes no extra keywords) the weight is loaded but not passed, and
 attention is dense: the engine's own dense run of the same checkpoint.
 
-Indexer and page mode (SPEC.md section 9; config keys in ``adapters.sglang.aux``): with
+Indexer and page mode (SPEC.md section 9; config keys in ``dash_core.model_config``): with
 ``dash_indexer_heads = Hi`` each layer also has ``self_attn.dash_indexer`` (``wq [Hi * D, hidden]``,
 ``wk [D, hidden]``, ``head_cls [D]``, replicated on every tensor-parallel rank: its one shared
 selection needs all Hi heads), and passes ``iq = wq(x) [T, Hi * D]``, ``ik = wk(x) [T, D]`` and
@@ -28,7 +28,8 @@ from typing import Iterable, Optional, Tuple
 import torch
 from torch import nn
 
-from adapters.sglang.aux import AuxConfig, page_rope_settings
+from adapters.sglang.aux import page_rope_settings
+from dash_core.model_config import AuxConfig
 from dash_core.params import DashParams
 from sglang.srt.distributed.utils import get_group_rank_size
 from sglang.srt.model_executor.forward_context import get_attn_backend
