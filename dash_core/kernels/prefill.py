@@ -107,6 +107,24 @@ def _tile_bounds(tile, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_
     return req, ok, q0 - start_c, a0, p_lo, p_hi, first_local, ncand
 
 
+@triton.jit
+def _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT: tl.constexpr, G_PAD: tl.constexpr):
+    """The ``QT * G_PAD`` query rows (token u, head g of the group) of a tile and its ``QT`` units.
+
+    Returns ``u_m, g_m, pos_m, tok_m [M]`` (token of the tile, head in the group, position, token row
+    int64), ``in_m [M]`` (a new token of the tile and ``g < G``, whether or not its request is ``ok``)
+    and ``unit_ok [QT]`` (a new token of an ``ok`` request)."""
+    offs_m = tl.arange(0, QT * G_PAD)
+    u_m = offs_m // G_PAD
+    g_m = offs_m % G_PAD
+    pos_m = a0 + u_m
+    tok_m = (tok_base + pos_m).to(tl.int64)
+    in_m = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & (g_m < G)
+    pos_u = a0 + tl.arange(0, QT)
+    unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
+    return u_m, g_m, pos_m, tok_m, in_m, unit_ok
+
+
 def tile_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, qt: int):
     """Device tables placing the tiles, without synchronising.
 
@@ -174,15 +192,10 @@ def _prefill_route_kernel(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
     if p_lo < p_hi:  # tiles past the last one do nothing
         M: tl.constexpr = QT * G_PAD
-        offs_m = tl.arange(0, M)
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
-        u_m = offs_m // G_PAD
-        g_m = offs_m % G_PAD
-        pos_m = a0 + u_m
-        tok_m = (tok_base + pos_m).to(tl.int64)
-        tok_ok = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & ok
-        row_ok = tok_ok & (g_m < G)
+        u_m, g_m, pos_m, tok_m, in_m, unit_ok = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD)
+        row_ok = in_m & ok
         slot0 = w.to(tl.int64) * QT
         bt_row = bt_ptr + req.to(tl.int64) * sbt_n
         x_tok = x_ptr + (slot0 + u_m) * sx_n
@@ -211,11 +224,8 @@ def _prefill_route_kernel(
                 mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
         tl.debug_barrier()  # the scores are read back by other threads of this program
 
-        offs_u = tl.arange(0, QT)
-        pos_u = a0 + offs_u
-        unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
         ncand_u = tl.where(unit_ok, ncand, 0)
-        slot_u = slot0 + offs_u
+        slot_u = slot0 + tl.arange(0, QT)
         nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
         if SHARED:
             nrows = nrows * HKV
@@ -280,14 +290,9 @@ def _prefill_attn_kernel(
     if p_lo < p_hi:  # tiles past the last one do nothing
         M: tl.constexpr = QT * G_PAD
         ppb: tl.constexpr = PS // BS
-        offs_m = tl.arange(0, M)
         offs_d = tl.arange(0, D)
         offs_t = tl.arange(0, BLOCK_T)
-        u_m = offs_m // G_PAD
-        g_m = offs_m % G_PAD
-        pos_m = a0 + u_m
-        tok_m = (tok_base + pos_m).to(tl.int64)
-        in_m = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & (g_m < G)
+        u_m, g_m, pos_m, tok_m, in_m, unit_ok = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD)
         row_ok = in_m & ok
         heads = h * G + g_m
         q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
@@ -300,8 +305,6 @@ def _prefill_attn_kernel(
         offs_u = tl.arange(0, QT)
         offs_c = tl.arange(0, TU)
         offs_j = tl.arange(0, TJ)
-        pos_u = a0 + offs_u
-        unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
         sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
         cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
         ubias_tile = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h
@@ -369,7 +372,7 @@ def _prefill_attn_kernel(
         for it in range(0, nu * NSUB):
             j = it // NSUB
             phys = tl.load(ublk_row + j + 0 * offs_t).to(tl.int64)
-            cand = tl.load(uidx_row + j + 0 * offs_m)
+            cand = tl.load(uidx_row + j + 0 * u_m)
             bias = tl.load(ubias_tile + u_m.to(tl.int64) * sbi_u + cand)
             page = phys // ppb
             rows = (phys % ppb) * BS + (it % NSUB) * BLOCK_T + offs_t

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_index
-from .prefill import PrefillPlan, PrefillScratch, ROUTE_WARPS, _route_constexprs, _tile_bounds
+from .prefill import PrefillPlan, PrefillScratch, ROUTE_WARPS, _route_constexprs, _tile_bounds, _tile_rows
 from .routing import halley_step, select_kept
 
 
@@ -60,19 +60,13 @@ def _prefill_route_recompute_kernel(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
     if p_lo < p_hi:  # tiles past the last one do nothing
         M: tl.constexpr = QT * G_PAD
-        offs_m = tl.arange(0, M)
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
-        pos_m = a0 + offs_m // G_PAD
-        g_m = offs_m % G_PAD
-        tok_m = (tok_base + pos_m).to(tl.int64)
-        row_ok = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & ok & (g_m < G)
+        _u, g_m, _pos, tok_m, in_m, unit_ok = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD)
+        row_ok = in_m & ok
         bt_row = bt_ptr + req.to(tl.int64) * sbt_n
-        offs_u = tl.arange(0, QT)
-        pos_u = a0 + offs_u
-        unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
         ncand_u = tl.where(unit_ok, ncand, 0)
-        slot_u = w.to(tl.int64) * QT + offs_u
+        slot_u = w.to(tl.int64) * QT + tl.arange(0, QT)
         if SHARED:
             h_lo = 0
             h_hi = HKV
