@@ -46,3 +46,15 @@ def summary_index(page, blk, PS: tl.constexpr, BS: tl.constexpr):
     """Index of a block's summary in the store (``slot // bs``), int64."""
     ppb: tl.constexpr = PS // BS
     return page * ppb + (blk % ppb)
+
+
+@triton.jit
+def summary_scores(qs, bt_row_ptr, summ_ptr, ss_b, h, ss_h, blk, mask, x_scale, offs_d,
+                   PS: tl.constexpr, BS: tl.constexpr):
+    """``[M, BLOCK_N]`` fp32 scores ``x_scale * <qs, s>`` of query rows ``qs [M, D]`` against the
+    summaries of KV head ``h`` of logical blocks ``blk [BLOCK_N]`` (read through the page table;
+    masked blocks score 0)."""
+    page, _ = block_page(bt_row_ptr, blk, PS, BS, mask=mask)
+    sidx = summary_index(page, blk, PS, BS)
+    summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=mask[:, None], other=0.0)
+    return tl.dot(qs, tl.trans(summ)) * x_scale

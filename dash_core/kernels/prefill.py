@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ..layout import PagedKVCache
 from ..params import DashParams
-from .common import block_page, summary_index
+from .common import block_page, summary_scores
 from .launcher import check_indexer_query, check_kernel_config, check_step_tensors, _check_on
 from .routing import NUM_PIVOTS, route_tile
 
@@ -216,10 +216,7 @@ def _prefill_route_kernel(
             for c0 in range(0, ncand, BLOCK_N):
                 c = c0 + offs_n
                 cm = c < ncand
-                page, _ = block_page(bt_row, c, PS, BS, mask=cm)
-                sidx = summary_index(page, c, PS, BS)
-                summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=cm[:, None], other=0.0)
-                x = tl.dot(qs, tl.trans(summ)) * x_scale
+                x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
                 tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
                 mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
         tl.debug_barrier()  # the scores are read back by other threads of this program
@@ -572,7 +569,6 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     shared = params.router == "shared"
     s = scratch
     g_pad = _pow2(g)
-    rows = plan.qt * g_pad
     _prefill_attn_kernel[(tiles, hkv)](
         q, q.stride(0), q.stride(1), kp, vp, kp.stride(0), kp.stride(1), kp.stride(2),
         vp.stride(0), vp.stride(1), vp.stride(2), bt, bt.stride(0),

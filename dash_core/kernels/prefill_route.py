@@ -27,18 +27,9 @@ import triton.language as tl
 
 from ..layout import PagedKVCache
 from ..params import DashParams
-from .common import block_page, summary_index
+from .common import summary_scores
 from .prefill import PrefillPlan, PrefillScratch, ROUTE_WARPS, _route_constexprs, _tile_bounds, _tile_rows
 from .routing import halley_step, select_kept
-
-
-@triton.jit
-def _scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS: tl.constexpr, BS: tl.constexpr):
-    """``[M, BLOCK_N]`` scores of the query rows ``qs`` against candidates ``c`` of KV head ``h``."""
-    page, _ = block_page(bt_row, c, PS, BS, mask=cm)
-    sidx = summary_index(page, c, PS, BS)
-    summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=cm[:, None], other=0.0)
-    return tl.dot(qs, tl.trans(summ)) * x_scale
 
 
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G", "HKV", "topk", "sel_cap"])
@@ -88,7 +79,7 @@ def _prefill_route_recompute_kernel(
             for c0 in range(0, ncand, BLOCK_N):
                 c = c0 + offs_n
                 cm = c < ncand
-                x = _scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
+                x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
                 mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
             m = tl.where(row_ok & (ncand > 0), mx, 0.0)
             lo = m - 1.0
@@ -101,7 +92,7 @@ def _prefill_route_recompute_kernel(
                 for c0 in range(0, ncand, BLOCK_N):
                     c = c0 + offs_n
                     cm = c < ncand
-                    x = _scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
+                    x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
                     above = (x > tau[:, None]) & cm[None, :] & row_ok[:, None]
                     diff = tl.where(above, x - tau[:, None], 0.0)
                     ssq += tl.sum(diff * diff, axis=1)
@@ -112,7 +103,7 @@ def _prefill_route_recompute_kernel(
             for c0 in range(0, ncand, BLOCK_N):
                 c = c0 + offs_n
                 cm = c < ncand
-                x = _scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
+                x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
                 diff = tl.where((x > tau[:, None]) & cm[None, :] & row_ok[:, None], x - tau[:, None], 0.0)
                 part = tl.sum(tl.reshape(diff * diff, [QT, G_PAD, BLOCK_N]), axis=1)
                 cok = unit_ok[:, None] & cm[None, :]

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import block_page, decode_bounds, summary_index
+from .common import decode_bounds, summary_scores
 from .kv_write import write_token
 
 PRIOR_EPS = 1e-20  # SPEC.md section 5
@@ -331,10 +331,7 @@ def _decode_scores_kernel(
     for c0 in range(c_start, c_end, BLOCK_N):
         c = c0 + offs_n
         cm = c < c_end
-        page, _row0 = block_page(bt_row, c, PS, BS, mask=cm)
-        sidx = summary_index(page, c, PS, BS)
-        summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=cm[:, None], other=0.0)
-        x = tl.dot(qs, tl.trans(summ)) * x_scale
+        x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
         tl.store(x_rows + c[None, :], x, mask=g_ok[:, None] & cm[None, :])
         mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
     tl.store(pmax_ptr + i * spm_n + heads * spm_h + s, mx, mask=g_ok)
