@@ -504,9 +504,14 @@ def table(records: list) -> str:
         reuse = "-" if r.get("tile_reuse") is None else f"{r['tile_reuse']:.1f}/{r['tile_tokens']}"
         rows.append(f"| {r['context']} | {r['variant']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
                     f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | {r['method']} | "
-                    f"{'yes' if r['includes_write'] else 'no'} | {r['ms']:.2f} | {r['kv_fraction']:.2%} | "
-                    f"{r['floor_ms']:.2f} | {r['floor_fraction']:.0%} | {mem} | {reuse} | {sp} |")
+                    f"{'yes' if r['includes_write'] else 'no'} | {r['ms']:.2f} | {_fmt(r.get('kv_fraction'), '.2%')} | "
+                    f"{_fmt(r.get('floor_ms'), '.2f')} | {_fmt(r.get('floor_fraction'), '.0%')} | {mem} | {reuse} | {sp} |")
     return "\n".join(rows)
+
+
+def _fmt(v, spec: str) -> str:
+    """A table cell: ``v`` formatted, or ``-`` where a record has no value (route-only rows, old records)."""
+    return "-" if v is None else format(v, spec)
 
 
 def summary(records: list) -> str:
