@@ -146,7 +146,8 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
     def get_cudagraph_support(cls, vllm_config: "VllmConfig", kv_cache_spec) -> AttentionCGSupport:
         """Uniform decode graphs where decode runs the Triton kernels (CUDA, bf16/fp16); the
         PyTorch path (fp32, CPU) reads lengths on the host and cannot be captured. Models with the
-        auxiliary head run dash_core's PyTorch path for now (no Triton kernels for it yet): never."""
+        auxiliary head: never, for now. Their decode op is capturable (tests/kernels/test_kernel_aux.py
+        captures it on a GPU), but this adapter's capture of it has not run in a GPU vLLM process."""
         if AuxConfig.from_config(vllm_config.model_config.hf_config).needs_aux:
             return AttentionCGSupport.NEVER
         if vllm_config.model_config.dtype in (torch.float16, torch.bfloat16):
