@@ -471,14 +471,15 @@ class PrefillScratch:
             union_bias=torch.empty(tiles, hkv, qt, max_cand, dtype=f32, device=device),
         )
 
-    def cap_list_ptr(self) -> torch.Tensor:
-        """The route kernels' ``ck`` argument: ``cap_keys`` (indexed with mp's strides), or mp as a
-        placeholder the kernel never reads when the cap is not compacted."""
-        if self.cap_keys.numel() == 0:
+    def cap_list_ptr(self, params: DashParams) -> torch.Tensor:
+        """The route kernels' ``ck`` argument: ``cap_keys`` (indexed with mp's strides) when the cap is
+        compacted (``CAP_COMPACT`` now, with a ``topk``), else mp as a placeholder the kernel never reads."""
+        if not _cap_compact(params):
             return self.mp
         if self.cap_keys.shape != self.mp.shape or self.cap_keys.stride() != self.mp.stride():
-            raise ValueError(f"cap_keys must have mp's shape and strides {tuple(self.mp.shape)} {self.mp.stride()}; "
-                             f"got {tuple(self.cap_keys.shape)} {self.cap_keys.stride()}")
+            raise ValueError(f"cap_keys must have mp's shape and strides {tuple(self.mp.shape)} {self.mp.stride()} "
+                             f"with CAP_COMPACT (allocate the scratch with it set); got {tuple(self.cap_keys.shape)} "
+                             f"{self.cap_keys.stride()}")
         return self.cap_keys
 
 
@@ -575,7 +576,8 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     _prefill_route_kernel[(tiles, 1 if shared else hkv)](
         q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.scores, s.scores.stride(0), s.scores.stride(1), s.mp, s.mp.stride(0), s.mp.stride(1), s.cap_list_ptr(),
+        t, s.scores, s.scores.stride(0), s.scores.stride(1), s.mp, s.mp.stride(0), s.mp.stride(1),
+        s.cap_list_ptr(params),
         s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,

@@ -157,7 +157,7 @@ def route_wave_recompute(q: torch.Tensor, cache: PagedKVCache, block_table: torc
     _prefill_route_recompute_kernel[(tiles, 1 if shared else hkv)](
         q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.mp, s.mp.stride(0), s.mp.stride(1), s.cap_list_ptr(),
+        t, s.mp, s.mp.stride(0), s.mp.stride(1), s.cap_list_ptr(params),
         s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, hkv, params.topk if params.topk is not None else 0,

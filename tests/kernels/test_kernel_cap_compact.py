@@ -65,7 +65,7 @@ def _crafted_rows(nmax: int, seed: int) -> tuple:
     rows[2, nmax // 3] = 1e30
     # all equal: every key ties
     rows[3] = 0.25
-    # mostly zero, a few values from the smallest normal binades to large ones (no subnormals: the GPU's log flushes them)
+    # mostly zero, a few values from the smallest normal binade to large ones (no subnormals: log may flush them)
     few = torch.randperm(nmax, generator=g)[:nmax // 4]
     rows[4, few] = torch.tensor([2e-38, 1e-37, 1e-20, 1.0, 3.0e5]).repeat(nmax)[:few.numel()]
     # two values only, the larger rare
@@ -144,3 +144,16 @@ def test_prefill_cap_compaction_keeps_the_same_blocks(fn, router, topk, monkeypa
             for u in range(cnt.shape[1]):
                 c = int(cnt[r, u])
                 assert torch.equal(a[r, u, :c], b[r, u, :c]), f"{name} of slot {slots[r]} unit {u} differs"
+
+
+def test_scratch_without_cap_keys_is_refused(monkeypatch):
+    """A scratch allocated with ``CAP_COMPACT`` off, launched with it on: a ValueError, not int32 key
+    lists written over mp."""
+    p = DashParams(block_size=16, topk=3)
+    case = make_prefill_case(3, [(100, 10)], hq=4, hkv=2, params=p).to(DEV)
+    monkeypatch.setattr(pf, "CAP_COMPACT", 0)
+    plan, scratch = plan_and_scratch(case)
+    monkeypatch.setattr(pf, "CAP_COMPACT", 1)
+    with pytest.raises(ValueError, match="cap_keys"):
+        pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
+                      plan.num_tiles)
