@@ -117,10 +117,7 @@ def _prefill_route_recompute_kernel(
                 else:
                     mp = part / nrows_f
                     tl.store(dst, mp, mask=cok)
-                    t_npos, t_min, t_max = mp_key_range(mp, cok)
-                    npos += t_npos
-                    key_min = tl.minimum(key_min, t_min)
-                    key_max = tl.maximum(key_max, t_max)
+                    npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
             tl.debug_barrier()
         if SHARED:
             for c0 in range(0, ncand, BLOCK_N):
@@ -129,10 +126,7 @@ def _prefill_route_recompute_kernel(
                 dst = mp_u[:, None] + c[None, :]
                 mp = tl.load(dst, mask=cok, other=0.0) / nrows_f
                 tl.store(dst, mp, mask=cok)
-                t_npos, t_min, t_max = mp_key_range(mp, cok)
-                npos += t_npos
-                key_min = tl.minimum(key_min, t_min)
-                key_max = tl.maximum(key_max, t_max)
+                npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
             tl.debug_barrier()  # mp is read back by other threads of this program
         select_kept(mp_ptr, slot_u * smp_n + hs * smp_h, ncand_u, tl.max(ncand_u, axis=0), npos, bt_ptr,
                     req.to(tl.int64) * sbt_n + 0 * slot_u, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,

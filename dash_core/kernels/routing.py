@@ -21,7 +21,9 @@ entmax reads the score rows from the scratch (L2-resident at decode sizes) once 
 candidates fit one register tile, else once per Halley step. The cap never sorts: the
 ``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive floats order like their
 bits), by a radix select on histograms (8 bits a pass) when a unit's candidates fit one register
-tile, else by a multi-pivot search; ties go to the lower block.
+tile, else by a multi-pivot search (prefill: from each unit's range of positive mp; its second pass
+copies the keys inside the bracket to a scratch list, the later passes read only that); ties go to
+the lower block.
 """
 
 from __future__ import annotations
@@ -69,13 +71,15 @@ def halley_step(ssq, sdf, cnt, tau, lo, hi):
 
 
 @triton.jit
-def mp_key_range(mp, ok):
-    """Per row of an ``[QT, T]`` mp tile (entries where ``ok``): the number of positive entries and the
-    bits (int32) of the smallest positive and of the largest entry (``0x7F800000`` and 0 when none)."""
+def mp_key_range(mp, ok, npos, key_min, key_max):
+    """``(npos, key_min, key_max) [QT]`` updated with an ``[QT, T]`` mp tile (entries where ``ok``): the
+    count of positive entries and the bits (int32) of the smallest positive and of the largest entry.
+    Start from ``0, 0x7F800000, 0``."""
     key = mp.to(tl.int32, bitcast=True)
     pos = (mp > 0) & ok
-    return (tl.sum(pos.to(tl.int32), axis=1), tl.min(tl.where(pos, key, 0x7F800000), axis=1),
-            tl.max(tl.where(ok, key, 0), axis=1))
+    return (npos + tl.sum(pos.to(tl.int32), axis=1),
+            tl.minimum(key_min, tl.min(tl.where(pos, key, 0x7F800000), axis=1)),
+            tl.maximum(key_max, tl.max(tl.where(ok, key, 0), axis=1)))
 
 
 @triton.jit
@@ -91,9 +95,9 @@ def select_kept(
     the second half of ``route_tile``, also called by routing kernels that compute ``mp`` themselves.
     ``mp_regs [QT, TC]``: the mp already in registers (``X_IN_REGS``; otherwise any placeholder).
     COMPACT (the multi-pivot search only): the search starts from ``[key_min, key_max + 1)`` (``[QT]``
-    int32: the bits of each unit's smallest positive and largest mp), and after its first pass copies
-    the keys still inside the bracket to ``ck_ptr + mp_unit[u] + j`` (int32 scratch shaped like mp);
-    the later passes read only those lists. Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
+    int32: the bits of each unit's smallest positive and largest mp); its second pass also copies the
+    keys inside the bracket left by the first to ``ck_ptr + mp_unit[u] + j`` (int32 scratch shaped
+    like mp), and the later passes read only those lists. Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
     """
     offs_s = tl.arange(0, TS)
     # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
@@ -305,16 +309,16 @@ def route_tile(
 
     # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
     nrows_f = nrows * 1.0  # (a runtime int, or a constexpr where Triton specialises it)
+    npos = tl.zeros([QT], tl.int32)  # positive mp, bits of the smallest positive and of the largest mp
+    key_min = tl.full([QT], 0x7F800000, tl.int32)
+    key_max = tl.zeros([QT], tl.int32)
     if X_IN_REGS:
         cok = offs_c[None, :] < ncand[:, None]
         diff = tl.where(x_all > tau[:, :, None], x_all - tau[:, :, None], 0.0)
         mp_regs = tl.sum(diff * diff, axis=1) / nrows_f
         tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
-        npos, key_min, key_max = mp_key_range(mp_regs, cok)
+        npos, key_min, key_max = mp_key_range(mp_regs, cok, npos, key_min, key_max)
     else:
-        npos = tl.zeros([QT], tl.int32)
-        key_min = tl.full([QT], 0x7F800000, tl.int32)
-        key_max = tl.zeros([QT], tl.int32)
         for c0 in range(0, nmax, TC):
             c = c0 + offs_c
             cok = c[None, :] < ncand[:, None]
@@ -323,10 +327,7 @@ def route_tile(
             diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
             mp = tl.sum(diff * diff, axis=1) / nrows_f
             tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
-            t_npos, t_min, t_max = mp_key_range(mp, cok)
-            npos += t_npos
-            key_min = tl.minimum(key_min, t_min)
-            key_max = tl.maximum(key_max, t_max)
+            npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
     tl.debug_barrier()  # mp is read back by other threads of this program
 
     if X_IN_REGS:  # the cap reads the mp bits from registers

@@ -41,10 +41,8 @@ def _cap_kernel(mp_ptr, ncand_ptr, ck_ptr, bt_ptr, sel_idx_ptr, sel_blk_ptr, sel
     for c0 in range(0, nmax, TS):
         c = c0 + offs_s
         cok = c[None, :] < ncand[:, None]
-        t_npos, t_min, t_max = mp_key_range(tl.load(mp_ptr + unit[:, None] + c[None, :], mask=cok, other=0.0), cok)
-        npos += t_npos
-        key_min = tl.minimum(key_min, t_min)
-        key_max = tl.maximum(key_max, t_max)
+        mp = tl.load(mp_ptr + unit[:, None] + c[None, :], mask=cok, other=0.0)
+        npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
     select_kept(mp_ptr, unit, ncand, nmax, npos, bt_ptr, unit * 0, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                 offs_u.to(tl.int64) * topk, topk, count_ptr, offs_u, topk, 1.0, npos, key_min, key_max, ck_ptr,
                 QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=True, EST_DIAG=False, PS=1, BS=1, ONE_TILE=False,
