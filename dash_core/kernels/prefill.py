@@ -60,6 +60,10 @@ UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building 
 # no score scratch); 0: store the scores once and read them back. Kept switchable until both are timed
 # on the GPU (``benchmarks/prefill.py --tune ROUTE_RECOMPUTE=1``).
 ROUTE_RECOMPUTE = 0
+# 1: the topk cap's pivot search starts from each unit's [smallest positive, largest] mp and, after one
+# pass, reads only the keys left inside its bracket (copied to ``PrefillScratch.cap_keys``); 0: every
+# pass reads every candidate. Kept switchable for timing (``benchmarks/prefill.py --tune CAP_COMPACT=0``).
+CAP_COMPACT = 1
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E_HOST)
@@ -170,12 +174,13 @@ def tile_layout_host(cu_seqlens_q, seq_lens, qt: int) -> list:
 def _prefill_route_kernel(
     q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
-    x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h,
+    x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
     sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
     sf, x_scale, G, HKV, topk, inv_sigma,
     QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -184,7 +189,8 @@ def _prefill_route_kernel(
     summaries per step, ``x = 0.5 <sf q, s> / sqrt(D)`` fp32 into ``x [slot, Hq, max_cand]`` with
     slot ``w * QT + u`` for the tile's token u. Then ``route_tile`` with ``QT`` units: (token, KV head
     h) of G rows (``kv_head``) or token of ``Hq`` rows (``shared``, all KV heads scored by this
-    program), writing ``mp``, the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``.
+    program), writing ``mp``, the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``
+    (COMPACT: the cap's key lists in ``ck``, shaped and strided like mp).
     """
     w = tl.program_id(0)
     hp = tl.program_id(1)
@@ -245,11 +251,12 @@ def _prefill_route_kernel(
         m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
         route_tile(
             x_ptr, x_unit, sx_h, nrows, ncand_u, m,
-            mp_ptr, slot_u * smp_n + hs * smp_h, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
+            mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
             sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
             count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
             QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
             ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
+            COMPACT=COMPACT,
         )
 
 
@@ -413,7 +420,8 @@ def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr
 class PrefillScratch:
     """Routing scratch of one wave of ``W`` tiles (``slots = W * QT`` token slots).
 
-    scores ``[slots, Hq, max_cand]`` fp32 (empty with ``ROUTE_RECOMPUTE``), mp ``[slots, Hsel, max_cand]`` fp32, sel_idx / sel_blk
+    scores ``[slots, Hq, max_cand]`` fp32 (empty with ``ROUTE_RECOMPUTE``), mp ``[slots, Hsel, max_cand]`` fp32,
+    cap_keys like mp in int32 (the cap's key lists; empty without ``topk`` or ``CAP_COMPACT``), sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_idx / union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32.
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
@@ -424,6 +432,7 @@ class PrefillScratch:
     max_cand: int
     scores: torch.Tensor
     mp: torch.Tensor
+    cap_keys: torch.Tensor
     sel_idx: torch.Tensor
     sel_blk: torch.Tensor
     sel_bias: torch.Tensor
@@ -437,7 +446,8 @@ class PrefillScratch:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         score_rows = 0 if ROUTE_RECOMPUTE else hq
-        per_slot = 4 * (score_rows * max_cand + hsel * max_cand + 3 * hsel * cap + hsel)
+        key_rows = hsel if _cap_compact(params) else 0
+        per_slot = 4 * (score_rows * max_cand + (hsel + key_rows) * max_cand + 3 * hsel * cap + hsel)
         return qt * per_slot + 4 * hkv * max_cand * (2 + qt)
 
     @classmethod
@@ -451,6 +461,7 @@ class PrefillScratch:
             qt, tiles, max_cand,
             scores=torch.empty(0 if ROUTE_RECOMPUTE else slots, hq, max_cand, dtype=f32, device=device),
             mp=torch.empty(slots, hsel, max_cand, dtype=f32, device=device),
+            cap_keys=torch.empty(slots if _cap_compact(params) else 0, hsel, max_cand, dtype=i32, device=device),
             sel_idx=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_blk=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
@@ -459,6 +470,17 @@ class PrefillScratch:
             union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
             union_bias=torch.empty(tiles, hkv, qt, max_cand, dtype=f32, device=device),
         )
+
+    def cap_list_ptr(self, params: DashParams) -> torch.Tensor:
+        """The route kernels' ``ck`` argument: ``cap_keys`` (indexed with mp's strides) when the cap is
+        compacted (``CAP_COMPACT`` now, with a ``topk``), else mp as a placeholder the kernel never reads."""
+        if not _cap_compact(params):
+            return self.mp
+        if self.cap_keys.shape != self.mp.shape or self.cap_keys.stride() != self.mp.stride():
+            raise ValueError(f"cap_keys must have mp's shape and strides {tuple(self.mp.shape)} {self.mp.stride()} "
+                             f"with CAP_COMPACT (allocate the scratch with it set); got {tuple(self.cap_keys.shape)} "
+                             f"{self.cap_keys.stride()}")
+        return self.cap_keys
 
 
 @dataclass
@@ -519,6 +541,11 @@ def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot
                          f"{tuple(out.shape)} {out.dtype}")
 
 
+def _cap_compact(params: DashParams) -> bool:
+    """Whether the prefill routing compacts the cap's search (``CAP_COMPACT``, with a ``topk``)."""
+    return bool(CAP_COMPACT) and params.topk is not None
+
+
 def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams) -> dict:
     g = hq // hkv
     shared = params.router == "shared"
@@ -529,6 +556,7 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
         TC=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (qt * nh_pad))),
         TS=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (2 * NUM_PIVOTS * qt))),
         NPIV=NUM_PIVOTS, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared,
+        COMPACT=_cap_compact(params),
     )
 
 
@@ -549,6 +577,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
         t, s.scores, s.scores.stride(0), s.scores.stride(1), s.mp, s.mp.stride(0), s.mp.stride(1),
+        s.cap_list_ptr(params),
         s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,

@@ -29,19 +29,19 @@ from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import summary_scores
 from .prefill import PrefillPlan, PrefillScratch, ROUTE_WARPS, _route_constexprs, _tile_bounds, _tile_rows
-from .routing import halley_step, select_kept
+from .routing import halley_step, mp_key_range, select_kept
 
 
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G", "HKV", "topk", "sel_cap"])
 def _prefill_route_recompute_kernel(
     q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
-    mp_ptr, smp_n, smp_h,
+    mp_ptr, smp_n, smp_h, ck_ptr,
     sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
     sf, x_scale, G, HKV, topk, inv_sigma,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
-    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr,
+    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, COMPACT: tl.constexpr,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w`` into the same outputs as ``_prefill_route_kernel`` (mp, ``sel_*``, count)."""
@@ -70,6 +70,8 @@ def _prefill_route_recompute_kernel(
             nrows_f = G * 1.0
         mp_u = mp_ptr + slot_u * smp_n + hs * smp_h
         npos = tl.zeros([QT], tl.int32)
+        key_min = tl.full([QT], 0x7F800000, tl.int32)  # bits of the smallest positive and the largest mp
+        key_max = tl.zeros([QT], tl.int32)
         for h in range(h_lo, h_hi):
             q = tl.load(q_ptr + tok_m[:, None] * sq_t + (h * G + g_m)[:, None] * sq_h + offs_d[None, :],
                         mask=row_ok[:, None], other=0.0)
@@ -115,7 +117,7 @@ def _prefill_route_recompute_kernel(
                 else:
                     mp = part / nrows_f
                     tl.store(dst, mp, mask=cok)
-                    npos += tl.sum(((mp > 0) & cok).to(tl.int32), axis=1)
+                    npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
             tl.debug_barrier()
         if SHARED:
             for c0 in range(0, ncand, BLOCK_N):
@@ -124,13 +126,14 @@ def _prefill_route_recompute_kernel(
                 dst = mp_u[:, None] + c[None, :]
                 mp = tl.load(dst, mask=cok, other=0.0) / nrows_f
                 tl.store(dst, mp, mask=cok)
-                npos += tl.sum(((mp > 0) & cok).to(tl.int32), axis=1)
+                npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
             tl.debug_barrier()  # mp is read back by other threads of this program
         select_kept(mp_ptr, slot_u * smp_n + hs * smp_h, ncand_u, tl.max(ncand_u, axis=0), npos, bt_ptr,
                     req.to(tl.int64) * sbt_n + 0 * slot_u, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                     slot_u * ssel_n + hs * ssel_h, sel_cap, count_ptr, slot_u * scnt_n + hs, topk, inv_sigma, npos,
+                    key_min, key_max, ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=False,
-                    X_IN_REGS=False, TC=TS)
+                    X_IN_REGS=False, TC=TS, COMPACT=COMPACT)
 
 
 def route_wave_recompute(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
@@ -148,7 +151,7 @@ def route_wave_recompute(q: torch.Tensor, cache: PagedKVCache, block_table: torc
     _prefill_route_recompute_kernel[(tiles, 1 if shared else hkv)](
         q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.mp, s.mp.stride(0), s.mp.stride(1),
+        t, s.mp, s.mp.stride(0), s.mp.stride(1), s.cap_list_ptr(params),
         s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, hkv, params.topk if params.topk is not None else 0,

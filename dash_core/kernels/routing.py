@@ -21,7 +21,9 @@ entmax reads the score rows from the scratch (L2-resident at decode sizes) once 
 candidates fit one register tile, else once per Halley step. The cap never sorts: the
 ``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive floats order like their
 bits), by a radix select on histograms (8 bits a pass) when a unit's candidates fit one register
-tile, else by a multi-pivot search; ties go to the lower block.
+tile, else by a multi-pivot search (prefill: from each unit's range of positive mp; its second pass
+copies the keys inside the bracket to a scratch list, the later passes read only that); ties go to
+the lower block.
 """
 
 from __future__ import annotations
@@ -69,16 +71,33 @@ def halley_step(ssq, sdf, cnt, tau, lo, hi):
 
 
 @triton.jit
+def mp_key_range(mp, ok, npos, key_min, key_max):
+    """``(npos, key_min, key_max) [QT]`` updated with an ``[QT, T]`` mp tile (entries where ``ok``): the
+    count of positive entries and the bits (int32) of the smallest positive and of the largest entry.
+    Start from ``0, 0x7F800000, 0``."""
+    key = mp.to(tl.int32, bitcast=True)
+    pos = (mp > 0) & ok
+    return (npos + tl.sum(pos.to(tl.int32), axis=1),
+            tl.minimum(key_min, tl.min(tl.where(pos, key, 0x7F800000), axis=1)),
+            tl.maximum(key_max, tl.max(tl.where(ok, key, 0), axis=1)))
+
+
+@triton.jit
 def select_kept(
     mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
-    count_ptr, count_unit, topk, inv_sigma, mp_regs,
+    count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max, ck_ptr,
     QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
     PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """The ``topk`` cap, ties, prior and compaction of ``QT`` units from their ``mp`` in scratch
     (``mp_ptr + mp_unit[u] + c``, ``npos [QT]`` positive entries each, ``nmax`` the most candidates):
     the second half of ``route_tile``, also called by routing kernels that compute ``mp`` themselves.
     ``mp_regs [QT, TC]``: the mp already in registers (``X_IN_REGS``; otherwise any placeholder).
+    COMPACT (the multi-pivot search only): the search starts from ``[key_min, key_max + 1)`` (``[QT]``
+    int32: the bits of each unit's smallest positive and largest mp); its second pass also copies the
+    keys inside the bracket left by the first to ``ck_ptr + mp_unit[u] + j`` (int32 scratch shaped
+    like mp), and the later passes read only those lists. Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
     """
     offs_s = tl.arange(0, TS)
     # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
@@ -86,8 +105,12 @@ def select_kept(
     need = npos < 0
     if HAS_TOPK:
         need = npos > topk
-        lo_k = tl.where(need, 1, 0)
-        hi_k = tl.where(need, 0x7F800000, 1)
+        if COMPACT and not ONE_TILE:  # the topk-th largest key lies in [smallest positive, largest]
+            lo_k = tl.where(need, key_min, 0)
+            hi_k = tl.where(need, key_max + 1, 1)
+        else:
+            lo_k = tl.where(need, 1, 0)
+            hi_k = tl.where(need, 0x7F800000, 1)
         offs_p = tl.arange(0, NPIV)
         if ONE_TILE:  # every candidate fits one tile: keep the keys in registers for all passes
             if X_IN_REGS:
@@ -116,24 +139,55 @@ def select_kept(
                 prefix = prefix | (d_sel << shift)
             lo_k = tl.where(need, prefix, lo_k)
             hi_k = lo_k + 1
-        while tl.max(hi_k - lo_k, axis=0) > 1:  # multi-pivot search (tiles, or several units)
+        # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k.
+        # COMPACT: pass 0 reads every candidate; pass 1 also copies the keys in [lo_k, hi_k) to the unit's
+        # list (m_u of them; ge_hi keys lie above: pass 0's count at hi_k); later passes read only the lists.
+        m_u = tl.zeros([QT], tl.int32)
+        npass = tl.max(m_u, axis=0)  # 0 as a scalar tensor (a loop-carried value)
+        ge_hi = tl.zeros([QT], tl.int32)
+        while tl.max(hi_k - lo_k, axis=0) > 1:
             span = (hi_k - lo_k).to(tl.int64)
             piv = lo_k[:, None] + (span[:, None] * (offs_p[None, :] + 1) // (NPIV + 1)).to(tl.int32)
             if ONE_TILE:
                 ge = tl.sum((key_all[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
             else:
                 ge = tl.zeros([QT, NPIV], tl.int32)
-                for c0 in range(0, nmax, TS):
-                    c = c0 + offs_s
-                    cok = c[None, :] < ncand[:, None]
-                    key = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok,
-                                  other=0.0).to(tl.int32, bitcast=True)
-                    ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
+                full_pass = npass >= 0  # (a runtime True)
+                if COMPACT:
+                    full_pass = npass < 2
+                    if npass >= 2:
+                        ge += ge_hi[:, None]
+                        for j0 in range(0, tl.max(m_u, axis=0), TS):
+                            j = j0 + offs_s
+                            key = tl.load(ck_ptr + mp_unit[:, None] + j[None, :], mask=j[None, :] < m_u[:, None],
+                                          other=0)
+                            ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
+                if full_pass:
+                    for c0 in range(0, nmax, TS):
+                        c = c0 + offs_s
+                        cok = c[None, :] < ncand[:, None]
+                        key = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok,
+                                      other=0.0).to(tl.int32, bitcast=True)
+                        ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
+                        if COMPACT:
+                            if npass == 1:  # the unit's keys inside the bracket, in candidate order
+                                inb = (key >= lo_k[:, None]) & (key < hi_k[:, None]) & cok & need[:, None]
+                                inb_i = inb.to(tl.int32)
+                                j = m_u[:, None] + tl.cumsum(inb_i, axis=1) - inb_i
+                                tl.store(ck_ptr + mp_unit[:, None] + j, key, mask=inb)
+                                m_u += tl.sum(inb_i, axis=1)
             enough = ge >= topk
+            if COMPACT:
+                if npass == 0:  # keys >= the new hi_k: ge falls as the pivot rises, so the largest short count
+                    ge_hi = tl.where(need, tl.max(tl.where(enough, 0, ge), axis=1), 0)
             new_lo = tl.max(tl.where(enough, piv, lo_k[:, None]), axis=1)
             new_hi = tl.min(tl.where(enough, hi_k[:, None], piv), axis=1)
             lo_k = tl.where(need, tl.maximum(lo_k, new_lo), lo_k)
             hi_k = tl.where(need, tl.minimum(hi_k, new_hi), hi_k)
+            if COMPACT:
+                if npass == 1:
+                    tl.debug_barrier()  # the lists are read back by other threads of this program
+            npass += 1
         thr = tl.where(need, lo_k, 0)
 
     # How many ties at the threshold are kept; geometric mean of the kept mp (estimate_diagonal).
@@ -199,12 +253,12 @@ def select_kept(
 @triton.jit
 def route_tile(
     x_ptr, x_unit, x_row_stride, nrows, ncand, m,
-    mp_ptr, mp_unit, bt_ptr, bt_unit,
+    mp_ptr, mp_unit, ck_ptr, bt_ptr, bt_unit,
     sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
     count_ptr, count_unit, topk, inv_sigma,
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
-    X_IN_REGS: tl.constexpr = False,
+    X_IN_REGS: tl.constexpr = False, COMPACT: tl.constexpr = False,
 ):
     """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
 
@@ -219,7 +273,8 @@ def route_tile(
     (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes (with
     one unit: a 4-pass radix select on 256-bin histograms instead of the pivot search);
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
-    The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``.
+    The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept`` (COMPACT and
+    ``ck_ptr``, the cap's int32 key lists shaped like mp: its bracket compaction).
     """
     offs_r = tl.arange(0, NH_PAD)
     offs_c = tl.arange(0, TC)
@@ -254,14 +309,16 @@ def route_tile(
 
     # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
     nrows_f = nrows * 1.0  # (a runtime int, or a constexpr where Triton specialises it)
+    npos = tl.zeros([QT], tl.int32)  # positive mp, bits of the smallest positive and of the largest mp
+    key_min = tl.full([QT], 0x7F800000, tl.int32)
+    key_max = tl.zeros([QT], tl.int32)
     if X_IN_REGS:
         cok = offs_c[None, :] < ncand[:, None]
         diff = tl.where(x_all > tau[:, :, None], x_all - tau[:, :, None], 0.0)
         mp_regs = tl.sum(diff * diff, axis=1) / nrows_f
         tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
-        npos = tl.sum(((mp_regs > 0) & cok).to(tl.int32), axis=1)
+        npos, key_min, key_max = mp_key_range(mp_regs, cok, npos, key_min, key_max)
     else:
-        npos = tl.zeros([QT], tl.int32)
         for c0 in range(0, nmax, TC):
             c = c0 + offs_c
             cok = c[None, :] < ncand[:, None]
@@ -270,19 +327,21 @@ def route_tile(
             diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
             mp = tl.sum(diff * diff, axis=1) / nrows_f
             tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
-            npos += tl.sum(((mp > 0) & cok).to(tl.int32), axis=1)
+            npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
     tl.debug_barrier()  # mp is read back by other threads of this program
 
     if X_IN_REGS:  # the cap reads the mp bits from registers
         select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
-                    sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs,
+                    sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max,
+                    ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=True, TC=TC)
+                    X_IN_REGS=True, TC=TC, COMPACT=COMPACT)
     else:
         select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
-                    sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos,
+                    sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max,
+                    ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=False, TC=TC)
+                    X_IN_REGS=False, TC=TC, COMPACT=COMPACT)
 
 
 @triton.jit
@@ -365,7 +424,7 @@ def _decode_select_kernel(
     i64 = i.to(tl.int64)
     route_tile(
         x_ptr, one + i64 * sx_n + u * NROWS * sx_h, sx_h, NROWS, one.to(tl.int32) + ncand, m[None, :],
-        mp_ptr, one + i64 * smp_n + u * smp_h, bt_ptr, one + i64 * sbt_n,
+        mp_ptr, one + i64 * smp_n + u * smp_h, mp_ptr, bt_ptr, one + i64 * sbt_n,  # (no cap key lists)
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
         count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
         QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
