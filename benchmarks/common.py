@@ -130,6 +130,16 @@ def add_shape_args(ap, sf_help: str) -> None:
     ap.add_argument("--peers", default="sdpa,flashinfer,published")
 
 
+def add_output_args(ap, name: str) -> None:
+    """Where a benchmark writes: ``docs/perf/NAME.json``, its section of ``docs/PERFORMANCE.md`` and
+    ``docs/perf/NAME.svg`` by default; ``--no-write-docs`` writes none of them."""
+    root = Path(__file__).resolve().parents[1]
+    ap.add_argument("--json", default=str(root / f"docs/perf/{name}.json"))
+    ap.add_argument("--markdown", default=str(root / "docs/PERFORMANCE.md"))
+    ap.add_argument("--svg", default=str(root / f"docs/perf/{name}.svg"))
+    ap.add_argument("--no-write-docs", action="store_true")
+
+
 def shown_command(script: str, argv: list) -> str:
     """The command as the docs record it: output paths (machine-specific) left out."""
     outs = ("--json", "--markdown", "--svg")

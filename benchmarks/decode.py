@@ -38,7 +38,7 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
     import tests.kernels._kernel_env  # noqa: E402,F401
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import add_shape_args, import_published, merge_records, replace_section, shown_command, svg_bars  # noqa: E402,E501
+from common import add_output_args, add_shape_args, import_published, merge_records, replace_section, shown_command, svg_bars  # noqa: E402,E501
 from dash_core import DashParams, segments  # noqa: E402
 from dash_core.kernels import launcher  # noqa: E402
 from dash_core.kernels.kv_write import write_kv_and_summaries  # noqa: E402
@@ -482,10 +482,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-layers", type=int, default=16)
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--json", default=str(ROOT / "docs/perf/decode.json"))
-    ap.add_argument("--markdown", default=str(ROOT / "docs/PERFORMANCE.md"))
-    ap.add_argument("--svg", default=str(ROOT / "docs/perf/decode.svg"))
-    ap.add_argument("--no-write-docs", action="store_true")
+    add_output_args(ap, "decode")
     a = ap.parse_args(argv)
     a.command = shown_command("decode.py", list(argv if argv is not None else sys.argv[1:]))
     if a.preset == "matrix":

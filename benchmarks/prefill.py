@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import (add_shape_args, ar1_walk, crossover, import_published, merge_records,  # noqa: E402
+from common import (add_output_args, add_shape_args, ar1_walk, crossover, import_published, merge_records,  # noqa: E402
                     replace_section, shown_command, svg_bars)
 from decode import calibrate_sf, copy_bandwidth, log, time_calls  # noqa: E402
 
@@ -597,10 +597,7 @@ def main(argv=None) -> int:
                     help="extra DASH kernel settings to time, e.g. --tune ATTN_ROWS=128,ATTN_WARPS=8 (repeatable; "
                          "names of dash_core.kernels.prefill constants)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--json", default=str(ROOT / "docs/perf/prefill.json"))
-    ap.add_argument("--markdown", default=str(ROOT / "docs/PERFORMANCE.md"))
-    ap.add_argument("--svg", default=str(ROOT / "docs/perf/prefill.svg"))
-    ap.add_argument("--no-write-docs", action="store_true")
+    add_output_args(ap, "prefill")
     a = ap.parse_args(argv)
     a.command = shown_command("prefill.py", list(argv if argv is not None else sys.argv[1:]))
     a.tunings = [{}]

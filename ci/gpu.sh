@@ -22,16 +22,8 @@
 set -uo pipefail
 mode=${1:-all}
 [ $# -gt 0 ] && shift
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-out=${OUT:-$root/out}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"  # root (the working directory from here on), out, py, wheels
 export DASH_KERNEL_EXAMPLES=${DASH_KERNEL_EXAMPLES:-6}
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-
-. "$root/ci/gpu_env.sh"
 if [ "$mode" = stage ]; then
   gpu_stage "$@"
   exit $?

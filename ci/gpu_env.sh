@@ -1,5 +1,6 @@
 # Shared set-up of the GPU scripts (sourced by ci/gpu.sh, ci/gpu_prefill.sh and ci/gpu_segments.sh, not run).
-# Expects: root, out, py. The GPU machine has no package registry: optional packages travel as wheels under
+# Sets root (cd there), out ($OUT, default ./out), py ($PYTHON, default python3: the GPU image's python3 holds torch)
+# and the environment every script needs. The GPU machine has no package registry: optional packages travel as wheels under
 # .whl/ (ignored by git; docs/segments.md says how they are built), at most 64 MiB per call. What does not fit
 # one call is staged by earlier calls on the same warm machine (`gpu_stage`) under $DASH_WHEEL_STAGE.
 #
@@ -10,6 +11,17 @@
 # gpu_env REPORT installs whatever is carried or staged into $TMPDIR/site (offline, no dependency resolution),
 # sets the environment each library needs, points DASH_PUBLISHED_DIR at an ignored copy of the published
 # kernels when present, and writes versions, imports and nvidia-smi to "$out/REPORT".
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root" || exit 2
+out=${OUT:-$root/out}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+# The golden cases (tests/test_golden.py, the GPU prefill tests) from a copy carried as shared/golden.
+if [ -z "${DASH_GOLDEN_DIR:-}" ] && [ -d "$root/shared/golden" ]; then
+  export DASH_GOLDEN_DIR="$root/shared/golden"
+fi
 tmp=${TMPDIR:-/tmp}  # caches and staged wheels of the GPU machine (lost when it is given back)
 wheels=${DASH_WHEEL_STAGE:-$tmp/dash_wheels}
 site=$tmp/site

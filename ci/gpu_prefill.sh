@@ -11,6 +11,9 @@
 #   bash ci/gpu_prefill.sh tests        # tests only
 #   bash ci/gpu_prefill.sh bench [ARGS] # benchmark only; ARGS go to benchmarks/prefill.py (default: --preset required)
 #
+# The golden cases through paged_dash_prefill on scattered pages need a copy of the golden files: put it at
+# shared/golden in the checkout (git-ignored; a shared/ folder travels with the working tree to the GPU machine),
+# or point DASH_GOLDEN_DIR at it; without one those tests skip.
 # Optional peers as in ci/gpu.sh: FlashInfer from a carried wheel under .whl/flashinfer/, the published
 # DashAttention kernels from $DASH_PUBLISHED_DIR or an ignored copy at third_party/dash-attention.
 # Time limits (seconds): TEST_TIMEOUT (default 240), BENCH_TIMEOUT (default 240). DASH_PREFILL_EXAMPLES
@@ -19,16 +22,8 @@
 set -uo pipefail
 mode=${1:-all}
 [ $# -gt 0 ] && shift
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-out=${OUT:-$root/out}
-mkdir -p "$out"
-py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/gpu_env.sh"  # root (the working directory from here on), out, py, wheels
 export DASH_PREFILL_EXAMPLES=${DASH_PREFILL_EXAMPLES:-4}
-
-. "$root/ci/gpu_env.sh"
 gpu_env prefill_env.txt
 
 rc=0

@@ -10,13 +10,7 @@
 #   SEGMENTS_K="not graph" bash ci/gpu_segments.sh ...   # a subset (pytest -k), e.g. when JIT time is tight
 set -uo pipefail
 backend=${1:?usage: ci/gpu_segments.sh TRITON|FLASHINFER|FLASH_ATTN}
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-out=${OUT:-$root/out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-py=${PYTHON:-python3}  # the GPU image's python3 holds torch
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+. "$(dirname "$0")/gpu_env.sh"  # root (the working directory from here on), out, py, wheels
 log="$out/segments_${backend}.log"
 
 case "$backend" in
@@ -26,7 +20,6 @@ case "$backend" in
   *) echo "error: backend must be TRITON, FLASHINFER or FLASH_ATTN; got '$backend'" >&2; exit 2 ;;
 esac
 
-. "$root/ci/gpu_env.sh"
 gpu_env "env_${backend}.txt"
 
 # SEGMENTS_K narrows the selection (e.g. SEGMENTS_K="not graph" to split a long first run).
