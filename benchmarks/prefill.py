@@ -515,14 +515,15 @@ def _fmt(v, spec: str) -> str:
 
 
 def summary(records: list) -> str:
-    """Where sparse prefill (with its write) loses to the faster dense peer, and the crossover length,
-    per (device, Hkv, topk, chunking)."""
+    """Where sparse prefill (with its write, default settings: rows of ``--tune`` settings, whose variant
+    names a setting, are left out) loses to the faster dense peer, and the crossover length, per
+    (device, Hkv, topk, chunking)."""
     ours, dense = {}, {}
     for r in records:
         if not r.get("ms"):
             continue
         where = (r["device"], r["hkv"], r.get("chunk"))
-        if r["method"] == "dash-triton" and r["includes_write"]:
+        if r["method"] == "dash-triton" and r["includes_write"] and "=" not in r["variant"]:
             o = ours.setdefault(where + (r["topk"],), {})
             o[r["context"]] = min(o.get(r["context"], float("inf")), r["ms"])
         elif r["method"].startswith("dense"):
