@@ -57,8 +57,10 @@ ATTN_WARPS = 4
 ATTN_STAGES = 3
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # 1: route with ``prefill_route`` (scores recomputed from the L2-resident summaries in every entmax pass,
-# no score scratch); 0: store the scores once and read them back. Kept switchable until both are timed
-# on the GPU (``benchmarks/prefill.py --tune ROUTE_RECOMPUTE=1``).
+# no score scratch); 0: store the scores once and read them back. Timed on the H200 at 128k (docs/
+# PERFORMANCE.md): faster uncapped (routing 49 against 60 ms), slower with topk 64 (145 against 107 ms:
+# its larger waves push mp and the cap's lists out of L2), so 0 by default. Time again with
+# ``benchmarks/prefill.py --tune ROUTE_RECOMPUTE=1``.
 ROUTE_RECOMPUTE = 0
 # 1: the topk cap's pivot search starts from each unit's [smallest positive, largest] mp and, after one
 # pass, reads only the keys left inside its bracket (copied to ``PrefillScratch.cap_keys``); 0: every
