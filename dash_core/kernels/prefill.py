@@ -55,6 +55,7 @@ ROUTE_TILE_BUDGET = 2048  # elements of route_tile's largest register tile (QT u
 ROUTE_WARPS = 8
 ATTN_WARPS = 4
 ATTN_STAGES = 3
+ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # 1: route with ``prefill_route`` (scores recomputed from the L2-resident summaries in every entmax pass,
 # no score scratch); 0: store the scores once and read them back. Timed on the H200 at 128k (docs/
@@ -62,10 +63,6 @@ UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building 
 # its larger waves push mp and the cap's lists out of L2), so 0 by default. Time again with
 # ``benchmarks/prefill.py --tune ROUTE_RECOMPUTE=1``.
 ROUTE_RECOMPUTE = 0
-# 1: the topk cap's pivot search starts from each unit's [smallest positive, largest] mp and, after one
-# pass, reads only the keys left inside its bracket (copied to ``PrefillScratch.cap_keys``); 0: every
-# pass reads every candidate. Kept switchable for timing (``benchmarks/prefill.py --tune CAP_COMPACT=0``).
-CAP_COMPACT = 1
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E_HOST)
@@ -182,7 +179,6 @@ def _prefill_route_kernel(
     QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr,
-    COMPACT: tl.constexpr,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -191,8 +187,8 @@ def _prefill_route_kernel(
     summaries per step, ``x = 0.5 <sf q, s> / sqrt(D)`` fp32 into ``x [slot, Hq, max_cand]`` with
     slot ``w * QT + u`` for the tile's token u. Then ``route_tile`` with ``QT`` units: (token, KV head
     h) of G rows (``kv_head``) or token of ``Hq`` rows (``shared``, all KV heads scored by this
-    program), writing ``mp``, the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``
-    (COMPACT: the cap's key lists in ``ck``, shaped and strided like mp).
+    program), writing each unit's positive ``mp`` as a list (``mp`` and its candidates in ``ck``, shaped and
+    strided like mp), the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``.
     """
     w = tl.program_id(0)
     hp = tl.program_id(1)
@@ -258,7 +254,7 @@ def _prefill_route_kernel(
             count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
             QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
             ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
-            COMPACT=COMPACT,
+            LIST=True,
         )
 
 
@@ -273,7 +269,7 @@ def _prefill_attn_kernel(
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     uidx_ptr, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, sbi_u, o_ptr, so_t, so_h, qk_scale, G,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -283,9 +279,11 @@ def _prefill_attn_kernel(
        ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``) scattered there as log2 priors;
        the candidates some token kept compacted, in increasing order, into ``uidx [w, h, j]`` (logical)
        and ``ublk [w, h, j]`` (physical block). ``[QT, TU]`` and ``[QT, TJ]`` tiles.
-    2. Local window blocks (log prior 0, causal per row), then every union block: ``[BLOCK_T, D]`` K/V
-       tiles read from the pages once for the tile (addresses depend on ``j`` only, so loads can be
-       pipelined), ``[M, BLOCK_T]`` fp32 logits plus each row's bias, online softmax in base 2.
+    2. Local window blocks (log prior 0, causal per row) in ``[BLOCK_T, D]`` K/V tiles, then the union
+       blocks in ``[BLOCK_U, D]`` tiles (``BLOCK_U // BS`` consecutive union blocks per tile, or
+       ``BS // BLOCK_U`` tiles per block) read from the pages once for the tile (addresses depend on the
+       loop index only, so loads can be pipelined): ``[M, BLOCK_U]`` fp32 logits plus each row's bias
+       for the block of each key, online softmax in base 2.
     Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
     inconsistent get zeros.
     """
@@ -373,23 +371,34 @@ def _prefill_attn_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
 
-        # 2b. the union blocks (complete, before the local window), one sub-tile per iteration; the
-        # block ids are loaded as vectors (one address each): tensor loads the pipeliner can prefetch
-        for it in range(0, nu * NSUB):
-            j = it // NSUB
-            phys = tl.load(ublk_row + j + 0 * offs_t).to(tl.int64)
-            cand = tl.load(uidx_row + j + 0 * u_m)
-            bias = tl.load(ubias_tile + u_m.to(tl.int64) * sbi_u + cand)
+        # 2b. the union blocks (complete, before the local window): PER consecutive union blocks per tile
+        # (or NSUB2 tiles per block); block ids and biases are loaded as vectors (one address per block):
+        # tensor loads the pipeliner can prefetch
+        PER: tl.constexpr = max(BLOCK_U // BS, 1)
+        NSUB2: tl.constexpr = max(BS // BLOCK_U, 1)
+        offs_k = tl.arange(0, BLOCK_U)
+        for it in range(0, tl.cdiv(nu, PER) * NSUB2):
+            j_k = (it // NSUB2) * PER + offs_k // (BLOCK_U // PER)  # union index of each key of the tile
+            k_ok = j_k < nu
+            phys = tl.load(ublk_row + j_k, mask=k_ok, other=0).to(tl.int64)
             page = phys // ppb
-            rows = (phys % ppb) * BS + (it % NSUB) * BLOCK_T + offs_t
-            kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :])
-            qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias[:, None]
+            rows = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U + offs_k % (BLOCK_U // PER)
+            kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
+                         mask=k_ok[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(kt)) * qk_scale
+            for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block (-inf: not selected)
+                jb = (it // NSUB2) * PER + b
+                cand = tl.load(uidx_row + jb + 0 * u_m, mask=jb < nu, other=0)
+                bias = tl.load(ubias_tile + u_m.to(tl.int64) * sbi_u + cand, mask=jb < nu, other=float("-inf"))
+                in_b = (offs_k // (BLOCK_U // PER)) == b
+                qk = tl.where(in_b[None, :], qk + bias[:, None], qk)
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(qk - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :])
+            vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
+                         mask=k_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
             m_i = m_new
 
@@ -422,8 +431,8 @@ def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr
 class PrefillScratch:
     """Routing scratch of one wave of ``W`` tiles (``slots = W * QT`` token slots).
 
-    scores ``[slots, Hq, max_cand]`` fp32 (empty with ``ROUTE_RECOMPUTE``), mp ``[slots, Hsel, max_cand]`` fp32,
-    cap_keys like mp in int32 (the cap's key lists; empty without ``topk`` or ``CAP_COMPACT``), sel_idx / sel_blk
+    scores ``[slots, Hq, max_cand]`` fp32 (empty with ``ROUTE_RECOMPUTE``); mp ``[slots, Hsel, max_cand]`` fp32 and
+    mp_cand like it in int32: each unit's positive mp as a list, and their candidates; sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_idx / union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32.
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
@@ -434,7 +443,7 @@ class PrefillScratch:
     max_cand: int
     scores: torch.Tensor
     mp: torch.Tensor
-    cap_keys: torch.Tensor
+    mp_cand: torch.Tensor
     sel_idx: torch.Tensor
     sel_blk: torch.Tensor
     sel_bias: torch.Tensor
@@ -448,8 +457,7 @@ class PrefillScratch:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         score_rows = 0 if ROUTE_RECOMPUTE else hq
-        key_rows = hsel if _cap_compact(params) else 0
-        per_slot = 4 * (score_rows * max_cand + (hsel + key_rows) * max_cand + 3 * hsel * cap + hsel)
+        per_slot = 4 * (score_rows * max_cand + 2 * hsel * max_cand + 3 * hsel * cap + hsel)
         return qt * per_slot + 4 * hkv * max_cand * (2 + qt)
 
     @classmethod
@@ -463,7 +471,7 @@ class PrefillScratch:
             qt, tiles, max_cand,
             scores=torch.empty(0 if ROUTE_RECOMPUTE else slots, hq, max_cand, dtype=f32, device=device),
             mp=torch.empty(slots, hsel, max_cand, dtype=f32, device=device),
-            cap_keys=torch.empty(slots if _cap_compact(params) else 0, hsel, max_cand, dtype=i32, device=device),
+            mp_cand=torch.empty(slots, hsel, max_cand, dtype=i32, device=device),
             sel_idx=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_blk=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
@@ -472,17 +480,6 @@ class PrefillScratch:
             union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
             union_bias=torch.empty(tiles, hkv, qt, max_cand, dtype=f32, device=device),
         )
-
-    def cap_list_ptr(self, params: DashParams) -> torch.Tensor:
-        """The route kernels' ``ck`` argument: ``cap_keys`` (indexed with mp's strides) when the cap is
-        compacted (``CAP_COMPACT`` now, with a ``topk``), else mp as a placeholder the kernel never reads."""
-        if not _cap_compact(params):
-            return self.mp
-        if self.cap_keys.shape != self.mp.shape or self.cap_keys.stride() != self.mp.stride():
-            raise ValueError(f"cap_keys must have mp's shape and strides {tuple(self.mp.shape)} {self.mp.stride()} "
-                             f"with CAP_COMPACT (allocate the scratch with it set); got {tuple(self.cap_keys.shape)} "
-                             f"{self.cap_keys.stride()}")
-        return self.cap_keys
 
 
 @dataclass
@@ -543,11 +540,6 @@ def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot
                          f"{tuple(out.shape)} {out.dtype}")
 
 
-def _cap_compact(params: DashParams) -> bool:
-    """Whether the prefill routing compacts the cap's search (``CAP_COMPACT``, with a ``topk``)."""
-    return bool(CAP_COMPACT) and params.topk is not None
-
-
 def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams) -> dict:
     g = hq // hkv
     shared = params.router == "shared"
@@ -558,7 +550,6 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
         TC=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (qt * nh_pad))),
         TS=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (2 * NUM_PIVOTS * qt))),
         NPIV=NUM_PIVOTS, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared,
-        COMPACT=_cap_compact(params),
     )
 
 
@@ -579,7 +570,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
         t, s.scores, s.scores.stride(0), s.scores.stride(1), s.mp, s.mp.stride(0), s.mp.stride(1),
-        s.cap_list_ptr(params),
+        s.mp_cand,
         s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
@@ -609,7 +600,8 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         s.union_idx, s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
         s.union_bias.stride(1), s.union_bias.stride(2), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_T=min(bs, 64 if d <= 128 else 32), TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
+        BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=ATTN_KEYS if d <= 128 else min(bs, 32),
+        TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )

@@ -29,7 +29,7 @@ from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import summary_scores
 from .prefill import PrefillPlan, PrefillScratch, ROUTE_WARPS, _route_constexprs, _tile_bounds, _tile_rows
-from .routing import halley_step, mp_key_range, select_kept
+from .routing import append_positive, halley_step, mp_key_range, select_kept
 
 
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G", "HKV", "topk", "sel_cap"])
@@ -41,7 +41,7 @@ def _prefill_route_recompute_kernel(
     sf, x_scale, G, HKV, topk, inv_sigma,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
-    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, COMPACT: tl.constexpr,
+    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w`` into the same outputs as ``_prefill_route_kernel`` (mp, ``sel_*``, count)."""
@@ -68,7 +68,8 @@ def _prefill_route_recompute_kernel(
             h_hi = hp + 1
             hs = hp
             nrows_f = G * 1.0
-        mp_u = mp_ptr + slot_u * smp_n + hs * smp_h
+        mp_unit = slot_u * smp_n + hs * smp_h
+        mp_u = mp_ptr + mp_unit
         npos = tl.zeros([QT], tl.int32)
         key_min = tl.full([QT], 0x7F800000, tl.int32)  # bits of the smallest positive and the largest mp
         key_max = tl.zeros([QT], tl.int32)
@@ -116,8 +117,9 @@ def _prefill_route_recompute_kernel(
                     tl.store(dst, part, mask=cok)
                 else:
                     mp = part / nrows_f
-                    tl.store(dst, mp, mask=cok)
+                    npos_before = npos
                     npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
+                    append_positive(mp, c, cok, mp_ptr, ck_ptr, mp_unit, npos_before)
             tl.debug_barrier()
         if SHARED:
             for c0 in range(0, ncand, BLOCK_N):
@@ -125,15 +127,17 @@ def _prefill_route_recompute_kernel(
                 cok = unit_ok[:, None] & (c[None, :] < ncand)
                 dst = mp_u[:, None] + c[None, :]
                 mp = tl.load(dst, mask=cok, other=0.0) / nrows_f
-                tl.store(dst, mp, mask=cok)
+                tl.debug_barrier()  # the list overwrites entries <= c of mp, in place: every thread has read first
+                npos_before = npos
                 npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
-            tl.debug_barrier()  # mp is read back by other threads of this program
-        select_kept(mp_ptr, slot_u * smp_n + hs * smp_h, ncand_u, tl.max(ncand_u, axis=0), npos, bt_ptr,
+                append_positive(mp, c, cok, mp_ptr, ck_ptr, mp_unit, npos_before)
+            tl.debug_barrier()  # the lists are read back by other threads of this program
+        select_kept(mp_ptr, mp_unit, ncand_u, tl.max(ncand_u, axis=0), npos, bt_ptr,
                     req.to(tl.int64) * sbt_n + 0 * slot_u, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                     slot_u * ssel_n + hs * ssel_h, sel_cap, count_ptr, slot_u * scnt_n + hs, topk, inv_sigma, npos,
                     key_min, key_max, ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=False,
-                    X_IN_REGS=False, TC=TS, COMPACT=COMPACT)
+                    X_IN_REGS=False, TC=TS, LIST=True)
 
 
 def route_wave_recompute(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
@@ -151,7 +155,7 @@ def route_wave_recompute(q: torch.Tensor, cache: PagedKVCache, block_table: torc
     _prefill_route_recompute_kernel[(tiles, 1 if shared else hkv)](
         q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.mp, s.mp.stride(0), s.mp.stride(1), s.cap_list_ptr(params),
+        t, s.mp, s.mp.stride(0), s.mp.stride(1), s.mp_cand,
         s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, hkv, params.topk if params.topk is not None else 0,

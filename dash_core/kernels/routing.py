@@ -83,29 +83,65 @@ def mp_key_range(mp, ok, npos, key_min, key_max):
 
 
 @triton.jit
+def _kept_entries(mp_ptr, ck_ptr, mp_unit, j, n_u, LIST: tl.constexpr):
+    """Entries ``j [TS]`` of each unit's mp: ``(mp [QT, TS], candidate [QT, TS] int32, valid [QT, TS])``.
+    LIST: ``mp_ptr + mp_unit[u] + j`` holds the unit's positive mp in increasing candidate order and
+    ``ck_ptr + mp_unit[u] + j`` their candidates, ``n_u`` of them; otherwise mp of candidate ``j``, ``n_u``
+    candidates."""
+    valid = j[None, :] < n_u[:, None]
+    mpv = tl.load(mp_ptr + mp_unit[:, None] + j[None, :], mask=valid, other=0.0)
+    if LIST:
+        cand = tl.load(ck_ptr + mp_unit[:, None] + j[None, :], mask=valid, other=0)
+    else:
+        cand = j[None, :] + tl.zeros_like(n_u)[:, None]
+    return mpv, cand, valid
+
+
+@triton.jit
+def append_positive(mp, c, ok, mp_ptr, ck_ptr, mp_unit, npos):
+    """Append the positive entries of an ``[QT, T]`` mp tile (candidates ``c [T]``, entries where
+    ``ok``) to each unit's list (``select_kept``'s LIST layout) after its ``npos [QT]`` entries;
+    returns the new lengths. Tiles must come in increasing candidate order."""
+    pos = (mp > 0) & ok
+    pos_i = pos.to(tl.int32)
+    j = npos[:, None] + tl.cumsum(pos_i, axis=1) - pos_i
+    dst = mp_unit[:, None] + j
+    tl.store(mp_ptr + dst, mp, mask=pos)
+    tl.store(ck_ptr + dst, c[None, :] + tl.zeros_like(j), mask=pos)
+    return npos + tl.sum(pos_i, axis=1)
+
+
+@triton.jit
 def select_kept(
     mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
     count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max, ck_ptr,
     QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
     PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr,
-    COMPACT: tl.constexpr,
+    LIST: tl.constexpr,
 ):
     """The ``topk`` cap, ties, prior and compaction of ``QT`` units from their ``mp`` in scratch
     (``mp_ptr + mp_unit[u] + c``, ``npos [QT]`` positive entries each, ``nmax`` the most candidates):
     the second half of ``route_tile``, also called by routing kernels that compute ``mp`` themselves.
     ``mp_regs [QT, TC]``: the mp already in registers (``X_IN_REGS``; otherwise any placeholder).
-    COMPACT (the multi-pivot search only): the search starts from ``[key_min, key_max + 1)`` (``[QT]``
-    int32: the bits of each unit's smallest positive and largest mp); its second pass also copies the
-    keys inside the bracket left by the first to ``ck_ptr + mp_unit[u] + j`` (int32 scratch shaped
-    like mp), and the later passes read only those lists. Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
+    LIST (not with ONE_TILE): the scratch holds only each unit's ``npos`` positive mp, in increasing
+    candidate order, with their candidates at ``ck_ptr + mp_unit[u] + j`` (``append_positive``), and
+    ``[key_min, key_max]`` (``[QT]`` int32) are the bits of the smallest and the largest: every pass
+    reads the lists, never the other candidates. Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
     """
+    tl.static_assert(not (LIST and ONE_TILE), "LIST is for the multi-pivot search")
     offs_s = tl.arange(0, TS)
+    if LIST:  # the passes below read npos list entries instead of ncand candidates
+        n_u = npos
+        n_hi = tl.max(npos, axis=0)
+    else:
+        n_u = ncand
+        n_hi = nmax
     # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
     thr = tl.zeros([QT], tl.int32)
     need = npos < 0
     if HAS_TOPK:
         need = npos > topk
-        if COMPACT and not ONE_TILE:  # the topk-th largest key lies in [smallest positive, largest]
+        if LIST:  # the topk-th largest key lies in [smallest positive, largest]
             lo_k = tl.where(need, key_min, 0)
             hi_k = tl.where(need, key_max + 1, 1)
         else:
@@ -140,11 +176,6 @@ def select_kept(
             lo_k = tl.where(need, prefix, lo_k)
             hi_k = lo_k + 1
         # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k.
-        # COMPACT: pass 0 reads every candidate; pass 1 also copies the keys in [lo_k, hi_k) to the unit's
-        # list (m_u of them; ge_hi keys lie above: pass 0's count at hi_k); later passes read only the lists.
-        m_u = tl.zeros([QT], tl.int32)
-        npass = tl.max(m_u, axis=0)  # 0 as a scalar tensor (a loop-carried value)
-        ge_hi = tl.zeros([QT], tl.int32)
         while tl.max(hi_k - lo_k, axis=0) > 1:
             span = (hi_k - lo_k).to(tl.int64)
             piv = lo_k[:, None] + (span[:, None] * (offs_p[None, :] + 1) // (NPIV + 1)).to(tl.int32)
@@ -152,42 +183,15 @@ def select_kept(
                 ge = tl.sum((key_all[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
             else:
                 ge = tl.zeros([QT, NPIV], tl.int32)
-                full_pass = npass >= 0  # (a runtime True)
-                if COMPACT:
-                    full_pass = npass < 2
-                    if npass >= 2:
-                        ge += ge_hi[:, None]
-                        for j0 in range(0, tl.max(m_u, axis=0), TS):
-                            j = j0 + offs_s
-                            key = tl.load(ck_ptr + mp_unit[:, None] + j[None, :], mask=j[None, :] < m_u[:, None],
-                                          other=0)
-                            ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
-                if full_pass:
-                    for c0 in range(0, nmax, TS):
-                        c = c0 + offs_s
-                        cok = c[None, :] < ncand[:, None]
-                        key = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok,
-                                      other=0.0).to(tl.int32, bitcast=True)
-                        ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
-                        if COMPACT:
-                            if npass == 1:  # the unit's keys inside the bracket, in candidate order
-                                inb = (key >= lo_k[:, None]) & (key < hi_k[:, None]) & cok & need[:, None]
-                                inb_i = inb.to(tl.int32)
-                                j = m_u[:, None] + tl.cumsum(inb_i, axis=1) - inb_i
-                                tl.store(ck_ptr + mp_unit[:, None] + j, key, mask=inb)
-                                m_u += tl.sum(inb_i, axis=1)
+                for c0 in range(0, n_hi, TS):
+                    mpv, _c, valid = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_s, n_u, LIST)
+                    key = mpv.to(tl.int32, bitcast=True)
+                    ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
             enough = ge >= topk
-            if COMPACT:
-                if npass == 0:  # keys >= the new hi_k: ge falls as the pivot rises, so the largest short count
-                    ge_hi = tl.where(need, tl.max(tl.where(enough, 0, ge), axis=1), 0)
             new_lo = tl.max(tl.where(enough, piv, lo_k[:, None]), axis=1)
             new_hi = tl.min(tl.where(enough, hi_k[:, None], piv), axis=1)
             lo_k = tl.where(need, tl.maximum(lo_k, new_lo), lo_k)
             hi_k = tl.where(need, tl.minimum(hi_k, new_hi), hi_k)
-            if COMPACT:
-                if npass == 1:
-                    tl.debug_barrier()  # the lists are read back by other threads of this program
-            npass += 1
         thr = tl.where(need, lo_k, 0)
 
     # How many ties at the threshold are kept; geometric mean of the kept mp (estimate_diagonal).
@@ -197,10 +201,8 @@ def select_kept(
         ngt = tl.zeros([QT], tl.int32)
         slog = tl.zeros([QT], tl.float32)
         nlog = tl.zeros([QT], tl.float32)
-        for c0 in range(0, nmax, TS):
-            c = c0 + offs_s
-            cok = c[None, :] < ncand[:, None]
-            mpv = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok, other=0.0)
+        for c0 in range(0, n_hi, TS):
+            mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_s, n_u, LIST)
             gt = (mpv.to(tl.int32, bitcast=True) > thr[:, None]) & cok
             ngt += tl.sum(gt.to(tl.int32), axis=1)
             if EST_DIAG:
@@ -219,10 +221,8 @@ def select_kept(
     ppb: tl.constexpr = PS // BS
     nkept = tl.zeros([QT], tl.int32)
     nties = tl.zeros([QT], tl.int32)
-    for c0 in range(0, nmax, TS):
-        c = c0 + offs_s
-        cok = c[None, :] < ncand[:, None]
-        mpv = tl.load(mp_ptr + mp_unit[:, None] + c[None, :], mask=cok, other=0.0)
+    for c0 in range(0, n_hi, TS):
+        mpv, c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_s, n_u, LIST)
         key = mpv.to(tl.int32, bitcast=True)
         gt = (key > thr[:, None]) & cok
         tie = (key == thr[:, None]) & (key > 0) & cok
@@ -239,10 +239,10 @@ def select_kept(
             bias = (logmp - log_g[:, None]) * inv_sigma
         else:
             bias = logmp
-        page = tl.load(bt_ptr + bt_unit[:, None] + c[None, :] // ppb, mask=keep_w, other=0).to(tl.int64)
-        blk = page * ppb + c[None, :] % ppb
+        page = tl.load(bt_ptr + bt_unit[:, None] + c // ppb, mask=keep_w, other=0).to(tl.int64)
+        blk = page * ppb + c % ppb
         dst = sel_unit[:, None] + j
-        tl.store(sel_idx_ptr + dst, c[None, :] + tl.zeros([QT, TS], tl.int32), mask=keep_w)
+        tl.store(sel_idx_ptr + dst, c, mask=keep_w)
         tl.store(sel_blk_ptr + dst, blk.to(tl.int32), mask=keep_w)
         tl.store(sel_bias_ptr + dst, bias, mask=keep_w)
         nkept += tl.sum(keep_i, axis=1)
@@ -258,7 +258,7 @@ def route_tile(
     count_ptr, count_unit, topk, inv_sigma,
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
-    X_IN_REGS: tl.constexpr = False, COMPACT: tl.constexpr = False,
+    X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False,
 ):
     """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
 
@@ -273,9 +273,11 @@ def route_tile(
     (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes (with
     one unit: a 4-pass radix select on 256-bin histograms instead of the pivot search);
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
-    The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept`` (COMPACT and
-    ``ck_ptr``, the cap's int32 key lists shaped like mp: its bracket compaction).
+    The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST (not with
+    X_IN_REGS): the mp scratch receives each unit's positive mp only, as a list with their candidates
+    in ``ck_ptr`` (int32, shaped like mp), and the cap and compaction read those lists.
     """
+    tl.static_assert(not (LIST and X_IN_REGS), "LIST is for scores read in tiles")
     offs_r = tl.arange(0, NH_PAD)
     offs_c = tl.arange(0, TC)
     row_ok = offs_r < nrows
@@ -326,8 +328,12 @@ def route_tile(
             x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
             diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
             mp = tl.sum(diff * diff, axis=1) / nrows_f
-            tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
+            npos_before = npos
             npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
+            if LIST:
+                append_positive(mp, c, cok, mp_ptr, ck_ptr, mp_unit, npos_before)
+            else:
+                tl.store(mp_ptr + mp_unit[:, None] + c[None, :], mp, mask=cok)
     tl.debug_barrier()  # mp is read back by other threads of this program
 
     if X_IN_REGS:  # the cap reads the mp bits from registers
@@ -335,13 +341,13 @@ def route_tile(
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=True, TC=TC, COMPACT=COMPACT)
+                    X_IN_REGS=True, TC=TC, LIST=False)
     else:
         select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=False, TC=TC, COMPACT=COMPACT)
+                    X_IN_REGS=False, TC=TC, LIST=LIST)
 
 
 @triton.jit

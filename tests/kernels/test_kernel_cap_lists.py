@@ -1,10 +1,11 @@
-"""The ``topk`` cap's compacted pivot search (``routing.select_kept`` with COMPACT, prefill's
-``CAP_COMPACT``) picks the same threshold, hence the same kept blocks, as a sort.
+"""The ``topk`` cap over lists of positive mp (``routing.select_kept`` with LIST, filled by
+``append_positive``, as the prefill route kernels do) keeps the same blocks as a sort, and as the
+search over every candidate (LIST off, as decode does for long rows).
 
 The cap is exact (SPEC.md section 5: the ``topk`` largest ``mp``, ties to the lower block), so every
-comparison here is exact: no tolerance. Crafted ``mp`` rows stress what the compaction changes: many
+comparison here is exact: no tolerance. Crafted ``mp`` rows stress what the lists change: many
 ties at the threshold, keys spread over many binades, neighbouring bit patterns, zeros, fewer
-positive entries than ``topk``; the prefill kernels are then run with the switch on and off.
+positive entries than ``topk``, positives spread over several tiles of the list.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton.language as tl
 from dash_core import DashParams
 from dash_core.kernels import prefill as pf
 from dash_core.kernels.prefill_route import route_wave_recompute
-from dash_core.kernels.routing import mp_key_range, select_kept
+from dash_core.kernels.routing import append_positive, mp_key_range, select_kept
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._prefill_scenarios import make_prefill_case, plan_and_scratch, token_slots
 from tests.kernels.test_kernel_prefill import check_routing
@@ -27,9 +28,10 @@ DEV = KERNEL_DEVICE
 
 @triton.jit
 def _cap_kernel(mp_ptr, ncand_ptr, ck_ptr, bt_ptr, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, count_ptr, NMAX, topk,
-                QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, COMPACT: tl.constexpr):
+                QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, LIST: tl.constexpr):
     """One program caps ``QT`` rows of ``mp [QT, NMAX]`` (row u has ``ncand[u]`` candidates; block
-    table = identity) into ``sel_* [QT, topk]`` and ``count [QT]``."""
+    table = identity) into ``sel_* [QT, topk]`` and ``count [QT]``. LIST: the rows are first rewritten
+    in place as lists of their positive entries (candidates in ``ck``)."""
     offs_u = tl.arange(0, QT)
     offs_s = tl.arange(0, TS)
     ncand = tl.load(ncand_ptr + offs_u)
@@ -42,11 +44,16 @@ def _cap_kernel(mp_ptr, ncand_ptr, ck_ptr, bt_ptr, sel_idx_ptr, sel_blk_ptr, sel
         c = c0 + offs_s
         cok = c[None, :] < ncand[:, None]
         mp = tl.load(mp_ptr + unit[:, None] + c[None, :], mask=cok, other=0.0)
+        npos_before = npos
         npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
+        if LIST:
+            tl.debug_barrier()  # in place: every thread has read the tile before entries <= c are written
+            append_positive(mp, c, cok, mp_ptr, ck_ptr, unit, npos_before)
+    tl.debug_barrier()
     select_kept(mp_ptr, unit, ncand, nmax, npos, bt_ptr, unit * 0, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                 offs_u.to(tl.int64) * topk, topk, count_ptr, offs_u, topk, 1.0, npos, key_min, key_max, ck_ptr,
                 QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=True, EST_DIAG=False, PS=1, BS=1, ONE_TILE=False,
-                X_IN_REGS=False, TC=TS, COMPACT=COMPACT)
+                X_IN_REGS=False, TC=TS, LIST=LIST)
 
 
 def _crafted_rows(nmax: int, seed: int) -> tuple:
@@ -83,10 +90,10 @@ def _expected(mp_row: torch.Tensor, topk: int) -> list:
     return sorted(j for _, j in sorted(pos)[:topk])
 
 
-@pytest.mark.parametrize("compact", [True, False])
+@pytest.mark.parametrize("lists", [True, False])
 @pytest.mark.parametrize("topk", [1, 7, 64])
-def test_select_kept_threshold_matches_sort(compact, topk):
-    nmax = 300  # 19 tiles of TS = 16 per full pass
+def test_select_kept_threshold_matches_sort(lists, topk):
+    nmax = 300  # 19 tiles of TS = 16 per pass over every candidate
     rows, ncand = _crafted_rows(nmax, 11 + topk)
     mp = rows.clone()
     for u in range(8):
@@ -98,60 +105,42 @@ def test_select_kept_threshold_matches_sort(compact, topk):
     count = torch.full((8,), -1, dtype=torch.int32)
     bt = torch.arange(nmax, dtype=torch.int32)
     dev = [x.to(DEV) for x in (mp, ncand, ck, bt, sel_idx, sel_blk, sel_bias, count)]
-    _cap_kernel[(1,)](*dev, nmax, topk, QT=8, TS=16, NPIV=16, COMPACT=compact)
+    _cap_kernel[(1,)](*dev, nmax, topk, QT=8, TS=16, NPIV=16, LIST=lists)
     mp_d, _, ck_d, _, sel_idx_d, sel_blk_d, sel_bias_d, count_d = [x.cpu() for x in dev]
     for u in range(8):
         want = _expected(rows[u, :ncand[u]], topk)
         c = int(count_d[u])
         got = sel_idx_d[u, :c].tolist()
-        assert got == want, f"row {u} (topk {topk}, compact {compact}): kept {got}, sort keeps {want}"
+        assert got == want, f"row {u} (topk {topk}, lists {lists}): kept {got}, sort keeps {want}"
         assert sel_blk_d[u, :c].tolist() == want  # identity block table
         # log of the kept mp in fp32 against float64: within a few fp32 ulps of |log mp| <= 97
         assert torch.allclose(sel_bias_d[u, :c].double(), rows[u, want].double().log(), rtol=0, atol=2e-5)
-    if compact:  # the search went past its second pass somewhere and read the lists
-        assert (ck_d >= 0).any(), "no unit's keys were compacted: the test does not reach the compacted passes"
-
-
-def _route(fn, case, compact: int, monkeypatch):
-    monkeypatch.setattr(pf, "CAP_COMPACT", compact)
-    plan, scratch = plan_and_scratch(case)
-    if scratch.cap_keys.numel():
-        scratch.cap_keys.fill_(-1)
-    fn(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0, plan.num_tiles)
-    return plan, scratch
+        if lists:  # the list: the row's positive entries in candidate order
+            pos = (rows[u, :ncand[u]] > 0).nonzero().flatten()
+            assert torch.equal(ck_d[u, :pos.numel()], pos.to(torch.int32))
+            assert torch.equal(mp_d[u, :pos.numel()], rows[u, pos])
 
 
 @pytest.mark.parametrize("fn", [pf.route_wave, route_wave_recompute], ids=["stored", "recomputed"])
-@pytest.mark.parametrize("router,topk", [("kv_head", 3), ("shared", 5)])
-def test_prefill_cap_compaction_keeps_the_same_blocks(fn, router, topk, monkeypatch):
-    """The prefill route kernels with ``CAP_COMPACT`` on: the oracle's kept blocks (``check_routing``),
-    and bit for bit the selection of the uncompacted search on the same ``mp``."""
+@pytest.mark.parametrize("router,topk", [("kv_head", 3), ("shared", 5), ("kv_head", None)])
+def test_prefill_route_lists_keep_the_oracle_blocks(fn, router, topk):
+    """Both prefill route kernels (which cap and compact from the lists of positive mp): the oracle's
+    kept blocks (``check_routing``), and each unit's list holds its positive mp in candidate order."""
     p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, router=router)
     case = make_prefill_case(23, [(16 * 45 + 5, 20), (300, 12)], hq=4, hkv=2, params=p, q_scale=1.5).to(DEV)
-    plan, on = _route(fn, case, 1, monkeypatch)
-    check_routing(case, plan, on)
-    assert (on.cap_keys >= 0).any(), "no unit's keys were compacted: the test does not reach the compacted passes"
-    _, off = _route(fn, case, 0, monkeypatch)
-    assert off.cap_keys.numel() == 0
-    slots = sorted(token_slots(case, plan).values())
-    assert torch.equal(on.sel_count[slots], off.sel_count[slots])
-    cnt = on.sel_count[slots].cpu()
-    for name in ("sel_idx", "sel_blk", "sel_bias"):
-        a, b = getattr(on, name)[slots].cpu(), getattr(off, name)[slots].cpu()
-        for r in range(len(slots)):
-            for u in range(cnt.shape[1]):
-                c = int(cnt[r, u])
-                assert torch.equal(a[r, u, :c], b[r, u, :c]), f"{name} of slot {slots[r]} unit {u} differs"
-
-
-def test_scratch_without_cap_keys_is_refused(monkeypatch):
-    """A scratch allocated with ``CAP_COMPACT`` off, launched with it on: a ValueError, not int32 key
-    lists written over mp."""
-    p = DashParams(block_size=16, topk=3)
-    case = make_prefill_case(3, [(100, 10)], hq=4, hkv=2, params=p).to(DEV)
-    monkeypatch.setattr(pf, "CAP_COMPACT", 0)
     plan, scratch = plan_and_scratch(case)
-    monkeypatch.setattr(pf, "CAP_COMPACT", 1)
-    with pytest.raises(ValueError, match="cap_keys"):
-        pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
-                      plan.num_tiles)
+    scratch.mp_cand.fill_(-1)
+    fn(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0, plan.num_tiles)
+    check_routing(case, plan, scratch)
+    cand = scratch.mp_cand.cpu()
+    mp = scratch.mp.cpu()
+    listed = 0
+    for slot in token_slots(case, plan).values():
+        for u in range(cand.shape[1]):
+            row = cand[slot, u]
+            n = int((row >= 0).sum())
+            assert torch.all(row[:n] >= 0) and torch.all(row[n:] == -1), "a list is not contiguous"
+            assert torch.all(row[1:n] > row[:n - 1]), "a list is not in candidate order"
+            assert torch.all(mp[slot, u, :n] > 0)
+            listed += n
+    assert listed > 0
