@@ -51,18 +51,12 @@ logger = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 896 << 20  # routing scratch of one wave (scores, mp, selection, union lists): < 1 GB
 ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
-ROUTE_TILE_BUDGET = 2048  # elements of route_tile's largest register tile (QT units at once)
+ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (QT units at once; 2048: 14 ms slower at 128k)
 ROUTE_WARPS = 8
 ATTN_WARPS = 4
-ATTN_STAGES = 3
+ATTN_STAGES = 2  # (3: 15 ms slower at 128k topk 64 on the H200)
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
-# 1: route with ``prefill_route`` (scores recomputed from the L2-resident summaries in every entmax pass,
-# no score scratch); 0: store the scores once and read them back. Timed on the H200 at 128k (docs/
-# PERFORMANCE.md): faster uncapped (routing 49 against 60 ms), slower with topk 64 (145 against 107 ms:
-# its larger waves push mp and the cap's lists out of L2), so 0 by default. Time again with
-# ``benchmarks/prefill.py --tune ROUTE_RECOMPUTE=1``.
-ROUTE_RECOMPUTE = 0
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E_HOST)
@@ -267,7 +261,7 @@ def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
-    uidx_ptr, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, sbi_u, o_ptr, so_t, so_h, qk_scale, G,
+    uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, sbi_u, o_ptr, so_t, so_h, qk_scale, G,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
 ):
@@ -277,8 +271,10 @@ def _prefill_attn_kernel(
     1. Union, in three parallel passes over the tile's region of the scratch: every candidate's row
        ``ubias [w, h, u, c]`` set to ``-inf``; each token u's kept blocks (``sel_* [slot, Hsel, cap]``,
        ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``) scattered there as log2 priors;
-       the candidates some token kept compacted, in increasing order, into ``uidx [w, h, j]`` (logical)
-       and ``ublk [w, h, j]`` (physical block). ``[QT, TU]`` and ``[QT, TJ]`` tiles.
+       the candidates some token kept compacted, in increasing order, into ``ublk [w, h, j]`` (physical
+       block) with every token's log2 prior for it in ``uprior [w, h, j, u]`` (``-inf``: not kept by
+       token u), so that the attention loop reads them at addresses of ``j`` only. ``[QT, TU]`` and
+       ``[QT, TJ]`` tiles.
     2. Local window blocks (log prior 0, causal per row) in ``[BLOCK_T, D]`` K/V tiles, then the union
        blocks in ``[BLOCK_U, D]`` tiles (``BLOCK_U // BS`` consecutive union blocks per tile, or
        ``BS // BLOCK_U`` tiles per block) read from the pages once for the tile (addresses depend on the
@@ -313,7 +309,7 @@ def _prefill_attn_kernel(
         cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
         ubias_tile = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h
         ubias_u = ubias_tile + offs_u[:, None].to(tl.int64) * sbi_u
-        uidx_row = uidx_ptr + w.to(tl.int64) * sub_w + h * sub_h
+        uprior_row = uprior_ptr + w.to(tl.int64) * spr_w + h * spr_h  # [max_cand, QT] contiguous
         ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
         for c0 in range(0, ncand, TU):
             c = c0 + offs_c
@@ -337,7 +333,7 @@ def _prefill_attn_kernel(
             kept_i = kept.to(tl.int32)
             j = nu + tl.cumsum(kept_i, axis=0) - kept_i
             page = tl.load(bt_row + c // ppb_u, mask=kept, other=0)
-            tl.store(uidx_row + j, c, mask=kept)
+            tl.store(uprior_row + j[None, :] * QT + offs_u[:, None], bt, mask=kept[None, :])
             tl.store(ublk_row + j, page * ppb_u + c % ppb_u, mask=kept)
             nu += tl.sum(kept_i, axis=0)
         tl.debug_barrier()  # the union lists are read back by other threads
@@ -388,8 +384,7 @@ def _prefill_attn_kernel(
             qk = tl.dot(q, tl.trans(kt)) * qk_scale
             for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block (-inf: not selected)
                 jb = (it // NSUB2) * PER + b
-                cand = tl.load(uidx_row + jb + 0 * u_m, mask=jb < nu, other=0)
-                bias = tl.load(ubias_tile + u_m.to(tl.int64) * sbi_u + cand, mask=jb < nu, other=float("-inf"))
+                bias = tl.load(uprior_row + jb * QT + u_m, mask=jb < nu, other=float("-inf"))
                 in_b = (offs_k // (BLOCK_U // PER)) == b
                 qk = tl.where(in_b[None, :], qk + bias[:, None], qk)
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
@@ -431,10 +426,11 @@ def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr
 class PrefillScratch:
     """Routing scratch of one wave of ``W`` tiles (``slots = W * QT`` token slots).
 
-    scores ``[slots, Hq, max_cand]`` fp32 (empty with ``ROUTE_RECOMPUTE``); mp ``[slots, Hsel, max_cand]`` fp32 and
+    scores ``[slots, Hq, max_cand]`` fp32; mp ``[slots, Hsel, max_cand]`` fp32 and
     mp_cand like it in int32: each unit's positive mp as a list, and their candidates; sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
-    union_idx / union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32.
+    union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32 (by candidate) and
+    union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
     """
 
@@ -448,17 +444,16 @@ class PrefillScratch:
     sel_blk: torch.Tensor
     sel_bias: torch.Tensor
     sel_count: torch.Tensor
-    union_idx: torch.Tensor
     union_blk: torch.Tensor
     union_bias: torch.Tensor
+    union_prior: torch.Tensor
 
     @staticmethod
     def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams) -> int:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
-        score_rows = 0 if ROUTE_RECOMPUTE else hq
-        per_slot = 4 * (score_rows * max_cand + 2 * hsel * max_cand + 3 * hsel * cap + hsel)
-        return qt * per_slot + 4 * hkv * max_cand * (2 + qt)
+        per_slot = 4 * (hq * max_cand + 2 * hsel * max_cand + 3 * hsel * cap + hsel)
+        return qt * per_slot + 4 * hkv * max_cand * (1 + 2 * qt)
 
     @classmethod
     def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
@@ -469,16 +464,16 @@ class PrefillScratch:
         f32, i32 = torch.float32, torch.int32
         return cls(
             qt, tiles, max_cand,
-            scores=torch.empty(0 if ROUTE_RECOMPUTE else slots, hq, max_cand, dtype=f32, device=device),
+            scores=torch.empty(slots, hq, max_cand, dtype=f32, device=device),
             mp=torch.empty(slots, hsel, max_cand, dtype=f32, device=device),
             mp_cand=torch.empty(slots, hsel, max_cand, dtype=i32, device=device),
             sel_idx=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_blk=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
             sel_count=torch.empty(slots, hsel, dtype=i32, device=device),
-            union_idx=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
             union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
             union_bias=torch.empty(tiles, hkv, qt, max_cand, dtype=f32, device=device),
+            union_prior=torch.empty(tiles, hkv, max_cand, qt, dtype=f32, device=device),
         )
 
 
@@ -557,10 +552,6 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
                seq_lens: torch.Tensor, params: DashParams, plan: PrefillPlan, scratch: PrefillScratch,
                tile0: int, tiles: int) -> None:
     """Route tiles ``tile0 .. tile0 + tiles - 1`` into ``scratch`` (slot ``w * QT + u``)."""
-    if ROUTE_RECOMPUTE:
-        from .prefill_route import route_wave_recompute
-
-        return route_wave_recompute(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
     t, hq, d = q.shape
     hkv = cache.num_kv_heads
     g = hq // hkv
@@ -597,7 +588,8 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
         t, s.sel_idx, s.sel_bias, s.sel_idx.stride(0), 0 if shared else s.sel_idx.stride(1),
         s.sel_count, s.sel_count.stride(0), 0 if shared else s.sel_count.stride(1),
-        s.union_idx, s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
+        s.union_prior, s.union_prior.stride(0), s.union_prior.stride(1),
+        s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
         s.union_bias.stride(1), s.union_bias.stride(2), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=ATTN_KEYS if d <= 128 else min(bs, 32),

@@ -17,12 +17,10 @@ import torch
 
 from dash_core import DashParams
 from dash_core.kernels import prefill as pf
-from dash_core.kernels import prefill_route as pr
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
-PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf,
-                   "_prefill_route_recompute_kernel": pr}  # both routing variants (prefill.ROUTE_RECOMPUTE)
+PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf}
 kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 
 CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
@@ -47,11 +45,9 @@ def record_launches() -> dict:
     saved = {name: getattr(mod, name) for name, mod in PREFILL_KERNELS.items()}
     for name, mod in PREFILL_KERNELS.items():
         setattr(mod, name, kc._Recorder(name, saved[name], calls))
-    recompute = pf.ROUTE_RECOMPUTE
     try:
         configs = [c + (None,) for c in CONFIGS] + INDEXER_CONFIGS
-        for (dtype, hq, hkv, d, bs, ps, max_pages, pk, hi), pf.ROUTE_RECOMPUTE in [(c, r) for c in configs
-                                                                                  for r in (0, 1)]:
+        for dtype, hq, hkv, d, bs, ps, max_pages, pk, hi in configs:
             p = DashParams(block_size=bs, **pk)
             num_pages = 4
             kb = torch.zeros(num_pages * ps, hkv, d, dtype=dtype)
@@ -68,7 +64,6 @@ def record_launches() -> dict:
                 pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, scratch_bytes=1 << 24,
                                              iq=iq)
     finally:
-        pf.ROUTE_RECOMPUTE = recompute
         for name, mod in PREFILL_KERNELS.items():
             setattr(mod, name, saved[name])
     return calls

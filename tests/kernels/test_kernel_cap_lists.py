@@ -17,7 +17,6 @@ import triton.language as tl
 
 from dash_core import DashParams
 from dash_core.kernels import prefill as pf
-from dash_core.kernels.prefill_route import route_wave_recompute
 from dash_core.kernels.routing import append_positive, mp_key_range, select_kept
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._prefill_scenarios import make_prefill_case, plan_and_scratch, token_slots
@@ -121,16 +120,15 @@ def test_select_kept_threshold_matches_sort(lists, topk):
             assert torch.equal(mp_d[u, :pos.numel()], rows[u, pos])
 
 
-@pytest.mark.parametrize("fn", [pf.route_wave, route_wave_recompute], ids=["stored", "recomputed"])
 @pytest.mark.parametrize("router,topk", [("kv_head", 3), ("shared", 5), ("kv_head", None)])
-def test_prefill_route_lists_keep_the_oracle_blocks(fn, router, topk):
-    """Both prefill route kernels (which cap and compact from the lists of positive mp): the oracle's
+def test_prefill_route_lists_keep_the_oracle_blocks(router, topk):
+    """The prefill route kernel (which caps and compact from the lists of positive mp): the oracle's
     kept blocks (``check_routing``), and each unit's list holds its positive mp in candidate order."""
     p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, router=router)
     case = make_prefill_case(23, [(16 * 45 + 5, 20), (300, 12)], hq=4, hkv=2, params=p, q_scale=1.5).to(DEV)
     plan, scratch = plan_and_scratch(case)
     scratch.mp_cand.fill_(-1)
-    fn(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0, plan.num_tiles)
+    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0, plan.num_tiles)
     check_routing(case, plan, scratch)
     cand = scratch.mp_cand.cpu()
     mp = scratch.mp.cpu()
