@@ -43,7 +43,7 @@ def test_rows_without_values_print_a_dash_and_speed_ups_use_the_faster_dense_pee
         _rec(8192, "dense-flashinfer", "one-shot", 2.0),
         _rec(8192, "dense-sdpa", "one-shot flash", 4.0),
         _rec(8192, "dash-triton", "one-shot", 4.0, topk=64, write=True),
-        _rec(8192, "dash-triton", "one-shot cap_compact=0", 1.5, topk=64, write=True),  # a --tune row: not the default
+        _rec(8192, "dash-triton", "one-shot attn_stages=3", 1.5, topk=64, write=True),  # a --tune row: not the default
         _rec(8192, "dash-triton", "route-only", 1.0, topk=64, peak_mb=None, kv_fraction=None, floor_ms=None,
              floor_fraction=None),
         _rec(131072, "dense-flashinfer", "one-shot", 250.0),

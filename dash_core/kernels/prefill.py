@@ -18,10 +18,12 @@ for the whole prompt. Each wave is two launches:
 
 - ``_prefill_route_kernel``, grid ``(W, Hkv)`` (``(W, 1)`` for router ``shared``): scores of the tile's
   tokens against every candidate summary (``tl.dot``, read through the page table) into the scratch,
-  then ``routing.route_tile`` with the tile's tokens as units: the one routing routine of decode.
+  then ``routing.route_tile`` with the tile's tokens as units: the one routing routine of decode (here
+  writing each unit's positive ``mp`` as a list, which the ``topk`` cap and the compaction read instead
+  of every candidate).
 - ``_prefill_attn_kernel``, grid ``(W, Hkv)``: the union of the tile's selected blocks (built in
   parallel passes: a per-candidate table of each token's log prior, then a scan that compacts the
-  candidates some token kept), then attention of the ``QT * G`` rows over the local window (causal)
+  candidates some token kept, with every token's prior, by union position), then attention of the ``QT * G`` rows over the local window (causal)
   and each union block, loading each K/V block once for the tile; rows that did not select a block
   get ``-inf`` logits there, the others their log prior. Queries of a tile routed to the same block
   share the load and the MMA (how much depends on how similar neighbouring tokens' selections are).

@@ -21,9 +21,9 @@ entmax reads the score rows from the scratch (L2-resident at decode sizes) once 
 candidates fit one register tile, else once per Halley step. The cap never sorts: the
 ``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive floats order like their
 bits), by a radix select on histograms (8 bits a pass) when a unit's candidates fit one register
-tile, else by a multi-pivot search (prefill: from each unit's range of positive mp; its second pass
-copies the keys inside the bracket to a scratch list, the later passes read only that); ties go to
-the lower block.
+tile, else by a multi-pivot search (prefill: over each unit's list of positive mp, written as mp is
+computed, from the range of its keys; the ties and the compaction read the list too); ties go to the
+lower block.
 """
 
 from __future__ import annotations
