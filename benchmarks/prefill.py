@@ -62,21 +62,29 @@ PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
 MARK_BEGIN, MARK_END = "<!-- prefill-benchmark:begin -->", "<!-- prefill-benchmark:end -->"
 
 
+def synthetic_prompt(n, hq, hkv, d, bs, dtype, g: torch.Generator, q_corr) -> tuple:
+    """The benchmark's prompt tensors ``(q [n, Hq, D], k, v [n, Hkv, D], head_cls [Hkv, D])`` in ``dtype``,
+    drawn from ``g`` on its device: Gaussian keys with a per-block offset, queries an AR(1) walk of
+    correlation ``q_corr`` (0: none)."""
+    device = g.device
+    k = torch.randn(n, hkv, d, device=device, generator=g)
+    # per-block offsets make some blocks stand out, as trained keys do, so routing is not flat
+    k += 0.5 * torch.randn(-(-n // bs), hkv, d, device=device, generator=g).repeat_interleave(bs, 0)[:n]
+    v = torch.randn(n, hkv, d, device=device, generator=g)
+    q = torch.randn(n, hq, d, device=device, generator=g)
+    q = ar1_walk(q, q_corr) if q_corr else q
+    head_cls = torch.randn(hkv, d, device=device, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype), head_cls.to(dtype)
+
+
 class Prompt:
     """One prompt of ``n`` tokens: ``q [n, Hq, D]``, ``k, v [n, Hkv, D]`` and a paged cache (SGLang
     layout, pages shuffled) with its summary store; K/V and summaries written once here."""
 
     def __init__(self, n, hq, hkv, d, bs, ps, dtype, device, seed, q_corr, cuda):
-        g = torch.Generator(device=device).manual_seed(seed)
         self.n, self.hq, self.hkv, self.d = n, hq, hkv, d
-        k = torch.randn(n, hkv, d, device=device, generator=g)
-        # per-block offsets make some blocks stand out, as trained keys do, so routing is not flat
-        k += 0.5 * torch.randn(-(-n // bs), hkv, d, device=device, generator=g).repeat_interleave(bs, 0)[:n]
-        self.k = k.to(dtype)
-        self.v = torch.randn(n, hkv, d, device=device, generator=g).to(dtype)
-        q = torch.randn(n, hq, d, device=device, generator=g)
-        self.q = (ar1_walk(q, q_corr) if q_corr else q).to(dtype)
-        self.head_cls = torch.randn(hkv, d, device=device, generator=g).to(dtype)
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.q, self.k, self.v, self.head_cls = synthetic_prompt(n, hq, hkv, d, bs, dtype, g, q_corr)
         npages = -(-n // ps)
         num_pages = npages + 2
         slots = num_pages * ps

@@ -1,0 +1,109 @@
+"""How much of the prefill attention's work is useful, for several ways of tiling the query tokens.
+
+The prefill attention kernel (``dash_core.kernels.prefill``) runs a tile of ``QT`` query tokens (times
+the G query heads of a KV head) over the union of the blocks those tokens routed to: every row of the
+tile over every union block. Executed work is ``QT x union`` block-rows; useful work is the routed
+(token, block) pairs. On the H200 at 128k tokens, topk 64, the kernel executes 3.3 times the useful
+work (``docs/PERFORMANCE.md``), and attention is two thirds of the prefill time.
+
+This script routes sampled tiles of the prefill benchmark's synthetic prompt with the float64 oracle on
+the CPU (the same generator as ``benchmarks/prefill.py``; CPU random draws differ from CUDA's, not their
+statistics) and prints executed / useful attention work (union blocks only: the local window and the
+scoring are the same for every tiling) for:
+
+- ``tile QT``: today's tiles;
+- ``tiles QT/2``, ``tiles QT/4``: smaller tiles, each loading its own union;
+- ``two tiers T``: blocks that at least ``T`` of a tile's ``QT`` tokens routed to run at the full tile,
+  the others only for the quarter tiles (``QT/4`` tokens) with a token that routed to them.
+
+    python benchmarks/tile_sharing.py --context 131072 --topk 64 --samples 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from prefill import synthetic_prompt  # noqa: E402
+
+from dash_core import DashParams  # noqa: E402
+from dash_core.kernels.prefill import tile_tokens  # noqa: E402
+from dash_core.reference import block_summaries, route  # noqa: E402
+
+THRESHOLDS = (2, 4, 6, 8)
+
+
+def tiling_work(kept: torch.Tensor, thresholds=THRESHOLDS) -> dict:
+    """Block-rows each tiling executes for one tile of ``QT`` tokens (a multiple of 4), from ``kept
+    [units, QT, blocks]`` (bool: token t of the tile routed to block b, per selection unit), in units of
+    one token-row over one block; ``useful`` is the routed pairs."""
+    units, qt, nblk = kept.shape
+    cnt = kept.sum(1)  # tokens of the tile per block
+    out = {"useful": int(cnt.sum()), f"tile {qt}": int((cnt > 0).sum()) * qt}
+    for parts in (2, 4):
+        sub = kept.view(units, parts, qt // parts, nblk).any(2)
+        out[f"tiles {qt // parts}"] = int(sub.sum()) * (qt // parts)
+    quarters = kept.view(units, 4, qt // 4, nblk).any(2).sum(1)  # quarter tiles per block
+    for t in thresholds:
+        popular = cnt >= t
+        out[f"two tiers {t}"] = int(popular.sum()) * qt + int((quarters * (~popular & (cnt > 0))).sum()) * (qt // 4)
+    return out
+
+
+def default_sf(context: int, hkv: int) -> float:
+    """The scaling_factor the GPU benchmark calibrated for this prompt length (``docs/perf/prefill.json``)."""
+    for r in json.loads((ROOT / "docs" / "perf" / "prefill.json").read_text()):
+        if r["context"] == context and r["hkv"] == hkv and r["method"] == "dash-triton":
+            return r["scaling_factor"]
+    raise SystemExit(f"no benchmark record for {context} tokens, Hkv {hkv}: pass --sf")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--topk", default="64", help="an integer or none")
+    ap.add_argument("--sf", type=float, default=None, help="scaling_factor (default: the benchmark's for the length)")
+    ap.add_argument("--query-correlation", type=float, default=0.95)
+    ap.add_argument("--samples", type=int, default=8, help="tiles, spread evenly over the prompt")
+    a = ap.parse_args(argv)
+    n, hq, hkv, d, bs = a.context, a.hq, a.hkv, a.head_dim, a.block_size
+    sf = a.sf if a.sf is not None else default_sf(n, hkv)
+    topk = None if a.topk.lower() == "none" else int(a.topk)
+    p = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
+    qt = tile_tokens(hq, hkv, bs)
+    if qt % 4:
+        raise SystemExit(f"tiles of {qt} tokens: the quarter tilings need a multiple of 4")
+    q, k, _, head_cls = synthetic_prompt(n, hq, hkv, d, bs, torch.bfloat16, torch.Generator().manual_seed(11),
+                                         a.query_correlation)
+    summ = block_summaries(k.permute(1, 0, 2), head_cls, bs).to(k.dtype)  # stored in the KV dtype
+    total: dict = {}
+    starts = torch.linspace(bs * (p.local_blocks + 1), n - qt, a.samples).long() // qt * qt
+    for a0 in starts.tolist():
+        pos = torch.arange(a0, a0 + qt)
+        ncand = (pos // bs - p.local_blocks + 1).clamp(min=0)
+        qs = (q[a0:a0 + qt].float() * sf).to(q.dtype).permute(1, 0, 2)  # sf * q in the query dtype
+        kept = route(qs, summ[:, :int(ncand.max())], ncand, p).kept
+        for key, v in tiling_work(kept).items():
+            total[key] = total.get(key, 0) + v
+    useful = total.pop("useful")
+    print(f"{n} tokens, Hq {hq}, Hkv {hkv}, bs {bs}, topk {topk}, sf {sf}, {a.samples} tiles of {qt} tokens: "
+          f"executed / useful attention work")
+    for key, v in total.items():
+        print(f"  {key:14s} {v / max(useful, 1):5.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
