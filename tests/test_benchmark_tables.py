@@ -9,24 +9,16 @@ happened on the H200), so these checks run on the CPU.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._benchmarks import import_benchmark
 
 pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
 def prefill_bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import prefill  # benchmarks/prefill.py
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return prefill
+    return import_benchmark("prefill")  # benchmarks/prefill.py
 
 
 def _rec(context, method, variant, ms, *, topk=None, write=False, **extra):

@@ -3,24 +3,16 @@ and the script end to end on a short prompt (the float64 oracle on the CPU)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests._benchmarks import import_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
+torch = pytest.importorskip("torch")
 
 
 @pytest.fixture(scope="module")
 def tile_sharing():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import tile_sharing  # benchmarks/tile_sharing.py
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return tile_sharing
+    return import_benchmark("tile_sharing")  # benchmarks/tile_sharing.py
 
 
 def test_tiling_work_counts_block_rows(tile_sharing):

@@ -23,10 +23,11 @@ for the whole prompt. Each wave is two launches:
   of every candidate).
 - ``_prefill_attn_kernel``, grid ``(W, Hkv)``: the union of the tile's selected blocks (built in
   parallel passes: a per-candidate table of each token's log prior, then a scan that compacts the
-  candidates some token kept, with every token's prior, by union position), then attention of the ``QT * G`` rows over the local window (causal)
-  and each union block, loading each K/V block once for the tile; rows that did not select a block
-  get ``-inf`` logits there, the others their log prior. Queries of a tile routed to the same block
-  share the load and the MMA (how much depends on how similar neighbouring tokens' selections are).
+  candidates some token kept, with every token's prior, by union position), then attention of the
+  ``QT * G`` rows over the local window (causal) and each union block, loading each K/V block once for
+  the tile; rows that did not select a block get ``-inf`` logits there, the others their log prior.
+  Queries of a tile routed to the same block share the load and the MMA (how much depends on how
+  similar neighbouring tokens' selections are).
 
 Nothing reads a device value on the host: grid and scratch sizes come from shapes (``T``, ``n``,
 ``max_pages``), tile placement is computed on the device.

@@ -430,7 +430,7 @@ def _decode_select_kernel(
     i64 = i.to(tl.int64)
     route_tile(
         x_ptr, one + i64 * sx_n + u * NROWS * sx_h, sx_h, NROWS, one.to(tl.int32) + ncand, m[None, :],
-        mp_ptr, one + i64 * smp_n + u * smp_h, mp_ptr, bt_ptr, one + i64 * sbt_n,  # (no cap key lists)
+        mp_ptr, one + i64 * smp_n + u * smp_h, mp_ptr, bt_ptr, one + i64 * sbt_n,  # (no mp lists in decode)
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
         count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
         QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
