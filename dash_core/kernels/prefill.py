@@ -47,12 +47,15 @@ import triton.language as tl
 from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_scores
-from .launcher import check_indexer_query, check_kernel_config, check_step_tensors, _check_on
+from .launcher import DEFAULT_NUM_SMS, check_indexer_query, check_kernel_config, check_step_tensors, _check_on
 from .routing import NUM_PIVOTS, route_tile
 
 logger = logging.getLogger(__name__)
 
 SCRATCH_BYTES = 896 << 20  # routing scratch of one wave (scores, mp, selection, union lists): < 1 GB
+# Programs of either prefill launch resident on one multiprocessor (registers and shared memory allow 2 at
+# D 128 on the H200, ncu); waves are sized in whole rounds of them (``wave_tiles``). 0: the budget alone.
+RESIDENT_CTAS = 2
 ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
 ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (QT units at once; 2048: 14 ms slower at 128k)
 ROUTE_WARPS = 8
@@ -435,6 +438,10 @@ class PrefillScratch:
     union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
+
+    The two union tables are written and read by the attention launch only, after the wave's route launch
+    is done with the scores: they are views of the scores' storage (both when ``Hq >= 2 Hkv``, else
+    ``union_bias`` only), which keeps them out of the byte budget.
     """
 
     qt: int
@@ -456,7 +463,8 @@ class PrefillScratch:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         per_slot = 4 * (hq * max_cand + 2 * hsel * max_cand + 3 * hsel * cap + hsel)
-        return qt * per_slot + 4 * hkv * max_cand * (1 + 2 * qt)
+        own_prior = hq < 2 * hkv  # union_prior does not fit beside union_bias in the scores
+        return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt)
 
     @classmethod
     def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
@@ -465,9 +473,13 @@ class PrefillScratch:
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         slots = tiles * qt
         f32, i32 = torch.float32, torch.int32
+        scores = torch.empty(slots, hq, max_cand, dtype=f32, device=device)
+        table = tiles * hkv * qt * max_cand  # elements of one union table
+        flat = scores.view(-1)
+        prior = (flat[table:2 * table] if hq >= 2 * hkv else torch.empty(table, dtype=f32, device=device))
         return cls(
             qt, tiles, max_cand,
-            scores=torch.empty(slots, hq, max_cand, dtype=f32, device=device),
+            scores=scores,
             mp=torch.empty(slots, hsel, max_cand, dtype=f32, device=device),
             mp_cand=torch.empty(slots, hsel, max_cand, dtype=i32, device=device),
             sel_idx=torch.empty(slots, hsel, cap, dtype=i32, device=device),
@@ -475,8 +487,8 @@ class PrefillScratch:
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
             sel_count=torch.empty(slots, hsel, dtype=i32, device=device),
             union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
-            union_bias=torch.empty(tiles, hkv, qt, max_cand, dtype=f32, device=device),
-            union_prior=torch.empty(tiles, hkv, max_cand, qt, dtype=f32, device=device),
+            union_bias=flat[:table].view(tiles, hkv, qt, max_cand),
+            union_prior=prior.view(tiles, hkv, max_cand, qt),
         )
 
 
@@ -505,9 +517,27 @@ class PrefillPlan:
         max_cand = max(1, block_table.shape[1] * cache.page_size // params.block_size)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
         per_tile = PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, params)
-        budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
-        wave = max(1, min(nt, budget // per_tile))
+        wave = wave_tiles(nt, per_tile, hkv, q.device, scratch_bytes)
         return cls(qt, nt, wave, max_cand, tile_req, tile_off)
+
+
+def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: Optional[int] = None) -> int:
+    """Tiles per wave ``W``: within the byte budget (``scratch_bytes``, default ``SCRATCH_BYTES``), the ``W``
+    whose waves take the fewest rounds of resident programs (``RESIDENT_CTAS`` per multiprocessor; a
+    launch of ``w x Hkv`` programs takes ``ceil(w Hkv / slots)`` rounds), then the fewest waves: a last
+    round that fills a fraction of the GPU costs about as much as a full one, once per launch."""
+    budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
+    wmax = max(1, min(num_tiles, budget // per_tile))
+    if RESIDENT_CTAS <= 0:
+        return wmax
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
+    slots = sms * RESIDENT_CTAS
+
+    def cost(w):
+        full, rest = divmod(num_tiles, w)
+        return full * -(-w * hkv // slots) + -(-rest * hkv // slots), full + (rest > 0)
+
+    return min(range(wmax, 0, -1), key=cost)
 
 
 def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params,
@@ -641,7 +671,7 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     if iq is not None:
         rq, rcache, hs = iq, cache.indexer_view(), max(hq, iq.shape[1])
         per_tile = PrefillScratch.bytes_per_tile(plan.qt, hs, cache.num_kv_heads, plan.max_cand, params)
-        plan.wave = max(1, min(plan.num_tiles, (SCRATCH_BYTES if scratch_bytes is None else scratch_bytes) // per_tile))
+        plan.wave = wave_tiles(plan.num_tiles, per_tile, cache.num_kv_heads, q.device, scratch_bytes)
     scratch = PrefillScratch.allocate(plan.wave, plan.qt, hs, cache.num_kv_heads, plan.max_cand, params, q.device)
     for tile0 in range(0, plan.num_tiles, plan.wave):
         tiles = min(plan.wave, plan.num_tiles - tile0)

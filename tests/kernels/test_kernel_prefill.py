@@ -428,3 +428,29 @@ def test_validation_errors_before_any_write():
         with pytest.raises(ValueError, match=msg):
             call(**kw)
     assert torch.equal(case.cache.k_pages, before)
+
+
+@pytest.mark.parametrize("hq,hkv,router", [(8, 2, "kv_head"), (4, 4, "kv_head"), (8, 2, "shared"), (4, 4, "shared")])
+def test_scratch_bytes_are_the_allocation(hq, hkv, router):
+    """``bytes_per_tile`` (the wave budget's unit) is what ``allocate`` takes: the union tables that live
+    in the scores' storage are not counted, those that do not are; the two tables never overlap."""
+    p = DashParams(block_size=16, topk=4, router=router)
+    qt, tiles, max_cand = 4, 3, 10
+    s = pf.PrefillScratch.allocate(tiles, qt, hq, hkv, max_cand, p, "cpu")
+    storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()
+                for x in vars(s).values() if isinstance(x, torch.Tensor)}
+    assert sum(storages.values()) == tiles * pf.PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, p)
+    assert s.union_bias.untyped_storage().data_ptr() == s.scores.untyped_storage().data_ptr()
+    lo = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (s.union_bias, s.union_prior))
+    assert lo[0][1] <= lo[1][0]
+
+
+def test_waves_fill_whole_rounds():
+    """Waves are sized in whole rounds of resident programs, within the budget; a prompt whose tiles all
+    fit runs in one wave."""
+    cpu, per, hkv = torch.device("cpu"), 1000, 8
+    slots = pf.DEFAULT_NUM_SMS * pf.RESIDENT_CTAS
+    w = pf.wave_tiles(8194, per, hkv, cpu, scratch_bytes=140 * per)  # the 128k prompt's shape
+    assert w <= 140 and (w * hkv) % slots == 0
+    assert pf.wave_tiles(500, per, hkv, cpu, scratch_bytes=1 << 40) == 500
+    assert pf.wave_tiles(10, per, hkv, cpu, scratch_bytes=3 * per) == 3  # under one round: the budget
