@@ -60,8 +60,9 @@ ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
 ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (QT units at once; 2048: 14 ms slower at 128k)
 ROUTE_WARPS = 8
 ATTN_WARPS = 4
-ATTN_STAGES = 2  # (3: 15 ms slower at 128k topk 64 on the H200)
+ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
+UNION_CHUNK = 16  # union block ids loaded at once: the loop over them loads K/V at addresses it computes (64 crashed)
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
@@ -270,6 +271,7 @@ def _prefill_attn_kernel(
     uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, sbi_u, o_ptr, so_t, so_h, qk_scale, G,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
+    UCH: tl.constexpr,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -374,34 +376,39 @@ def _prefill_attn_kernel(
             m_i = m_new
 
         # 2b. the union blocks (complete, before the local window): PER consecutive union blocks per tile
-        # (or NSUB2 tiles per block); block ids and biases are loaded as vectors (one address per block):
-        # tensor loads the pipeliner can prefetch
+        # (or NSUB2 tiles per block), in chunks of UCH blocks whose ids are loaded once per chunk and
+        # gathered from registers: K/V addresses then depend on no load of the loop, so the pipeliner
+        # issues them ATTN_STAGES - 1 tiles ahead (an id loaded in the loop held them to one tile ahead)
         PER: tl.constexpr = max(BLOCK_U // BS, 1)
         NSUB2: tl.constexpr = max(BS // BLOCK_U, 1)
         offs_k = tl.arange(0, BLOCK_U)
-        for it in range(0, tl.cdiv(nu, PER) * NSUB2):
-            j_k = (it // NSUB2) * PER + offs_k // (BLOCK_U // PER)  # union index of each key of the tile
-            k_ok = j_k < nu
-            phys = tl.load(ublk_row + j_k, mask=k_ok, other=0).to(tl.int64)
-            page = phys // ppb
-            rows = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U + offs_k % (BLOCK_U // PER)
-            kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
-                         mask=k_ok[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(kt)) * qk_scale
-            for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block (-inf: not selected)
-                jb = (it // NSUB2) * PER + b
-                bias = tl.load(uprior_row + jb * QT + u_m, mask=jb < nu, other=float("-inf"))
-                in_b = (offs_k // (BLOCK_U // PER)) == b
-                qk = tl.where(in_b[None, :], qk + bias[:, None], qk)
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
-                         mask=k_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+        offs_ch = tl.arange(0, UCH)
+        for c0 in range(0, nu, UCH):
+            ch_ids = tl.load(ublk_row + c0 + offs_ch, mask=c0 + offs_ch < nu, other=0)
+            for it in range(0, tl.cdiv(tl.minimum(nu - c0, UCH), PER) * NSUB2):
+                jl = (it // NSUB2) * PER + offs_k // (BLOCK_U // PER)  # union index of each key of the tile
+                j_k = c0 + jl
+                k_ok = j_k < nu
+                phys = tl.gather(ch_ids, jl, axis=0).to(tl.int64)
+                page = phys // ppb
+                rows = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U + offs_k % (BLOCK_U // PER)
+                kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
+                             mask=k_ok[:, None], other=0.0)
+                qk = tl.dot(q, tl.trans(kt)) * qk_scale
+                for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block (-inf: not selected)
+                    jb = c0 + (it // NSUB2) * PER + b
+                    bias = tl.load(uprior_row + jb * QT + u_m, mask=jb < nu, other=float("-inf"))
+                    in_b = (offs_k // (BLOCK_U // PER)) == b
+                    qk = tl.where(in_b[None, :], qk + bias[:, None], qk)
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                p = tl.exp2(qk - m_use[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
+                             mask=k_ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+                m_i = m_new
 
         good = l_i > 0
         o = acc / tl.where(good, l_i, 1.0)[:, None]
@@ -615,6 +622,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     shared = params.router == "shared"
     s = scratch
     g_pad = _pow2(g)
+    block_u = ATTN_KEYS if d <= 128 else min(bs, 32)
     _prefill_attn_kernel[(tiles, hkv)](
         q, q.stride(0), q.stride(1), kp, vp, kp.stride(0), kp.stride(1), kp.stride(2),
         vp.stride(0), vp.stride(1), vp.stride(2), bt, bt.stride(0),
@@ -625,9 +633,10 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
         s.union_bias.stride(1), s.union_bias.stride(2), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=ATTN_KEYS if d <= 128 else min(bs, 32),
+        BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
+        UCH=max(UNION_CHUNK, block_u // bs),  # whole tiles of PER blocks
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
 
