@@ -529,22 +529,25 @@ class PrefillPlan:
 
 
 def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: Optional[int] = None) -> int:
-    """Tiles per wave ``W``: within the byte budget (``scratch_bytes``, default ``SCRATCH_BYTES``), the ``W``
-    whose waves take the fewest rounds of resident programs (``RESIDENT_CTAS`` per multiprocessor; a
-    launch of ``w x Hkv`` programs takes ``ceil(w Hkv / slots)`` rounds), then the fewest waves: a last
-    round that fills a fraction of the GPU costs about as much as a full one, once per launch."""
+    """Tiles per wave ``W`` within the byte budget (``scratch_bytes``, default ``SCRATCH_BYTES``), sized in
+    whole rounds of resident programs: a launch of ``w x Hkv`` programs takes ``ceil(w Hkv / slots)`` rounds
+    (``RESIDENT_CTAS`` per multiprocessor), and a last round that fills a fraction of the GPU costs about as
+    much as a full one, once per launch. Of the largest ``W`` the budget allows and the largest multiple of
+    ``slots / gcd(slots, Hkv)`` below it (waves of whole rounds), the one with fewer rounds in all; all
+    tiles in one wave when they fit (the fewest rounds there are)."""
     budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
     wmax = max(1, min(num_tiles, budget // per_tile))
-    if RESIDENT_CTAS <= 0:
+    if wmax == num_tiles or RESIDENT_CTAS <= 0:
         return wmax
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
     slots = sms * RESIDENT_CTAS
+    unit = slots // math.gcd(slots, hkv)
 
     def cost(w):
         full, rest = divmod(num_tiles, w)
         return full * -(-w * hkv // slots) + -(-rest * hkv // slots), full + (rest > 0)
 
-    return min(range(wmax, 0, -1), key=cost)
+    return min([w for w in (wmax, wmax // unit * unit) if w > 0], key=cost)
 
 
 def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params,
