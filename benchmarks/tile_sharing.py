@@ -4,7 +4,7 @@ The prefill attention kernel (``dash_core.kernels.prefill``) runs a tile of ``QT
 the G query heads of a KV head) over the union of the blocks those tokens routed to: every row of the
 tile over every union block. Executed work is ``QT x union`` block-rows; useful work is the routed
 (token, block) pairs. On the H200 at 128k tokens, topk 64, the kernel executes 3.3 times the useful
-work (``docs/PERFORMANCE.md``), and attention is two thirds of the prefill time.
+work (``docs/PERFORMANCE.md``), and attention is about 60% of the prefill time.
 
 This script routes sampled tiles of the prefill benchmark's synthetic prompt with the float64 oracle on
 the CPU (the same generator as ``benchmarks/prefill.py``; CPU random draws differ from CUDA's, not their

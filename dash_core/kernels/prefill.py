@@ -13,8 +13,8 @@ each end.
 
 Waves. Routing needs, per token, the scores of every candidate (``[Hq, max_cand]`` fp32), its ``mp`` and
 its selection. That scratch is allocated for ``W`` tiles only (``W`` from a byte budget, default
-``SCRATCH_BYTES``), and the tiles are processed in waves of ``W``: never a ``[tokens x blocks]`` matrix
-for the whole prompt. Each wave is two launches:
+``SCRATCH_BYTES``, in whole rounds of resident programs: ``wave_tiles``), and the tiles are processed in
+waves of ``W``: never a ``[tokens x blocks]`` matrix for the whole prompt. Each wave is two launches:
 
 - ``_prefill_route_kernel``, grid ``(W, Hkv)`` (``(W, 1)`` for router ``shared``): scores of the tile's
   tokens against every candidate summary (``tl.dot``, read through the page table) into the scratch,
@@ -62,7 +62,7 @@ ROUTE_WARPS = 8
 ATTN_WARPS = 4
 ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
-UNION_CHUNK = 16  # union block ids loaded at once: the loop over them loads K/V at addresses it computes (64 crashed)
+UNION_CHUNK = 16  # union block ids loaded at once: the loop over them loads K/V at addresses it computes (32, 64 crashed)
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
