@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of one wave of the prefill kernels (the route and the attention launch) on a GPU
+# machine whose runtime lets ncu read the hardware counters (see the device notes). Everything lands in $OUT:
+#   profile_summary.txt    speed of light, memory, occupancy, launch and warp-state sections of both kernels
+#   profile_route.csv, profile_attn.csv   per source line and SASS instruction: stall samples by reason,
+#                          instructions executed (ncu --page source), to find where a kernel waits
+#
+#   bash ci/gpu_profile_prefill.sh [SKIP] [ARGS...]   # ARGS go to benchmarks/prefill_profile.py
+#
+# SKIP (default 100): launches of either kernel skipped before the two profiled ones, i.e. 2 x the wave
+# index (128k, topk 64 runs 63 waves: 100 is a late one). Clocks are left alone (--clock-control none).
+set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"  # root (the working directory from here on), out, py
+skip=${1:-100}
+[ $# -gt 0 ] && shift
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "ncu not found"; exit 2; }
+kernels='regex:_prefill_(route|attn)_kernel'
+timeout "${PROFILE_TIMEOUT:-250}" "$ncu" --clock-control none --profile-from-start off -k "$kernels" \
+  --launch-skip "$skip" --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+  --section Occupancy --section LaunchStats --section WarpStateStats --section SourceCounters \
+  --section ComputeWorkloadAnalysis --import-source yes \
+  --metrics dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct \
+  -o "$out/profile" "$py" benchmarks/prefill_profile.py "$@" > "$out/profile_collect.log" 2>&1
+rc=$?
+tail -3 "$out/profile_collect.log"
+[ $rc -eq 0 ] || { echo "ncu exit status $rc"; exit $rc; }
+"$ncu" -i "$out/profile.ncu-rep" --print-details all > "$out/profile_summary.txt" 2>&1
+for k in route attn; do
+  "$ncu" -i "$out/profile.ncu-rep" -k "regex:_prefill_${k}_kernel" --page source --print-source cuda,sass --csv \
+    > "$out/profile_$k.csv" 2>&1
+done
+rm -f "$out/profile.ncu-rep"
+grep -E "^  _prefill|Duration|L2 Hit Rate  |Achieved Occupancy|Registers Per Thread" "$out/profile_summary.txt"
