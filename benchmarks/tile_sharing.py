@@ -16,6 +16,10 @@ scoring are the same for every tiling) for:
 - ``two tiers T``: blocks that at least ``T`` of a tile's ``QT`` tokens routed to run at the full tile,
   the others only for the quarter tiles (``QT/4`` tokens) with a token that routed to them.
 
+It also prints, per (token, KV head), how many candidates lie within 1 of some query head's maximum score
+(the *band*: every other score is below every threshold the entmax's Halley steps try, so a router could read
+the band alone) against the candidates and the entmax's support.
+
     python benchmarks/tile_sharing.py --context 131072 --topk 64 --samples 8
 """
 
@@ -36,7 +40,7 @@ from prefill import synthetic_prompt  # noqa: E402
 
 from dash_core import DashParams  # noqa: E402
 from dash_core.kernels.prefill import tile_tokens  # noqa: E402
-from dash_core.reference import block_summaries, route  # noqa: E402
+from dash_core.reference import block_summaries, entmax15_threshold, route, routing_scores  # noqa: E402
 
 THRESHOLDS = (2, 4, 6, 8)
 
@@ -56,6 +60,18 @@ def tiling_work(kept: torch.Tensor, thresholds=THRESHOLDS) -> dict:
         popular = cnt >= t
         out[f"two tiers {t}"] = int(popular.sum()) * qt + int((quarters * (~popular & (cnt > 0))).sum()) * (qt // 4)
     return out
+
+
+def entmax_band(x: torch.Tensor, ncand: torch.Tensor, hkv: int) -> tuple:
+    """``(band, support)``, ``[Hkv, R]`` counts per (KV head, token) from scores ``x [Hq, R, nblk]`` (token r
+    over its first ``ncand[r]`` candidates): the candidates within 1 of some query head's maximum, and those
+    some query head's 1.5-entmax keeps."""
+    hq, r, nblk = x.shape
+    valid = (torch.arange(nblk)[None, :] < ncand[:, None]).expand(hq, r, nblk)
+    xv = torch.where(valid, x, torch.full_like(x, float("-inf")))
+    band = xv > xv.amax(-1, keepdim=True) - 1.0
+    support = valid & (x > entmax15_threshold(x, valid)[..., None])
+    return tuple(t.view(hkv, hq // hkv, r, nblk).any(1).sum(-1) for t in (band, support))
 
 
 def default_sf(context: int, hkv: int) -> float:
@@ -89,6 +105,7 @@ def main(argv=None) -> int:
                                          a.query_correlation)
     summ = block_summaries(k.permute(1, 0, 2), head_cls, bs).to(k.dtype)  # stored in the KV dtype
     total: dict = {}
+    band = {"candidates": 0, "band": 0, "support": 0, "units": 0}
     starts = torch.linspace(bs * (p.local_blocks + 1), n - qt, a.samples).long() // qt * qt
     for a0 in starts.tolist():
         pos = torch.arange(a0, a0 + qt)
@@ -97,11 +114,19 @@ def main(argv=None) -> int:
         kept = route(qs, summ[:, :int(ncand.max())], ncand, p).kept
         for key, v in tiling_work(kept).items():
             total[key] = total.get(key, 0) + v
+        b, sup = entmax_band(routing_scores(qs, summ[:, :int(ncand.max())]), ncand, hkv)
+        band["candidates"] += int(ncand.sum()) * hkv
+        band["band"] += int(b.sum())
+        band["support"] += int(sup.sum())
+        band["units"] += b.numel()
     useful = total.pop("useful")
     print(f"{n} tokens, Hq {hq}, Hkv {hkv}, bs {bs}, topk {topk}, sf {sf}, {a.samples} tiles of {qt} tokens: "
           f"executed / useful attention work")
     for key, v in total.items():
         print(f"  {key:14s} {v / max(useful, 1):5.2f}")
+    print("per (token, KV head), mean over the sampled tiles' tokens")
+    for key in ("candidates", "band", "support"):
+        print(f"  {key:14s} {band[key] / max(band['units'], 1):7.1f}")
     return 0
 
 

@@ -93,6 +93,15 @@ class Routing:
     prior: torch.Tensor
 
 
+def routing_scores(q_scaled: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """The entmax's input ``x = 0.5 <sf q, s> / sqrt(D)`` (SPEC.md section 4), float64 ``[Hq, R, nblk]``,
+    from ``q_scaled [Hq, R, D]`` and ``summaries [Hkv, nblk, D]`` (query head h scores KV head h // G)."""
+    hq, _, d = q_scaled.shape
+    g = hq // summaries.shape[0]
+    z = torch.einsum("hrd,hjd->hrj", q_scaled.to(F64), summaries.to(F64).repeat_interleave(g, dim=0)) / math.sqrt(d)
+    return 0.5 * z
+
+
 def route(q_scaled: torch.Tensor, summaries: torch.Tensor, num_candidates: torch.Tensor,
           params: DashParams) -> Routing:
     """Stage 2 and the prior (SPEC.md sections 4-5) for R query rows.
@@ -104,9 +113,7 @@ def route(q_scaled: torch.Tensor, summaries: torch.Tensor, num_candidates: torch
     hq, r, d = q_scaled.shape
     hkv, nblk, _ = summaries.shape
     g = hq // hkv
-    s = summaries.to(F64)
-    z = torch.einsum("hrd,hjd->hrj", q_scaled.to(F64), s.repeat_interleave(g, dim=0)) / math.sqrt(d)
-    x = 0.5 * z
+    x = routing_scores(q_scaled, summaries)
     valid = (torch.arange(nblk)[None, :] < num_candidates.to(torch.long)[:, None]).expand(hq, r, nblk)
     tau = entmax15_threshold(x, valid)
     above = valid & (x > tau[..., None])

@@ -31,8 +31,23 @@ def test_script_on_a_short_prompt(tile_sharing, capsys):
     """A 2k prompt: every tiling executes at least the useful work, smaller tiles waste less."""
     assert tile_sharing.main(["--context", "2048", "--samples", "3", "--sf", "4.0"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    ratio = {ln.rsplit(None, 1)[0].strip(): float(ln.rsplit(None, 1)[1]) for ln in lines[1:]}
+    cut = next(i for i, ln in enumerate(lines) if ln.startswith("per (token, KV head)"))
+    ratio = {ln.rsplit(None, 1)[0].strip(): float(ln.rsplit(None, 1)[1]) for ln in lines[1:cut]}
+    band = {ln.split()[0]: float(ln.split()[1]) for ln in lines[cut + 1:]}
+    assert 0 < band["support"] <= band["band"] <= band["candidates"]
     assert set(ratio) == {"tile 16", "tiles 8", "tiles 4", "two tiers 2", "two tiers 4", "two tiers 6",
                           "two tiers 8"}
     assert all(v >= 1.0 for v in ratio.values())
     assert ratio["tiles 4"] <= ratio["tiles 8"] <= ratio["tile 16"]
+
+
+def test_entmax_band_counts(tile_sharing):
+    """One KV head of two query heads, two tokens. Token 0 (4 candidates): head 0 scores [1.9, 1.9, 2.0,
+    1.05], whose threshold is near 1.36: 1.05 lies in the band (above 2.0 - 1), not in the support; head 1
+    scores [0, -5, -5, -5]: candidate 0. Token 1 sees only its first 2 candidates (the others masked)."""
+    row0 = [1.9, 1.9, 2.0, 1.05]
+    row1 = [0.0, -5.0, -5.0, -5.0]
+    x = torch.tensor([[row0, row0], [row1, row1]], dtype=torch.float64)  # [Hq 2, R 2, nblk 4]
+    band, support = tile_sharing.entmax_band(x, torch.tensor([4, 2]), hkv=1)
+    assert band.tolist() == [[4, 2]]
+    assert support.tolist() == [[3, 2]]

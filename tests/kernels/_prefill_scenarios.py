@@ -15,7 +15,7 @@ import torch
 
 from dash_core import DashParams
 from dash_core.kernels import prefill as pf
-from dash_core.reference import Routing, block_summaries, dash_rows, route
+from dash_core.reference import Routing, block_summaries, dash_rows, route, routing_scores
 from tests.kernels._kernel_scenarios import EXCUSE, Scenario, make_scenario
 
 
@@ -141,15 +141,12 @@ def oracle_routing(case: PrefillCase, i: int, summaries: Optional[torch.Tensor] 
     nblk = int(ncand.max()) if ncand.numel() else 0
     summ = (summaries if summaries is not None else stored_summaries(case, i))[:, :nblk]
     qs = scaled_queries(case, i)
-    hq, r, d = qs.shape
+    hq, r, _ = qs.shape
     hsel = 1 if p.router == "shared" else case.cache.num_kv_heads
     if nblk == 0:
         z = torch.zeros(hsel, r, 0, dtype=torch.float64)
         return Routing(z, z.bool(), z), torch.zeros(hq, r, 0, dtype=torch.float64)
-    rt = route(qs, summ, ncand, p)
-    g = hq // summ.shape[0]
-    x = 0.5 * torch.einsum("hrd,hjd->hrj", qs.double(), summ.repeat_interleave(g, 0)) / d ** 0.5
-    return rt, x
+    return route(qs, summ, ncand, p), routing_scores(qs, summ)
 
 
 def exempt(case: PrefillCase, rt: Routing, x: torch.Tensor, unit: int, row: int, ncand: int) -> torch.Tensor:
