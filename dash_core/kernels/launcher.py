@@ -73,6 +73,11 @@ def check_kernel_config(dtype: torch.dtype, num_q_heads: int, cache: PagedKVCach
                          f"{cache.dtype}, contiguous in head_dim; got {tuple(s.shape)} {s.dtype}")
 
 
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA ``device`` (``DEFAULT_NUM_SMS`` elsewhere: the Triton interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
+
+
 def _check_on(name: str, x: torch.Tensor, device: torch.device) -> None:
     if x.device != device:
         raise ValueError(f"{name} is on {x.device}, expected {device} (the device of q)")
@@ -222,8 +227,7 @@ class DecodeBuffers:
         if indexer_heads is not None:
             params = replace(params, router="shared")
         if num_sms is None:
-            num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                       if device.type == "cuda" else DEFAULT_NUM_SMS)
+            num_sms = sm_count(device)
         bs = params.block_size
         max_cand = max(1, max_pages * page_size // bs)
         cap = max(1, min(params.topk, max_cand) if params.topk is not None else max_cand)

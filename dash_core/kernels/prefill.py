@@ -47,7 +47,7 @@ import triton.language as tl
 from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_scores
-from .launcher import DEFAULT_NUM_SMS, check_indexer_query, check_kernel_config, check_step_tensors, _check_on
+from .launcher import check_indexer_query, check_kernel_config, check_step_tensors, sm_count, _check_on
 from .routing import NUM_PIVOTS, route_tile
 
 logger = logging.getLogger(__name__)
@@ -515,7 +515,8 @@ class PrefillPlan:
               seq_lens: torch.Tensor, params: DashParams, scratch_bytes: Optional[int] = None,
               route_heads: Optional[int] = None) -> "PrefillPlan":
         """route_heads: the indexer's ``Hi`` when it routes (one group of Hi score rows per token): the
-        tile then also keeps ``QT * pow2(Hi)`` within ``ATTN_ROWS`` (registers, shared memory)."""
+        tile then also keeps ``QT * pow2(Hi)`` within ``ATTN_ROWS`` (registers, shared memory), and the
+        scratch holds ``max(Hq, Hi)`` score rows per token."""
         t, hq, _ = q.shape
         hkv = cache.num_kv_heads
         qt = tile_tokens(hq, hkv, params.block_size)
@@ -523,7 +524,8 @@ class PrefillPlan:
             qt = min(qt, tile_tokens(route_heads, 1, params.block_size))
         max_cand = max(1, block_table.shape[1] * cache.page_size // params.block_size)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
-        per_tile = PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, params)
+        score_rows = hq if route_heads is None else max(hq, route_heads)
+        per_tile = PrefillScratch.bytes_per_tile(qt, score_rows, hkv, max_cand, params)
         wave = wave_tiles(nt, per_tile, hkv, q.device, scratch_bytes)
         return cls(qt, nt, wave, max_cand, tile_req, tile_off)
 
@@ -539,8 +541,7 @@ def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: O
     wmax = max(1, min(num_tiles, budget // per_tile))
     if wmax == num_tiles or RESIDENT_CTAS <= 0:
         return wmax
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
-    slots = sms * RESIDENT_CTAS
+    slots = sm_count(device) * RESIDENT_CTAS
     unit = slots // math.gcd(slots, hkv)
 
     def cost(w):
@@ -682,8 +683,6 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     rq, rcache, hs = q, cache, hq  # what routes: the queries over the summaries, or the indexer's
     if iq is not None:
         rq, rcache, hs = iq, cache.indexer_view(), max(hq, iq.shape[1])
-        per_tile = PrefillScratch.bytes_per_tile(plan.qt, hs, cache.num_kv_heads, plan.max_cand, params)
-        plan.wave = wave_tiles(plan.num_tiles, per_tile, cache.num_kv_heads, q.device, scratch_bytes)
     scratch = PrefillScratch.allocate(plan.wave, plan.qt, hs, cache.num_kv_heads, plan.max_cand, params, q.device)
     for tile0 in range(0, plan.num_tiles, plan.wave):
         tiles = min(plan.wave, plan.num_tiles - tile0)

@@ -48,7 +48,7 @@ class _Recorder:
             opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
             sig, attrs = {}, {}
             names = self.fn.arg_names
-            nospec = set(getattr(self.fn, "do_not_specialize", ()))
+            nospec = set(getattr(self.fn, "do_not_specialize", ()))  # names or indices
             for i, (n, a) in enumerate(zip(names, args)):
                 if isinstance(a, torch.Tensor):
                     sig[n] = "*" + DT[a.dtype]
@@ -57,7 +57,7 @@ class _Recorder:
                     sig[n] = "i1"
                 elif isinstance(a, int):
                     sig[n] = "i64" if abs(a) >= 2**31 else "i32"
-                    if a % 16 == 0 and i not in nospec:  # as Triton's launcher specializes (strides: vector loads)
+                    if a % 16 == 0 and n not in nospec and i not in nospec:  # as Triton's launcher specializes
                         attrs[(i,)] = [["tt.divisibility", 16]]
                 elif isinstance(a, float):
                     sig[n] = "fp32"

@@ -449,7 +449,7 @@ def test_waves_fill_whole_rounds():
     """Waves are sized in whole rounds of resident programs, within the budget; a prompt whose tiles all
     fit runs in one wave."""
     cpu, per, hkv = torch.device("cpu"), 1000, 8
-    slots = pf.DEFAULT_NUM_SMS * pf.RESIDENT_CTAS
+    slots = launcher.DEFAULT_NUM_SMS * pf.RESIDENT_CTAS
     w = pf.wave_tiles(8194, per, hkv, cpu, scratch_bytes=140 * per)  # the 128k prompt's shape
     assert w <= 140 and (w * hkv) % slots == 0
     assert pf.wave_tiles(500, per, hkv, cpu, scratch_bytes=1 << 40) == 500
