@@ -57,10 +57,7 @@ SCRATCH_BYTES = 896 << 20  # routing scratch of one wave (scores, mp, selection,
 # D 128 on the H200, ncu); waves are sized in whole rounds of them (``wave_tiles``). 0: the budget alone.
 RESIDENT_CTAS = 2
 ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
-ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (RQT units at once; 2048: 14 ms slower at 128k)
-# Score rows a route program scores and routes at once (RQT tokens x padded GQA group, at least 16 for tl.dot):
-# the fewer, the smaller the scores each resident program keeps in L2 (64: the whole tile)
-ROUTE_ROWS = 16
+ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (QT units at once; 2048: 14 ms slower at 128k)
 ROUTE_WARPS = 8
 ATTN_WARPS = 4
 ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
@@ -182,32 +179,29 @@ def _prefill_route_kernel(
     sf, x_scale, G, HKV, topk, inv_sigma,
     QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
-    NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, RQT: tl.constexpr,
+    NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr,
 ):
-    """Grid ``(W * QT // RQT, Hkv)`` (router ``kv_head``) or ``(W * QT // RQT, 1)`` (``shared``): program
-    (w * QT // RQT + s, h) routes tokens ``s * RQT ..`` of tile ``tile0 + w`` (a sub-tile: fewer tokens per
-    program keep each resident program's scores small enough to stay in L2). Scores: ``[RQT * G_PAD, D]``
-    rows of ``sf * q`` (rounded to the query dtype) against ``[BLOCK_N, D]`` summaries per step,
-    ``x = 0.5 <sf q, s> / sqrt(D)`` fp32 into ``x [slot, Hq, max_cand]`` with slot ``w * QT + s * RQT + u``
-    for the sub-tile's token u. Then ``route_tile`` with ``RQT`` units: (token, KV head h) of G rows
-    (``kv_head``) or token of ``Hq`` rows (``shared``, all KV heads scored by this program), writing each
-    unit's positive ``mp`` as a list (``mp`` and its candidates in ``ck``, shaped and strided like mp), the
-    kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``.
+    """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
+    ``tile0 + w``.
+
+    Scores: ``[QT * G_PAD, D]`` rows of ``sf * q`` (rounded to the query dtype) against ``[BLOCK_N, D]``
+    summaries per step, ``x = 0.5 <sf q, s> / sqrt(D)`` fp32 into ``x [slot, Hq, max_cand]`` with
+    slot ``w * QT + u`` for the tile's token u. Then ``route_tile`` with ``QT`` units: (token, KV head
+    h) of G rows (``kv_head``) or token of ``Hq`` rows (``shared``, all KV heads scored by this
+    program), writing each unit's positive ``mp`` as a list (``mp`` and its candidates in ``ck``, shaped and
+    strided like mp), the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``.
     """
-    NSUB: tl.constexpr = QT // RQT
-    w = tl.program_id(0) // NSUB
-    s0 = (tl.program_id(0) % NSUB) * RQT
+    w = tl.program_id(0)
     hp = tl.program_id(1)
     req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = _tile_bounds(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
-    if (a0 + s0 < p_hi) & (a0 + s0 + RQT > p_lo):  # sub-tiles (and tiles) without new tokens do nothing
-        M: tl.constexpr = RQT * G_PAD
+    if p_lo < p_hi:  # tiles past the last one do nothing
+        M: tl.constexpr = QT * G_PAD
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
-        u_m, g_m, pos_m, tok_m, in_m, unit_ok = _tile_rows(a0 + s0, p_lo, p_hi, tok_base, num_tokens, ok, G, RQT,
-                                                           G_PAD)
+        u_m, g_m, pos_m, tok_m, in_m, unit_ok = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD)
         row_ok = in_m & ok
-        slot0 = w.to(tl.int64) * QT + s0
+        slot0 = w.to(tl.int64) * QT
         bt_row = bt_ptr + req.to(tl.int64) * sbt_n
         x_tok = x_ptr + (slot0 + u_m) * sx_n
         mx = tl.full([M], float("-inf"), tl.float32)
@@ -233,7 +227,7 @@ def _prefill_route_kernel(
         tl.debug_barrier()  # the scores are read back by other threads of this program
 
         ncand_u = tl.where(unit_ok, ncand, 0)
-        slot_u = slot0 + tl.arange(0, RQT)
+        slot_u = slot0 + tl.arange(0, QT)
         nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
         if SHARED:
             nrows = nrows * HKV
@@ -241,16 +235,15 @@ def _prefill_route_kernel(
             offs_r = tl.arange(0, NH_PAD)
             offs_c = tl.arange(0, TC)
             rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
-            m = tl.full([RQT, NH_PAD], float("-inf"), tl.float32)
+            m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
             for c0 in range(0, ncand, TC):
                 c = c0 + offs_c
                 okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
-                m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")),
-                                         axis=2))
+                m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
             x_unit = slot_u * sx_n
             hs = 0
         else:
-            m = tl.reshape(mx, [RQT, G_PAD])
+            m = tl.reshape(mx, [QT, G_PAD])
             x_unit = slot_u * sx_n + hp * G * sx_h
             hs = hp
         r_ok = tl.arange(0, NH_PAD) < nrows
@@ -260,8 +253,8 @@ def _prefill_route_kernel(
             mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
             sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
             count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
-            QT=RQT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS,
-            BS=BS, ONE_TILE=False,  # RQT units: the mp of every candidate would not fit in registers
+            QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+            ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
             LIST=True,
         )
 
@@ -586,22 +579,15 @@ def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot
                          f"{tuple(out.shape)} {out.dtype}")
 
 
-def route_tokens(qt: int, g_pad: int) -> int:
-    """Tokens the route kernel scores and routes at once (``RQT``): ``ROUTE_ROWS`` score rows, at least 16
-    (``tl.dot``), within the tile's ``qt`` (a power of two dividing it)."""
-    return min(qt, max(1, max(16, ROUTE_ROWS) // g_pad))
-
-
 def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams) -> dict:
     g = hq // hkv
     shared = params.router == "shared"
     nh_pad = _pow2(hq) if shared else _pow2(g)
-    rqt = route_tokens(qt, _pow2(g))
     return dict(
-        QT=qt, RQT=rqt, G_PAD=_pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
+        QT=qt, G_PAD=_pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_N=max(16, min(64 if d <= 128 else 32, _pow2(max_cand))),
-        TC=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (rqt * nh_pad))),
-        TS=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (2 * NUM_PIVOTS * rqt))),
+        TC=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (qt * nh_pad))),
+        TS=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (2 * NUM_PIVOTS * qt))),
         NPIV=NUM_PIVOTS, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared,
     )
 
@@ -615,8 +601,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     g = hq // hkv
     shared = params.router == "shared"
     s, summ, bt = scratch, cache.summaries, block_table
-    ce = _route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params)
-    _prefill_route_kernel[(tiles * (plan.qt // ce["RQT"]), 1 if shared else hkv)](
+    _prefill_route_kernel[(tiles, 1 if shared else hkv)](
         q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
         t, s.scores, s.scores.stride(0), s.scores.stride(1), s.mp, s.mp.stride(0), s.mp.stride(1),
@@ -624,7 +609,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
-        1.0 / params.sigma, PS=cache.page_size, **ce,
+        1.0 / params.sigma, PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
         num_warps=ROUTE_WARPS,
     )
 
