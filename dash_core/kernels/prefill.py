@@ -63,6 +63,7 @@ ATTN_WARPS = 4
 ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
 UNION_CHUNK = 16  # union block ids loaded at once: the loop over them loads K/V at addresses it computes (32, 64 crashed)
+ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
@@ -271,7 +272,7 @@ def _prefill_attn_kernel(
     uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, sbi_u, o_ptr, so_t, so_h, qk_scale, G,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
-    UCH: tl.constexpr,
+    UCH: tl.constexpr, SCALAR_BASE: tl.constexpr,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -383,30 +384,43 @@ def _prefill_attn_kernel(
         NSUB2: tl.constexpr = max(BS // BLOCK_U, 1)
         offs_k = tl.arange(0, BLOCK_U)
         offs_ch = tl.arange(0, UCH)
+        ONE_BLOCK: tl.constexpr = (PER == 1) and SCALAR_BASE  # a tile is one block: one base address, no mask
+        k_off = offs_k[:, None] * sk_r + offs_d[None, :]
+        v_off = offs_k[:, None] * sv_r + offs_d[None, :]
         for c0 in range(0, nu, UCH):
             ch_ids = tl.load(ublk_row + c0 + offs_ch, mask=c0 + offs_ch < nu, other=0)
             for it in range(0, tl.cdiv(tl.minimum(nu - c0, UCH), PER) * NSUB2):
-                jl = (it // NSUB2) * PER + offs_k // (BLOCK_U // PER)  # union index of each key of the tile
-                j_k = c0 + jl
-                k_ok = j_k < nu
-                phys = tl.gather(ch_ids, jl, axis=0).to(tl.int64)
-                page = phys // ppb
-                rows = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U + offs_k % (BLOCK_U // PER)
-                kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
-                             mask=k_ok[:, None], other=0.0)
+                if ONE_BLOCK:  # the loop bound keeps c0 + it // NSUB2 < nu
+                    phys_s = tl.sum(tl.where(offs_ch == it // NSUB2, ch_ids, 0), axis=0).to(tl.int64)
+                    row0 = (phys_s % ppb) * BS + (it % NSUB2) * BLOCK_U
+                    kt = tl.load(k_ptr + ((phys_s // ppb) * sk_p + row0 * sk_r + h * sk_h) + k_off)
+                else:
+                    jl = (it // NSUB2) * PER + offs_k // (BLOCK_U // PER)  # union index of each key of the tile
+                    k_ok = c0 + jl < nu
+                    phys = tl.gather(ch_ids, jl, axis=0).to(tl.int64)
+                    page = phys // ppb
+                    rows = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U + offs_k % (BLOCK_U // PER)
+                    kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
+                                 mask=k_ok[:, None], other=0.0)
                 qk = tl.dot(q, tl.trans(kt)) * qk_scale
                 for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block (-inf: not selected)
                     jb = c0 + (it // NSUB2) * PER + b
-                    bias = tl.load(uprior_row + jb * QT + u_m, mask=jb < nu, other=float("-inf"))
-                    in_b = (offs_k // (BLOCK_U // PER)) == b
-                    qk = tl.where(in_b[None, :], qk + bias[:, None], qk)
+                    if ONE_BLOCK:
+                        qk = qk + tl.load(uprior_row + jb * QT + u_m)[:, None]
+                    else:
+                        bias = tl.load(uprior_row + jb * QT + u_m, mask=jb < nu, other=float("-inf"))
+                        in_b = (offs_k // (BLOCK_U // PER)) == b
+                        qk = tl.where(in_b[None, :], qk + bias[:, None], qk)
                 m_new = tl.maximum(m_i, tl.max(qk, axis=1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(qk - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
-                             mask=k_ok[:, None], other=0.0)
+                if ONE_BLOCK:
+                    vt = tl.load(v_ptr + ((phys_s // ppb) * sv_p + row0 * sv_r + h * sv_h) + v_off)
+                else:
+                    vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
+                                 mask=k_ok[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
                 m_i = m_new
 
@@ -641,6 +655,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
         UCH=max(UNION_CHUNK, block_u // bs),  # whole tiles of PER blocks
+        SCALAR_BASE=bool(ATTN_SCALAR_BASE),
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
 
