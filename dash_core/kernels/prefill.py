@@ -390,18 +390,22 @@ def _prefill_attn_kernel(
         for c0 in range(0, nu, UCH):
             ch_ids = tl.load(ublk_row + c0 + offs_ch, mask=c0 + offs_ch < nu, other=0)
             for it in range(0, tl.cdiv(tl.minimum(nu - c0, UCH), PER) * NSUB2):
-                if ONE_BLOCK:  # the loop bound keeps c0 + it // NSUB2 < nu
-                    phys_s = tl.sum(tl.where(offs_ch == it // NSUB2, ch_ids, 0), axis=0).to(tl.int64)
-                    row0 = (phys_s % ppb) * BS + (it % NSUB2) * BLOCK_U
-                    kt = tl.load(k_ptr + ((phys_s // ppb) * sk_p + row0 * sk_r + h * sk_h) + k_off)
+                if ONE_BLOCK:  # the loop bound keeps c0 + it // NSUB2 < nu: an all-true mask, folded away
+                    phys = tl.sum(tl.where(offs_ch == it // NSUB2, ch_ids, 0), axis=0).to(tl.int64)
+                    page = phys // ppb
+                    row0 = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U
+                    k_ptrs = k_ptr + (page * sk_p + row0 * sk_r + h * sk_h) + k_off
+                    v_ptrs = v_ptr + (page * sv_p + row0 * sv_r + h * sv_h) + v_off
+                    kv_ok = tl.full([BLOCK_U, 1], 1, tl.int1)
                 else:
                     jl = (it // NSUB2) * PER + offs_k // (BLOCK_U // PER)  # union index of each key of the tile
-                    k_ok = c0 + jl < nu
                     phys = tl.gather(ch_ids, jl, axis=0).to(tl.int64)
                     page = phys // ppb
                     rows = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U + offs_k % (BLOCK_U // PER)
-                    kt = tl.load(k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
-                                 mask=k_ok[:, None], other=0.0)
+                    k_ptrs = k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :]
+                    v_ptrs = v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :]
+                    kv_ok = (c0 + jl < nu)[:, None]
+                kt = tl.load(k_ptrs, mask=kv_ok, other=0.0)
                 qk = tl.dot(q, tl.trans(kt)) * qk_scale
                 for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block (-inf: not selected)
                     jb = c0 + (it // NSUB2) * PER + b
@@ -416,11 +420,7 @@ def _prefill_attn_kernel(
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(qk - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                if ONE_BLOCK:
-                    vt = tl.load(v_ptr + ((phys_s // ppb) * sv_p + row0 * sv_r + h * sv_h) + v_off)
-                else:
-                    vt = tl.load(v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
-                                 mask=k_ok[:, None], other=0.0)
+                vt = tl.load(v_ptrs, mask=kv_ok, other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
                 m_i = m_new
 
