@@ -48,7 +48,7 @@ from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_scores
 from .launcher import check_indexer_query, check_kernel_config, check_step_tensors, sm_count, _check_on
-from .routing import NUM_PIVOTS, route_tile, route_tile_rescored
+from .routing import NUM_PIVOTS, route_tile
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +59,11 @@ RESIDENT_CTAS = 2
 ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
 ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (QT units at once; 2048: 14 ms slower at 128k)
 ROUTE_WARPS = 8
-ROUTE_STAGES = 3  # software-pipeline stages of the route launch's loops (Triton's default)
-ROUTE_RESCORE_N = 64  # candidates per score tile when the scores are recomputed (ROUTE_RESCORE)
 ATTN_WARPS = 4
 ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
 UNION_CHUNK = 16  # union block ids loaded at once: the loop over them loads K/V at addresses it computes (32, 64 crashed)
 ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
-ROUTE_RESCORE = 0  # router kv_head: recompute the scores from the summaries in each routing pass (no score scratch)
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
@@ -184,7 +181,6 @@ def _prefill_route_kernel(
     QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr,
-    RESCORE: tl.constexpr,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -216,67 +212,52 @@ def _prefill_route_kernel(
         else:
             h_lo = hp
             h_hi = hp + 1
-        if RESCORE:  # router kv_head: the scores are computed again in every pass, never stored
-            heads = hp * G + g_m
+        for h in range(h_lo, h_hi):
+            heads = h * G + g_m
             q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
                         mask=row_ok[:, None], other=0.0)
             qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
-            slot_u = slot0 + tl.arange(0, QT)
-            route_tile_rescored(
-                qs, bt_row, summ_ptr, ss_b, hp, ss_h, x_scale, ncand, row_ok, G + 0 * ncand,
-                mp_ptr, slot_u * smp_n + hp * smp_h, ck_ptr,
-                sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hp * ssel_h, sel_cap,
-                count_ptr, slot_u * scnt_n + hp, topk, inv_sigma,
-                QT=QT, G_PAD=G_PAD, D=D, BLOCK_N=BLOCK_N, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG,
-                PS=PS, BS=BS,
-            )
-        else:
-            for h in range(h_lo, h_hi):
-                heads = h * G + g_m
-                q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
-                            mask=row_ok[:, None], other=0.0)
-                qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
-                x_rows = x_tok + heads.to(tl.int64) * sx_h
-                mx = tl.full([M], float("-inf"), tl.float32)
-                for c0 in range(0, ncand, BLOCK_N):
-                    c = c0 + offs_n
-                    cm = c < ncand
-                    x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-                    tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
-                    mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-            tl.debug_barrier()  # the scores are read back by other threads of this program
+            x_rows = x_tok + heads.to(tl.int64) * sx_h
+            mx = tl.full([M], float("-inf"), tl.float32)
+            for c0 in range(0, ncand, BLOCK_N):
+                c = c0 + offs_n
+                cm = c < ncand
+                x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
+                tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
+                mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
+        tl.debug_barrier()  # the scores are read back by other threads of this program
 
-            ncand_u = tl.where(unit_ok, ncand, 0)
-            slot_u = slot0 + tl.arange(0, QT)
-            nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
-            if SHARED:
-                nrows = nrows * HKV
-                # row maxima over all Hq heads: one pass over the stored scores
-                offs_r = tl.arange(0, NH_PAD)
-                offs_c = tl.arange(0, TC)
-                rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
-                m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
-                for c0 in range(0, ncand, TC):
-                    c = c0 + offs_c
-                    okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
-                    m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
-                x_unit = slot_u * sx_n
-                hs = 0
-            else:
-                m = tl.reshape(mx, [QT, G_PAD])
-                x_unit = slot_u * sx_n + hp * G * sx_h
-                hs = hp
-            r_ok = tl.arange(0, NH_PAD) < nrows
-            m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
-            route_tile(
-                x_ptr, x_unit, sx_h, nrows, ncand_u, m,
-                mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
-                sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
-                count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
-                QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-                ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
-                LIST=True,
-            )
+        ncand_u = tl.where(unit_ok, ncand, 0)
+        slot_u = slot0 + tl.arange(0, QT)
+        nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
+        if SHARED:
+            nrows = nrows * HKV
+            # row maxima over all Hq heads: one pass over the stored scores
+            offs_r = tl.arange(0, NH_PAD)
+            offs_c = tl.arange(0, TC)
+            rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
+            m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
+            for c0 in range(0, ncand, TC):
+                c = c0 + offs_c
+                okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
+                m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
+            x_unit = slot_u * sx_n
+            hs = 0
+        else:
+            m = tl.reshape(mx, [QT, G_PAD])
+            x_unit = slot_u * sx_n + hp * G * sx_h
+            hs = hp
+        r_ok = tl.arange(0, NH_PAD) < nrows
+        m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
+        route_tile(
+            x_ptr, x_unit, sx_h, nrows, ncand_u, m,
+            mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
+            sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
+            count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
+            QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+            ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
+            LIST=True,
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -618,12 +599,10 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
     nh_pad = _pow2(hq) if shared else _pow2(g)
     return dict(
         QT=qt, G_PAD=_pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_N=max(16, min((ROUTE_RESCORE_N if ROUTE_RESCORE and not shared else 64) if d <= 128 else 32,
-                            _pow2(max_cand))),
+        BLOCK_N=max(16, min(64 if d <= 128 else 32, _pow2(max_cand))),
         TC=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (qt * nh_pad))),
         TS=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (2 * NUM_PIVOTS * qt))),
         NPIV=NUM_PIVOTS, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared,
-        RESCORE=bool(ROUTE_RESCORE) and not shared,
     )
 
 
@@ -645,7 +624,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
         1.0 / params.sigma, PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
-        num_warps=ROUTE_WARPS, num_stages=ROUTE_STAGES,
+        num_warps=ROUTE_WARPS,
     )
 
 

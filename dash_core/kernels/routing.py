@@ -45,20 +45,12 @@ INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
 
 
 @triton.jit
-def _halley_sums(x, tau_b):
-    """Per row of a score tile (rows along every axis but the last): sum of ``(x - tau)^2``, of ``x - tau``
-    and the count, over the entries strictly above ``tau``, given broadcast along the last axis (``tau_b``)."""
-    above = x > tau_b
-    diff = tl.where(above, x - tau_b, 0.0)
-    return tl.sum(diff * diff, axis=-1), tl.sum(diff, axis=-1), tl.sum(above.to(tl.float32), axis=-1)
-
-
-@triton.jit
-def _unit_mp(x, tau_b, nrows_f):
-    """``mp [QT, T]`` of a ``[QT, rows, T]`` score tile: the entmax probabilities ``max(x - tau, 0)^2``
-    (``tau_b`` broadcast along the last axis) averaged over each unit's ``nrows_f`` rows."""
-    diff = tl.where(x > tau_b, x - tau_b, 0.0)
-    return tl.sum(diff * diff, axis=1) / nrows_f
+def _halley_sums(x, tau):
+    """Per row of a ``[QT, NH_PAD, T]`` score tile: sum of ``(x - tau)^2``, of ``x - tau`` and the count,
+    over the entries strictly above ``tau [QT, NH_PAD]``."""
+    above = x > tau[:, :, None]
+    diff = tl.where(above, x - tau[:, :, None], 0.0)
+    return tl.sum(diff * diff, axis=2), tl.sum(diff, axis=2), tl.sum(above.to(tl.float32), axis=2)
 
 
 @triton.jit
@@ -302,7 +294,7 @@ def route_tile(
     tau = (lo + hi) * 0.5
     for _ in tl.static_range(3):
         if X_IN_REGS:
-            ssq, sdf, cnt = _halley_sums(x_all, tau[:, :, None])
+            ssq, sdf, cnt = _halley_sums(x_all, tau)
         else:
             ssq = tl.zeros([QT, NH_PAD], tl.float32)
             sdf = tl.zeros([QT, NH_PAD], tl.float32)
@@ -311,7 +303,7 @@ def route_tile(
                 c = c0 + offs_c
                 ok = row_ok[None, :, None] & (c[None, None, :] < ncand[:, None, None])
                 x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
-                t_ssq, t_sdf, t_cnt = _halley_sums(x, tau[:, :, None])
+                t_ssq, t_sdf, t_cnt = _halley_sums(x, tau)
                 ssq += t_ssq
                 sdf += t_sdf
                 cnt += t_cnt
@@ -324,7 +316,8 @@ def route_tile(
     key_max = tl.zeros([QT], tl.int32)
     if X_IN_REGS:
         cok = offs_c[None, :] < ncand[:, None]
-        mp_regs = _unit_mp(x_all, tau[:, :, None], nrows_f)
+        diff = tl.where(x_all > tau[:, :, None], x_all - tau[:, :, None], 0.0)
+        mp_regs = tl.sum(diff * diff, axis=1) / nrows_f
         tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
         npos, key_min, key_max = mp_key_range(mp_regs, cok, npos, key_min, key_max)
     else:
@@ -333,7 +326,8 @@ def route_tile(
             cok = c[None, :] < ncand[:, None]
             ok = row_ok[None, :, None] & cok[:, None, :]
             x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
-            mp = _unit_mp(x, tau[:, :, None], nrows_f)
+            diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
+            mp = tl.sum(diff * diff, axis=1) / nrows_f
             npos_before = npos
             npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
             if LIST:
@@ -354,72 +348,6 @@ def route_tile(
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
                     X_IN_REGS=False, TC=TC, LIST=LIST)
-
-
-@triton.jit
-def route_tile_rescored(
-    qs, bt_row, summ_ptr, ss_b, h, ss_h, x_scale, ncand, row_ok, nrows,
-    mp_ptr, mp_unit, ck_ptr, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
-    count_ptr, count_unit, topk, inv_sigma,
-    QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, TS: tl.constexpr,
-    NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr,
-):
-    """``route_tile`` for ``QT`` units of one KV head that share their ``ncand`` candidates (a prefill
-    tile's tokens), with the scores computed again from the summaries in every pass instead of read
-    from a scratch: ``qs [QT * G_PAD, D]`` (``sf * q`` in the query dtype, unit u's rows ``u * G_PAD ..``,
-    ``row_ok``: the rows that route), summaries of KV head ``h`` through the page-table row ``bt_row``.
-    Five passes of ``[QT * G_PAD, BLOCK_N]`` score tiles (row maxima, three Halley steps, mp written as
-    LIST) and the same arithmetic as ``route_tile``; the cap and compaction are ``select_kept``."""
-    M: tl.constexpr = QT * G_PAD
-    offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
-    m = tl.full([M], float("-inf"), tl.float32)
-    for c0 in range(0, ncand, BLOCK_N):
-        c = c0 + offs_n
-        cm = c < ncand
-        x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-        m = tl.maximum(m, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-    m = tl.where(row_ok & (ncand > 0), m, 0.0)
-    lo = m - 1.0
-    hi = m
-    tau = (lo + hi) * 0.5
-    for _ in tl.static_range(3):
-        ssq = tl.zeros([M], tl.float32)
-        sdf = tl.zeros([M], tl.float32)
-        cnt = tl.zeros([M], tl.float32)
-        for c0 in range(0, ncand, BLOCK_N):
-            c = c0 + offs_n
-            cm = c < ncand
-            x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-            x = tl.where(row_ok[:, None] & cm[None, :], x, float("-inf"))
-            t_ssq, t_sdf, t_cnt = _halley_sums(x, tau[:, None])
-            ssq += t_ssq
-            sdf += t_sdf
-            cnt += t_cnt
-        tau, lo, hi = halley_step(ssq, sdf, cnt, tau, lo, hi)
-
-    nrows_f = nrows * 1.0
-    unit_ok = tl.max(tl.reshape(row_ok, [QT, G_PAD]).to(tl.int32), axis=1) > 0
-    ncand_u = tl.where(unit_ok, ncand, 0)
-    npos = tl.zeros([QT], tl.int32)
-    key_min = tl.full([QT], 0x7F800000, tl.int32)
-    key_max = tl.zeros([QT], tl.int32)
-    tau3 = tl.reshape(tau, [QT, G_PAD])[:, :, None]
-    for c0 in range(0, ncand, BLOCK_N):
-        c = c0 + offs_n
-        cm = c < ncand
-        x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-        x = tl.where(row_ok[:, None] & cm[None, :], x, float("-inf"))
-        mp = _unit_mp(tl.reshape(x, [QT, G_PAD, BLOCK_N]), tau3, nrows_f)
-        cok = unit_ok[:, None] & cm[None, :]
-        npos_before = npos
-        npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
-        append_positive(mp, c, cok, mp_ptr, ck_ptr, mp_unit, npos_before)
-    tl.debug_barrier()  # mp is read back by other threads of this program
-    select_kept(mp_ptr, mp_unit, ncand_u, ncand, npos, bt_row, tl.zeros([QT], tl.int64), sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
-                sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max, ck_ptr,
-                QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=False,
-                X_IN_REGS=False, TC=BLOCK_N, LIST=True)
 
 
 @triton.jit
