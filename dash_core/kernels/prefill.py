@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import PagedKVCache
 from ..params import DashParams
@@ -64,6 +66,7 @@ ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms 
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
 UNION_CHUNK = 16  # union block ids loaded at once: the loop over them loads K/V at addresses it computes (32, 64 crashed)
 ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
+ATTN_TMA = 1  # union tiles of one block loaded by TMA (Hopper and later; pointer loads otherwise)
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
@@ -270,9 +273,10 @@ def _prefill_attn_kernel(
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, sbi_u, o_ptr, so_t, so_h, qk_scale, G,
+    k_desc, v_desc,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
-    UCH: tl.constexpr, SCALAR_BASE: tl.constexpr,
+    UCH: tl.constexpr, SCALAR_BASE: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -385,6 +389,7 @@ def _prefill_attn_kernel(
         offs_k = tl.arange(0, BLOCK_U)
         offs_ch = tl.arange(0, UCH)
         ONE_BLOCK: tl.constexpr = (PER == 1) and SCALAR_BASE  # a tile is one block: one base address, no mask
+        tl.static_assert(ONE_BLOCK or not TMA, "TMA loads whole tiles of one block")
         k_off = offs_k[:, None] * sk_r + offs_d[None, :]
         v_off = offs_k[:, None] * sv_r + offs_d[None, :]
         for c0 in range(0, nu, UCH):
@@ -405,7 +410,10 @@ def _prefill_attn_kernel(
                     k_ptrs = k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :]
                     v_ptrs = v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :]
                     kv_ok = (c0 + jl < nu)[:, None]
-                kt = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+                if TMA:  # ONE_BLOCK: a [BLOCK_U, 1, D] box of the [pages * PS, Hkv, D] cache
+                    kt = tl.reshape(k_desc.load([(page * PS + row0).to(tl.int32), h, 0]), [BLOCK_U, D])
+                else:
+                    kt = tl.load(k_ptrs, mask=kv_ok, other=0.0)
                 qk = tl.dot(q, tl.trans(kt)) * qk_scale
                 for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block (-inf: not selected)
                     jb = c0 + (it // NSUB2) * PER + b
@@ -420,7 +428,10 @@ def _prefill_attn_kernel(
                 alpha = tl.exp2(m_i - m_use)
                 p = tl.exp2(qk - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                vt = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+                if TMA:
+                    vt = tl.reshape(v_desc.load([(page * PS + row0).to(tl.int32), h, 0]), [BLOCK_U, D])
+                else:
+                    vt = tl.load(v_ptrs, mask=kv_ok, other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
                 m_i = m_new
 
@@ -628,6 +639,32 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     )
 
 
+def _tma_supported(device) -> bool:
+    """Hopper or later, or the interpreter (which emulates descriptors: the CPU tests run the TMA path)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _kv_descriptors(cache: PagedKVCache, block_u: int) -> Optional[tuple]:
+    """TMA descriptors of the K and V pages as ``[pages * page_size, Hkv, D]`` with ``[block_u, 1, D]`` boxes, for
+    the attention launch's union tiles of one block (``ATTN_TMA``, Hopper and later); None where the hardware
+    or the cache's layout (pages not contiguous rows, strides not 16-byte multiples) does not allow them."""
+    kp, vp = cache.k_pages, cache.v_pages
+    if not (ATTN_TMA and _tma_supported(kp.device)):
+        return None
+    out = []
+    for x in (kp, vp):
+        p, ps, hkv, d = x.shape
+        sp, sr, sh, sd = x.stride()
+        es = x.element_size()
+        if (sd != 1 or sp != ps * sr or x.data_ptr() % 16 or (sr * es) % 16 or (sh * es) % 16
+                or p * ps >= 2 ** 31):
+            return None
+        out.append(TensorDescriptor(x, [p * ps, hkv, d], [sr, sh, 1], [block_u, 1, d]))
+    return tuple(out)
+
+
 def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 seq_lens: torch.Tensor, params: DashParams, plan: PrefillPlan, scratch: PrefillScratch,
                 out: torch.Tensor, tile0: int, tiles: int) -> None:
@@ -641,6 +678,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     s = scratch
     g_pad = _pow2(g)
     block_u = ATTN_KEYS if d <= 128 else min(bs, 32)
+    kv_desc = _kv_descriptors(cache, block_u) if block_u == bs and ATTN_SCALAR_BASE else None
     _prefill_attn_kernel[(tiles, hkv)](
         q, q.stride(0), q.stride(1), kp, vp, kp.stride(0), kp.stride(1), kp.stride(2),
         vp.stride(0), vp.stride(1), vp.stride(2), bt, bt.stride(0),
@@ -650,12 +688,13 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         s.union_prior, s.union_prior.stride(0), s.union_prior.stride(1),
         s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
         s.union_bias.stride(1), s.union_bias.stride(2), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
+        *(kv_desc if kv_desc is not None else (kp, vp)),
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
         UCH=max(UNION_CHUNK, block_u // bs),  # whole tiles of PER blocks
-        SCALAR_BASE=bool(ATTN_SCALAR_BASE),
+        SCALAR_BASE=bool(ATTN_SCALAR_BASE), TMA=kv_desc is not None,
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
 

@@ -25,6 +25,7 @@ import torch
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from dash_core import DashParams  # noqa: E402
 from dash_core.kernels import decode_attention, kv_write, launcher, routing  # noqa: E402
@@ -61,6 +62,8 @@ class _Recorder:
                         attrs[(i,)] = [["tt.divisibility", 16]]
                 elif isinstance(a, float):
                     sig[n] = "fp32"
+                elif isinstance(a, TensorDescriptor):
+                    sig[n] = f"tensordesc<{DT[a.base.dtype]}{list(a.block_shape)}>"
                 else:
                     raise TypeError(f"{self.name}: argument {n} = {a!r}")
             for n in names[len(args):]:
