@@ -291,7 +291,8 @@ def _prefill_attn_kernel(
     2. Local window blocks (log prior 0, causal per row) in ``[BLOCK_T, D]`` K/V tiles, then the union
        blocks in ``[BLOCK_U, D]`` tiles (``BLOCK_U // BS`` consecutive union blocks per tile, or
        ``BS // BLOCK_U`` tiles per block) read from the pages once for the tile (addresses depend on the
-       loop index only, so loads can be pipelined): ``[M, BLOCK_U]`` fp32 logits plus each row's bias
+       loop index only, so loads can be pipelined; TMA: a tile of one block is a box of the descriptors
+       ``k_desc``, ``v_desc`` of ``_kv_descriptors``, otherwise unused): ``[M, BLOCK_U]`` fp32 logits plus each row's bias
        for the block of each key, online softmax in base 2.
     Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
     inconsistent get zeros.
