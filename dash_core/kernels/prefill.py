@@ -411,8 +411,8 @@ def _prefill_attn_kernel(
                     k_ptrs = k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :]
                     v_ptrs = v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :]
                     kv_ok = (c0 + jl < nu)[:, None]
-                if TMA:  # ONE_BLOCK: a [BLOCK_U, 1, D] box of the [pages * PS, Hkv, D] cache
-                    kt = tl.reshape(k_desc.load([(page * PS + row0).to(tl.int32), h, 0]), [BLOCK_U, D])
+                if TMA:  # ONE_BLOCK: a [1, BLOCK_U, 1, D] box of the [pages, PS, Hkv, D] cache
+                    kt = tl.reshape(k_desc.load([page.to(tl.int32), row0.to(tl.int32), h, 0]), [BLOCK_U, D])
                 else:
                     kt = tl.load(k_ptrs, mask=kv_ok, other=0.0)
                 qk = tl.dot(q, tl.trans(kt)) * qk_scale
@@ -430,7 +430,7 @@ def _prefill_attn_kernel(
                 p = tl.exp2(qk - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 if TMA:
-                    vt = tl.reshape(v_desc.load([(page * PS + row0).to(tl.int32), h, 0]), [BLOCK_U, D])
+                    vt = tl.reshape(v_desc.load([page.to(tl.int32), row0.to(tl.int32), h, 0]), [BLOCK_U, D])
                 else:
                     vt = tl.load(v_ptrs, mask=kv_ok, other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
@@ -648,21 +648,20 @@ def _tma_supported(device) -> bool:
 
 
 def _kv_descriptors(cache: PagedKVCache, block_u: int) -> Optional[tuple]:
-    """TMA descriptors of the K and V pages as ``[pages * page_size, Hkv, D]`` with ``[block_u, 1, D]`` boxes, for
-    the attention launch's union tiles of one block (``ATTN_TMA``, Hopper and later); None where the hardware
-    or the cache's layout (pages not contiguous rows, strides not 16-byte multiples) does not allow them."""
+    """TMA descriptors of the K and V pages ``[pages, page_size, Hkv, D]`` (any strides: SGLang's and vLLM's
+    layouts) with ``[1, block_u, 1, D]`` boxes, for the attention launch's union tiles of one block
+    (``ATTN_TMA``, Hopper and later); None where the hardware or the cache (a base or stride that is not a
+    multiple of 16 bytes, more than 2^31 pages) does not allow them."""
     kp, vp = cache.k_pages, cache.v_pages
     if not (ATTN_TMA and _tma_supported(kp.device)):
         return None
     out = []
     for x in (kp, vp):
-        p, ps, hkv, d = x.shape
-        sp, sr, sh, sd = x.stride()
         es = x.element_size()
-        if (sd != 1 or sp != ps * sr or x.data_ptr() % 16 or (sr * es) % 16 or (sh * es) % 16
-                or p * ps >= 2 ** 31):
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any((st * es) % 16 for st in x.stride()[:-1]) \
+                or x.shape[0] >= 2 ** 31:
             return None
-        out.append(TensorDescriptor(x, [p * ps, hkv, d], [sr, sh, 1], [block_u, 1, d]))
+        out.append(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_u, 1, x.shape[3]]))
     return tuple(out)
 
 

@@ -254,6 +254,38 @@ def test_attention_head_dims():
         check_attention(case)
 
 
+def _restrided(x: torch.Tensor, pad: int, start: int) -> torch.Tensor:
+    """A copy of ``x [pages, page_size, Hkv, D]`` as a view of a wider buffer (``D + pad`` per row, from ``start``):
+    the same values under other strides and, with ``start`` not a multiple of 8, a base off 16 bytes."""
+    buf = torch.zeros(*x.shape[:3], x.shape[3] + pad, dtype=x.dtype, device=x.device)
+    view = buf[..., start:start + x.shape[3]]
+    view.copy_(x)
+    return view
+
+
+def test_tma_loads_follow_the_cache_layout(monkeypatch):
+    """The attention launch's TMA descriptors (emulated by the interpreter) describe any page layout TMA can
+    address, here vLLM-like strides, and are refused where it cannot (a base off 16 bytes) or with ``ATTN_TMA``
+    0; TMA and pointer loads give the same output, bit for bit."""
+    p = DashParams(block_size=64, topk=2, scaling_factor=1.0)
+    case = make_prefill_case(7, [(2 * 64 + 5, 40), (64, 3)], hq=8, hkv=2, d=128, bs=64, params=p).to(DEV)
+    out = prefill(case)  # writes K/V and summaries, then attends (TMA where the interpreter runs it)
+    cache = case.cache
+    wide = type(cache)(_restrided(cache.k_pages, 16, 8), _restrided(cache.v_pages, 16, 8), cache.summaries)
+    skew = type(cache)(_restrided(cache.k_pages, 1, 1), _restrided(cache.v_pages, 1, 1), cache.summaries)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    assert (pf._kv_descriptors(cache, 64) is not None) == (interpreted or pf._tma_supported(cache.k_pages.device))
+    assert (pf._kv_descriptors(wide, 64) is not None) == (pf._kv_descriptors(cache, 64) is not None)
+    assert pf._kv_descriptors(skew, 64) is None
+    for c in (wide, skew):
+        again = pf.paged_dash_prefill_triton(case.q, None, None, c, case.block_table, case.cu, case.seq_lens, None,
+                                             case.head_cls, p)
+        assert torch.equal(again, out)
+    monkeypatch.setattr(pf, "ATTN_TMA", 0)
+    assert pf._kv_descriptors(cache, 64) is None
+    assert torch.equal(prefill(case, write=False), out)
+
+
 # --- prefill row p == decode step at p -------------------------------------------------------------
 
 
