@@ -27,7 +27,8 @@ waves of ``W``: never a ``[tokens x blocks]`` matrix for the whole prompt. Each 
   ``QT * G`` rows over the local window (causal) and each union block, loading each K/V block once for
   the tile; rows that did not select a block get ``-inf`` logits there, the others their log prior.
   Queries of a tile routed to the same block share the load and the MMA (how much depends on how
-  similar neighbouring tokens' selections are).
+  similar neighbouring tokens' selections are). On Hopper and later, a union tile of one block is loaded
+  by TMA where the cache's layout allows (``_kv_descriptors``), else by pointer loads.
 
 Nothing reads a device value on the host: grid and scratch sizes come from shapes (``T``, ``n``,
 ``max_pages``), tile placement is computed on the device.
@@ -291,8 +292,8 @@ def _prefill_attn_kernel(
     2. Local window blocks (log prior 0, causal per row) in ``[BLOCK_T, D]`` K/V tiles, then the union
        blocks in ``[BLOCK_U, D]`` tiles (``BLOCK_U // BS`` consecutive union blocks per tile, or
        ``BS // BLOCK_U`` tiles per block) read from the pages once for the tile (addresses depend on the
-       loop index only, so loads can be pipelined; TMA: a tile of one block is a box of the descriptors
-       ``k_desc``, ``v_desc`` of ``_kv_descriptors``, otherwise unused): ``[M, BLOCK_U]`` fp32 logits plus each row's bias
+       loop index only, so loads can be pipelined; with TMA a tile of one block is a box of ``k_desc``,
+       ``v_desc`` from ``_kv_descriptors``, which otherwise are the K/V pointers again and unused): ``[M, BLOCK_U]`` fp32 logits plus each row's bias
        for the block of each key, online softmax in base 2.
     Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
     inconsistent get zeros.
@@ -641,25 +642,36 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
 
 
 def _tma_supported(device) -> bool:
-    """Hopper or later, or the interpreter (which emulates descriptors: the CPU tests run the TMA path)."""
+    """NVIDIA Hopper or later, or the interpreter (which emulates descriptors: the CPU tests run the TMA path)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _nested_rows(x: torch.Tensor) -> bool:
+    """Pages ``[pages, page_size, Hkv, D]`` laid out as nested rows, padding allowed (SGLang's layout; not
+    vLLM's, whose head stride exceeds its row stride): each stride covers the extent of the next dimension,
+    the form the TMA descriptors were measured on."""
+    st, sh = x.stride(), x.shape
+    return st[3] == 1 and st[2] >= sh[3] and st[1] >= st[2] * sh[2] and st[0] >= st[1] * sh[1]
 
 
 def _kv_descriptors(cache: PagedKVCache, block_u: int) -> Optional[tuple]:
-    """TMA descriptors of the K and V pages ``[pages, page_size, Hkv, D]`` (any strides: SGLang's and vLLM's
-    layouts) with ``[1, block_u, 1, D]`` boxes, for the attention launch's union tiles of one block
-    (``ATTN_TMA``, Hopper and later); None where the hardware or the cache (a base or stride that is not a
-    multiple of 16 bytes, more than 2^31 pages) does not allow them."""
+    """TMA descriptors of the K and V pages ``[pages, page_size, Hkv, D]`` with ``[1, block_u, 1, D]`` boxes, for
+    the attention launch's union tiles of one block (``ATTN_TMA``; NVIDIA Hopper and later). None, and pointer
+    loads, where the hardware or the cache does not fit them: pages not laid out as nested rows
+    (``_nested_rows``), a base or stride that is not a multiple of 16 bytes, a stride of 2^40 bytes or more, or
+    2^31 pages or more. These checks precede ``TensorDescriptor``'s own asserts so as to fall back instead."""
     kp, vp = cache.k_pages, cache.v_pages
     if not (ATTN_TMA and _tma_supported(kp.device)):
         return None
     out = []
     for x in (kp, vp):
         es = x.element_size()
-        if x.stride(-1) != 1 or x.data_ptr() % 16 or any((st * es) % 16 for st in x.stride()[:-1]) \
-                or x.shape[0] >= 2 ** 31:
+        strides = [st * es for st in x.stride()[:-1]]
+        if (not _nested_rows(x) or x.data_ptr() % 16 or any(b % 16 or b >= 2 ** 40 for b in strides)
+                or x.shape[0] >= 2 ** 31):
             return None
         out.append(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_u, 1, x.shape[3]]))
     return tuple(out)

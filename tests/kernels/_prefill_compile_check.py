@@ -30,6 +30,8 @@ CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
     (torch.float16, 16, 1, 64, 16, 256, 64, dict(topk=16, router="shared")),
     (torch.bfloat16, 32, 2, 256, 128, 256, 40, dict(local=256)),  # D 256: 8 warps
     (torch.bfloat16, 24, 24, 64, 32, 32, 100, dict(topk=1, estimate_diagonal=True)),  # G = 1, 32 tokens a tile
+    (torch.float16, 16, 4, 64, 64, 128, 64, dict(topk=8)),  # TMA boxes of D 64 in fp16, two blocks a page
+    (torch.bfloat16, 16, 2, 256, 32, 64, 64, dict(topk=4)),  # TMA boxes of D 256 (8 warps)
 ]
 # Indexer models (SPEC.md section 9): routing runs on iq [T, Hi, D] over the 1-head ik store, router shared,
 # with the attention heads' tile of QT tokens: QT * pow2(Hi) score rows per program.

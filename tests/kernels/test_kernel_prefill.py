@@ -263,27 +263,34 @@ def _restrided(x: torch.Tensor, pad: int, start: int) -> torch.Tensor:
     return view
 
 
-def test_tma_loads_follow_the_cache_layout(monkeypatch):
-    """The attention launch's TMA descriptors (emulated by the interpreter) describe any page layout TMA can
-    address, here vLLM-like strides, and are refused where it cannot (a base off 16 bytes) or with ``ATTN_TMA``
-    0; TMA and pointer loads give the same output, bit for bit."""
+@pytest.mark.parametrize("layout", ["sglang", "vllm"])
+def test_tma_loads_follow_the_cache_layout(layout, monkeypatch):
+    """The attention launch's TMA descriptors (emulated by the interpreter) are made for pages laid out as nested
+    rows (SGLang's layout, and a copy with padded rows), and refused for vLLM's layout and for a base or a
+    stride off 16 bytes; every variant gives the output of the pointer loads (``ATTN_TMA`` 0), bit for bit.
+    Two blocks per page, so that boxes start mid-page."""
+    if not pf._tma_supported(torch.device(DEV)):
+        pytest.skip("no TMA on this device")
     p = DashParams(block_size=64, topk=2, scaling_factor=1.0)
-    case = make_prefill_case(7, [(2 * 64 + 5, 40), (64, 3)], hq=8, hkv=2, d=128, bs=64, params=p).to(DEV)
-    out = prefill(case)  # writes K/V and summaries, then attends (TMA where the interpreter runs it)
-    cache = case.cache
-    wide = type(cache)(_restrided(cache.k_pages, 16, 8), _restrided(cache.v_pages, 16, 8), cache.summaries)
-    skew = type(cache)(_restrided(cache.k_pages, 1, 1), _restrided(cache.v_pages, 1, 1), cache.summaries)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    assert (pf._kv_descriptors(cache, 64) is not None) == (interpreted or pf._tma_supported(cache.k_pages.device))
-    assert (pf._kv_descriptors(wide, 64) is not None) == (pf._kv_descriptors(cache, 64) is not None)
-    assert pf._kv_descriptors(skew, 64) is None
-    for c in (wide, skew):
-        again = pf.paged_dash_prefill_triton(case.q, None, None, c, case.block_table, case.cu, case.seq_lens, None,
-                                             case.head_cls, p)
-        assert torch.equal(again, out)
+    case = make_prefill_case(7, [(5 * 64 + 5, 100), (3 * 64, 3)], hq=8, hkv=2, d=128, bs=64, pages_per_block=2,
+                             layout=layout, params=p).to(DEV)
+    prefill(case)  # writes K/V and summaries
     monkeypatch.setattr(pf, "ATTN_TMA", 0)
+    cache = case.cache
     assert pf._kv_descriptors(cache, 64) is None
-    assert torch.equal(prefill(case, write=False), out)
+    want = prefill(case, write=False)
+    monkeypatch.setattr(pf, "ATTN_TMA", 1)
+
+    def copy(pad, start):
+        return type(cache)(_restrided(cache.k_pages, pad, start), _restrided(cache.v_pages, pad, start),
+                           cache.summaries)
+
+    variants = [(cache, layout == "sglang"), (copy(16, 0), True), (copy(8, 1), False), (copy(1, 0), False)]
+    for c, tma in variants:  # the cache itself, padded rows, a base 2 bytes off 16, rows of 129 elements
+        assert (pf._kv_descriptors(c, 64) is not None) == tma
+        got = pf.paged_dash_prefill_triton(case.q, None, None, c, case.block_table, case.cu, case.seq_lens, None,
+                                           case.head_cls, p)
+        assert torch.equal(got, want)
 
 
 # --- prefill row p == decode step at p -------------------------------------------------------------
