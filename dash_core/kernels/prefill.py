@@ -392,8 +392,9 @@ def _prefill_attn_kernel(
         offs_ch = tl.arange(0, UCH)
         ONE_BLOCK: tl.constexpr = (PER == 1) and SCALAR_BASE  # a tile is one block: one base address, no mask
         tl.static_assert(ONE_BLOCK or not TMA, "TMA loads whole tiles of one block")
-        k_off = offs_k[:, None] * sk_r + offs_d[None, :]
-        v_off = offs_k[:, None] * sv_r + offs_d[None, :]
+        if not TMA:
+            k_off = offs_k[:, None] * sk_r + offs_d[None, :]
+            v_off = offs_k[:, None] * sv_r + offs_d[None, :]
         for c0 in range(0, nu, UCH):
             ch_ids = tl.load(ublk_row + c0 + offs_ch, mask=c0 + offs_ch < nu, other=0)
             for it in range(0, tl.cdiv(tl.minimum(nu - c0, UCH), PER) * NSUB2):
@@ -401,9 +402,10 @@ def _prefill_attn_kernel(
                     phys = tl.sum(tl.where(offs_ch == it // NSUB2, ch_ids, 0), axis=0).to(tl.int64)
                     page = phys // ppb
                     row0 = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U
-                    k_ptrs = k_ptr + (page * sk_p + row0 * sk_r + h * sk_h) + k_off
-                    v_ptrs = v_ptr + (page * sv_p + row0 * sv_r + h * sv_h) + v_off
-                    kv_ok = tl.full([BLOCK_U, 1], 1, tl.int1)
+                    if not TMA:
+                        k_ptrs = k_ptr + (page * sk_p + row0 * sk_r + h * sk_h) + k_off
+                        v_ptrs = v_ptr + (page * sv_p + row0 * sv_r + h * sv_h) + v_off
+                        kv_ok = tl.full([BLOCK_U, 1], 1, tl.int1)
                 else:
                     jl = (it // NSUB2) * PER + offs_k // (BLOCK_U // PER)  # union index of each key of the tile
                     phys = tl.gather(ch_ids, jl, axis=0).to(tl.int64)
