@@ -51,7 +51,7 @@ from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, summary_scores
 from .launcher import check_indexer_query, check_kernel_config, check_step_tensors, sm_count, _check_on
-from .routing import NUM_PIVOTS, route_tile
+from .routing import route_tile
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ RESIDENT_CTAS = 2
 ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
 ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (QT units at once; 2048: 14 ms slower at 128k)
 ROUTE_WARPS = 8
+# The topk cap of a route tile (128k topk 64 on the H200, routing alone: 44.6 ms with these three against 53.6 ms
+# with 16 pivots and 16-wide tiles for every pass; 2 or 8 pivots, or 64-wide pivot tiles: 68-69 ms)
+ROUTE_PIVOTS = 4  # pivots per pass of the search for the topk-th largest mp of each unit's list
+ROUTE_PIVOT_BUDGET = 2048  # elements of the search's [QT, pivots, entries] tile
+ROUTE_LIST_BUDGET = 1024  # elements of the [QT, entries] tiles of the ties and compaction passes
 ATTN_WARPS = 4
 ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
@@ -184,7 +189,7 @@ def _prefill_route_kernel(
     sf, x_scale, G, HKV, topk, inv_sigma,
     QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
-    NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr,
+    NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, TL: tl.constexpr,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -260,7 +265,7 @@ def _prefill_route_kernel(
             count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
             QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
             ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
-            LIST=True,
+            LIST=True, TL=TL,
         )
 
 
@@ -616,8 +621,9 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
         QT=qt, G_PAD=_pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_N=max(16, min(64 if d <= 128 else 32, _pow2(max_cand))),
         TC=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (qt * nh_pad))),
-        TS=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (2 * NUM_PIVOTS * qt))),
-        NPIV=NUM_PIVOTS, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared,
+        TS=max(1, min(_pow2(max_cand), ROUTE_PIVOT_BUDGET // (ROUTE_PIVOTS * qt))),
+        TL=max(1, min(_pow2(max_cand), ROUTE_LIST_BUDGET // qt)),
+        NPIV=ROUTE_PIVOTS, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared,
     )
 
 

@@ -117,7 +117,7 @@ def select_kept(
     count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max, ck_ptr,
     QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
     PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr,
-    LIST: tl.constexpr,
+    LIST: tl.constexpr, TL: tl.constexpr,
 ):
     """The ``topk`` cap, ties, prior and compaction of ``QT`` units from their ``mp`` in scratch
     (``mp_ptr + mp_unit[u] + c``, ``npos [QT]`` positive entries each, ``nmax`` the most candidates):
@@ -127,9 +127,11 @@ def select_kept(
     candidate order, with their candidates at ``ck_ptr + mp_unit[u] + j`` (``append_positive``), and
     ``[key_min, key_max]`` (``[QT]`` int32) are the bits of the smallest and the largest: every pass
     reads the lists, never the other candidates. Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
+    Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction.
     """
     tl.static_assert(not (LIST and ONE_TILE), "LIST is for the multi-pivot search")
     offs_s = tl.arange(0, TS)
+    offs_l = tl.arange(0, TL)
     if LIST:  # the passes below read npos list entries instead of ncand candidates
         n_u = npos
         n_hi = tl.max(npos, axis=0)
@@ -201,8 +203,8 @@ def select_kept(
         ngt = tl.zeros([QT], tl.int32)
         slog = tl.zeros([QT], tl.float32)
         nlog = tl.zeros([QT], tl.float32)
-        for c0 in range(0, n_hi, TS):
-            mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_s, n_u, LIST)
+        for c0 in range(0, n_hi, TL):
+            mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, LIST)
             gt = (mpv.to(tl.int32, bitcast=True) > thr[:, None]) & cok
             ngt += tl.sum(gt.to(tl.int32), axis=1)
             if EST_DIAG:
@@ -221,8 +223,8 @@ def select_kept(
     ppb: tl.constexpr = PS // BS
     nkept = tl.zeros([QT], tl.int32)
     nties = tl.zeros([QT], tl.int32)
-    for c0 in range(0, n_hi, TS):
-        mpv, c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_s, n_u, LIST)
+    for c0 in range(0, n_hi, TL):
+        mpv, c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, LIST)
         key = mpv.to(tl.int32, bitcast=True)
         gt = (key > thr[:, None]) & cok
         tie = (key == thr[:, None]) & (key > 0) & cok
@@ -258,7 +260,7 @@ def route_tile(
     count_ptr, count_unit, topk, inv_sigma,
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
-    X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False,
+    X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0,
 ):
     """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
 
@@ -275,7 +277,8 @@ def route_tile(
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
     The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST (not with
     X_IN_REGS): the mp scratch receives each unit's positive mp only, as a list with their candidates
-    in ``ck_ptr`` (int32, shaped like mp), and the cap and compaction read those lists.
+    in ``ck_ptr`` (int32, shaped like mp), and the cap and compaction read those lists. TL: the width of
+    the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
     """
     tl.static_assert(not (LIST and X_IN_REGS), "LIST is for scores read in tiles")
     offs_r = tl.arange(0, NH_PAD)
@@ -341,13 +344,13 @@ def route_tile(
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=True, TC=TC, LIST=False)
+                    X_IN_REGS=True, TC=TC, LIST=False, TL=TS)
     else:
         select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=False, TC=TC, LIST=LIST)
+                    X_IN_REGS=False, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ DEV = KERNEL_DEVICE
 
 @triton.jit
 def _cap_kernel(mp_ptr, ncand_ptr, ck_ptr, bt_ptr, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, count_ptr, NMAX, topk,
-                QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, LIST: tl.constexpr):
+                QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, LIST: tl.constexpr, TL: tl.constexpr):
     """One program caps ``QT`` rows of ``mp [QT, NMAX]`` (row u has ``ncand[u]`` candidates; block
     table = identity) into ``sel_* [QT, topk]`` and ``count [QT]``. LIST: the rows are first rewritten
     in place as lists of their positive entries (candidates in ``ck``)."""
@@ -52,7 +52,7 @@ def _cap_kernel(mp_ptr, ncand_ptr, ck_ptr, bt_ptr, sel_idx_ptr, sel_blk_ptr, sel
     select_kept(mp_ptr, unit, ncand, nmax, npos, bt_ptr, unit * 0, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                 offs_u.to(tl.int64) * topk, topk, count_ptr, offs_u, topk, 1.0, npos, key_min, key_max, ck_ptr,
                 QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=True, EST_DIAG=False, PS=1, BS=1, ONE_TILE=False,
-                X_IN_REGS=False, TC=TS, LIST=LIST)
+                X_IN_REGS=False, TC=TS, LIST=LIST, TL=TL)
 
 
 def _crafted_rows(nmax: int, seed: int) -> tuple:
@@ -93,6 +93,9 @@ def _expected(mp_row: torch.Tensor, topk: int) -> list:
 @pytest.mark.parametrize("topk", [1, 7, 64])
 def test_select_kept_threshold_matches_sort(lists, topk):
     nmax = 300  # 19 tiles of TS = 16 per pass over every candidate
+    # lists: prefill's shape of the search (few pivots, wider tiles for the ties and compaction);
+    # otherwise decode's (16 pivots, one tile width)
+    npiv, tl_w = (4, 32) if lists else (16, 16)
     rows, ncand = _crafted_rows(nmax, 11 + topk)
     mp = rows.clone()
     for u in range(8):
@@ -104,7 +107,7 @@ def test_select_kept_threshold_matches_sort(lists, topk):
     count = torch.full((8,), -1, dtype=torch.int32)
     bt = torch.arange(nmax, dtype=torch.int32)
     dev = [x.to(DEV) for x in (mp, ncand, ck, bt, sel_idx, sel_blk, sel_bias, count)]
-    _cap_kernel[(1,)](*dev, nmax, topk, QT=8, TS=16, NPIV=16, LIST=lists)
+    _cap_kernel[(1,)](*dev, nmax, topk, QT=8, TS=16, NPIV=npiv, LIST=lists, TL=tl_w)
     mp_d, _, ck_d, _, sel_idx_d, sel_blk_d, sel_bias_d, count_d = [x.cpu() for x in dev]
     for u in range(8):
         want = _expected(rows[u, :ncand[u]], topk)

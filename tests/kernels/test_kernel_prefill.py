@@ -173,20 +173,20 @@ def test_routing_matches_oracle(seed, reqs, router, topk, est, sf, local_blocks,
     check_routing(case, plan, scratch)
 
 
-def test_routing_wide_rows_and_caps():
+def test_routing_wide_rows_and_caps(monkeypatch):
     """More candidates than one route tile (several tiles per pass), topk below and above the support,
     a GQA group of 4 (one tile = 16 tokens x 4 heads)."""
+    # 16-wide score tiles, 4-wide tiles for the cap's pivot search and 8-wide tiles for its ties and
+    # compaction: several per pass over 44 candidates
+    monkeypatch.setattr(pf, "ROUTE_TILE_BUDGET", 256)
+    monkeypatch.setattr(pf, "ROUTE_PIVOT_BUDGET", 4 * 16 * pf.ROUTE_PIVOTS)
+    monkeypatch.setattr(pf, "ROUTE_LIST_BUDGET", 8 * 16)
     for topk in (None, 3, 30):
         p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
         case = make_prefill_case(21, [(16 * 45 + 5, 20), (40, 40)], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
         plan, scratch = plan_and_scratch(case)
-        old = pf.ROUTE_TILE_BUDGET
-        pf.ROUTE_TILE_BUDGET = 256  # 16-wide tiles: several per pass over 44 candidates
-        try:
-            pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
-                          plan.num_tiles)
-        finally:
-            pf.ROUTE_TILE_BUDGET = old
+        pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
+                      plan.num_tiles)
         check_routing(case, plan, scratch)
 
 
