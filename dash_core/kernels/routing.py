@@ -84,7 +84,8 @@ def mp_key_range(mp, ok, npos, key_min, key_max):
 
 @triton.jit
 def _kept_entries(mp_ptr, ck_ptr, mp_unit, j, n_u, LIST: tl.constexpr):
-    """Entries ``j [TS]`` of each unit's mp: ``(mp [QT, TS], candidate [QT, TS] int32, valid [QT, TS])``.
+    """Entries ``j [T]`` of each unit's mp (T: a tile width, TS or TL): ``(mp [QT, T], candidate [QT, T]
+    int32, valid [QT, T])``.
     LIST: ``mp_ptr + mp_unit[u] + j`` holds the unit's positive mp in increasing candidate order and
     ``ck_ptr + mp_unit[u] + j`` their candidates, ``n_u`` of them; otherwise mp of candidate ``j``, ``n_u``
     candidates."""
@@ -271,9 +272,10 @@ def route_tile(
     Writes, per unit, its kept blocks in increasing order: logical index (``sel_idx``), summary
     index = physical block (``sel_blk``), ``log`` prior (``sel_bias``), at ``sel_unit[u] + j`` for
     ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
-    Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TS]`` mp, ``[QT, NPIV, TS]`` pivot counts; ONE_TILE
-    (``TS`` covers every candidate) keeps the mp bits in registers across the cap's passes (with
-    one unit: a 4-pass radix select on 256-bin histograms instead of the pivot search);
+    Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TC]`` mp, ``[QT, NPIV, TS]`` pivot counts, ``[QT, TL]``
+    for the cap's ties and compaction; ONE_TILE (``TS`` covers every candidate) keeps the mp bits in
+    registers across the cap's passes (with one unit: a 4-pass radix select on 256-bin histograms
+    instead of the pivot search);
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
     The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST (not with
     X_IN_REGS): the mp scratch receives each unit's positive mp only, as a list with their candidates

@@ -92,9 +92,9 @@ def _expected(mp_row: torch.Tensor, topk: int) -> list:
 @pytest.mark.parametrize("lists", [True, False])
 @pytest.mark.parametrize("topk", [1, 7, 64])
 def test_select_kept_threshold_matches_sort(lists, topk):
-    nmax = 300  # 19 tiles of TS = 16 per pass over every candidate
-    # lists: prefill's shape of the search (few pivots, wider tiles for the ties and compaction);
-    # otherwise decode's (16 pivots, one tile width)
+    nmax = 300  # 19 tiles of TS = 16 per pivot pass over every candidate (10 of TL = 32 for the list's ties
+    # and compaction). lists: prefill's shape of the search (few pivots, wider tiles for the ties and
+    # compaction); otherwise decode's (16 pivots, one tile width)
     npiv, tl_w = (4, 32) if lists else (16, 16)
     rows, ncand = _crafted_rows(nmax, 11 + topk)
     mp = rows.clone()

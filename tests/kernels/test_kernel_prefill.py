@@ -176,8 +176,8 @@ def test_routing_matches_oracle(seed, reqs, router, topk, est, sf, local_blocks,
 def test_routing_wide_rows_and_caps(monkeypatch):
     """More candidates than one route tile (several tiles per pass), topk below and above the support,
     a GQA group of 4 (one tile = 16 tokens x 4 heads)."""
-    # 16-wide score tiles, 4-wide tiles for the cap's pivot search and 8-wide tiles for its ties and
-    # compaction: several per pass over 44 candidates
+    # 16-wide score tiles over 44 candidates; 4-wide tiles for the cap's pivot search and 8-wide tiles for
+    # its ties and compaction, over lists of up to 44 positive mp (20+ with topk 3)
     monkeypatch.setattr(pf, "ROUTE_TILE_BUDGET", 256)
     monkeypatch.setattr(pf, "ROUTE_PIVOT_BUDGET", 4 * 16 * pf.ROUTE_PIVOTS)
     monkeypatch.setattr(pf, "ROUTE_LIST_BUDGET", 8 * 16)
