@@ -8,6 +8,8 @@ All offsets that scale with the cache size are computed in int64.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -15,6 +17,11 @@ LOG2E_F = 1.4426950408889634
 LN2_F = 0.6931471805599453
 LOG2E = tl.constexpr(LOG2E_F)  # usable inside kernels
 LN2 = tl.constexpr(LN2_F)
+
+
+def interpreting() -> bool:
+    """Whether kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

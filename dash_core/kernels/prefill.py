@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,7 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import PagedKVCache
 from ..params import DashParams
-from .common import block_page, summary_scores
+from .common import block_page, interpreting, summary_scores
 from .launcher import check_indexer_query, check_kernel_config, check_step_tensors, sm_count, _check_on
 from .routing import route_tile
 
@@ -651,7 +650,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
 
 def _tma_supported(device) -> bool:
     """NVIDIA Hopper or later, or the interpreter (which emulates descriptors: the CPU tests run the TMA path)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return True
     return (device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)

@@ -8,14 +8,13 @@ implementation of ``softmax(lse + log prior)``.
 from __future__ import annotations
 
 import math
-import os
 from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E_F as LOG2E  # LN2 is a tl.constexpr: kernels may read it
+from .common import LN2, LOG2E_F as LOG2E, interpreting  # LN2 is a tl.constexpr: kernels may read it
 
 
 @triton.jit
@@ -108,8 +107,7 @@ def segment_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     o = torch.empty(geo.n, geo.hsel, c, hu, geo.d, dtype=torch.float32, device=q.device)
     lse = torch.empty(geo.n, geo.hsel, c, hu, dtype=torch.float32, device=q.device)
     d_pad = max(16, _pow2(geo.d))
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    ieee = q.dtype == torch.float32 or (interpret and q.dtype == torch.bfloat16)
+    ieee = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
     _segment_attn_kernel[(geo.requests, geo.hk)](
         q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         used, used.stride(0), used.stride(1), used.stride(2), o, lse,
