@@ -181,8 +181,10 @@ def test_routing_wide_rows_and_caps(monkeypatch):
     monkeypatch.setattr(pf, "ROUTE_TILE_BUDGET", 256)
     monkeypatch.setattr(pf, "ROUTE_PIVOT_BUDGET", 4 * 16 * pf.ROUTE_PIVOTS)
     monkeypatch.setattr(pf, "ROUTE_LIST_BUDGET", 8 * 16)
-    for topk in (None, 3, 30):
-        p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
+    # estimate_diagonal: the priors also depend on the geometric mean of the kept mp, which the ties pass sums
+    # over the list tiles (exact ties at the threshold are the cap tests' job: test_kernel_cap_lists)
+    for topk, est in ((None, False), (3, False), (30, False), (3, True), (30, True)):
+        p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est)
         case = make_prefill_case(21, [(16 * 45 + 5, 20), (40, 40)], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
         plan, scratch = plan_and_scratch(case)
         pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
