@@ -1,0 +1,342 @@
+"""The prefill attention's union loop alone, in Triton and in Gluon (Hopper), on the same synthetic work.
+
+The prefill attention kernel (``dash_core.kernels.prefill``) runs a tile of 64 query rows (16 tokens x 4 query
+heads of one KV head) over the union of the blocks its tokens routed to, each block a 64-key tile with a per-token
+log prior (``-inf``: the token did not route there). At 128k tokens, topk 64, this loop is most of the attention's
+77 ms, at about 425 TFLOPS where FlashInfer's dense prefill runs near 600. Triton 3.6 waits for each warpgroup
+MMA right after issuing it, so a warpgroup's softmax never overlaps its own MMAs.
+
+This script measures how much an explicitly asynchronous loop gains, before the real kernel is rewritten:
+
+- ``triton``: the loop as the prefill kernel writes it (TMA loads, ``tl.dot``, 3 pipeline stages);
+- ``gluon``: the same loop in Gluon with TMA into a ring of shared-memory stages and mbarriers, synchronous MMAs;
+- ``gluon-overlap``: as ``gluon``, with the next block's QK MMA issued before this block's softmax and the PV MMA
+  left in flight while the next softmax runs (the intra-warpgroup overlap of FlashAttention 3).
+
+Every variant is checked against a float32 PyTorch computation of the same loop before it is timed. Work: ``tiles x
+Hkv`` programs, each over ``--union`` random blocks of a paged cache laid out as SGLang's ``[pages, 64, Hkv, D]``.
+
+    python benchmarks/union_loop.py --tiles 1056 --union 230          # on a Hopper GPU
+    python benchmarks/union_loop.py --compile-only                    # CPU: compile every variant for sm_90
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROWS, BS, D, QT, G = 64, 64, 128, 16, 4
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _union_triton(q_ptr, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, HKV,
+                  ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, G: tl.constexpr):
+    """Grid ``(tiles, Hkv)``: rows of tile w, KV head h over its union (the prefill kernel's loop)."""
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    unit = w * HKV + h
+    rows = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + (unit * ROWS + rows)[:, None].to(tl.int64) * D + offs_d[None, :])
+    nu = tl.load(nu_ptr + unit)
+    ublk = ublk_ptr + unit.to(tl.int64) * NU
+    prow = prior_ptr + unit.to(tl.int64) * NU * QT + rows // G
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    for j in range(nu):
+        blk = tl.load(ublk + j)
+        kt = k_desc.load([blk * BS, h * D])
+        qk = tl.dot(q, tl.trans(kt)) * qk_scale + tl.load(prow + j * QT)[:, None]
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = v_desc.load([blk * BS, h * D])
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + (unit * ROWS + rows)[:, None].to(tl.int64) * D + offs_d[None, :], o)
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_s, v_s, bar, ublk, j, nu, h, BS: gl.constexpr, D: gl.constexpr):
+    """TMA of block ``ublk[j]``'s K and V into one ring slot (nothing when ``j >= nu``)."""
+    pred = j < nu
+    blk = gl.load(ublk + j, mask=pred, other=0)
+    mbarrier.expect(bar, 2 * BS * D * 2, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [blk * BS, h * D], bar, k_s, pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [blk * BS, h * D], bar, v_s, pred=pred)
+
+
+@gluon.jit
+def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, HKV,
+                 ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, QT: gl.constexpr, G: gl.constexpr,
+                 STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+    """Grid ``(tiles, Hkv)``, one warpgroup: the loop of ``_union_triton`` with explicit TMA stages and
+    warpgroup MMAs (OVERLAP: QK of block j + 1 in flight during block j's softmax, PV of block j during
+    block j + 1's)."""
+    w = gl.program_id(0)
+    h = gl.program_id(1)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D], q_desc.layout)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, D], k_desc.layout)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, D], v_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bar.index(s), count=1)
+    mbarrier.init(qbar, count=1)
+    fence_async_shared()
+
+    unit = w * HKV + h
+    nu = gl.load(nu_ptr + unit)
+    ublk = ublk_ptr + unit.to(gl.int64) * NU
+    mbarrier.expect(qbar, ROWS * D * 2)
+    tma.async_copy_global_to_shared(q_desc, [unit * ROWS, 0], qbar, q_s)
+    for s in gl.static_range(STAGES):
+        _issue_kv(k_desc, v_desc, k_s.index(s), v_s.index(s), bar.index(s), ublk, s, nu, h, BS, D)
+    prow = prior_ptr + unit.to(gl.int64) * NU * QT + gl.arange(0, ROWS, layout=row_s) // G
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    s_zero = gl.zeros([ROWS, BS], gl.float32, s_layout)
+    mbarrier.wait(qbar, 0)
+    if OVERLAP:
+        gl.static_assert(STAGES >= 3, "S of block j + 1 is issued before block j - 1's slot is refilled")
+        # S of block 0 issued before the loop; each iteration issues S of block j + 1, then block j's softmax,
+        # then waits for PV of block j - 1 (its slot is refilled), rescales and issues PV of block j.
+        mbarrier.wait(bar.index(0), 0, pred=nu > 0)
+        s_cur = warpgroup_mma(q_s, k_s.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s_cur = warpgroup_mma_wait(0, deps=[s_cur])
+        acc = warpgroup_mma_init(acc)
+        for j in range(nu):
+            slot = j % STAGES
+            nslot = (j + 1) % STAGES
+            has_next = j + 1 < nu
+            mbarrier.wait(bar.index(nslot), ((j + 1) // STAGES) & 1, pred=has_next)
+            s_next = warpgroup_mma(q_s, k_s.index(nslot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            prior = gl.load(prow + j * QT)
+            qk = s_cur * qk_scale + prior[:, None]
+            m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            # outstanding: PV j-1 (older), S j+1: wait for PV j-1 only
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            if j > 0:  # block j - 1's slot is free (every warp past its wait): refill it with block j - 1 + STAGES
+                gl.thread_barrier()
+                pslot = (j - 1) % STAGES
+                _issue_kv(k_desc, v_desc, k_s.index(pslot), v_s.index(pslot), bar.index(pslot), ublk,
+                          j - 1 + STAGES, nu, h, BS, D)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(p_op, v_s.index(slot), acc, is_async=True)
+            # outstanding: S j+1 (older), PV j: wait for S j+1 only
+            s_cur = warpgroup_mma_wait(1, deps=[s_next])
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    else:
+        for j in range(nu):
+            slot = j % STAGES
+            mbarrier.wait(bar.index(slot), (j // STAGES) & 1)
+            s_acc = warpgroup_mma(q_s, k_s.index(slot).permute((1, 0)), s_zero, use_acc=False)
+            prior = gl.load(prow + j * QT)
+            qk = s_acc * qk_scale + prior[:, None]
+            m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(qk - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_s.index(slot), acc)
+            gl.thread_barrier()  # every warp's MMAs are done with the slot before it is refilled
+            _issue_kv(k_desc, v_desc, k_s.index(slot), v_s.index(slot), bar.index(slot), ublk, j + STAGES, nu, h,
+                      BS, D)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bar.index(s))
+    mbarrier.invalidate(qbar)
+    l_o = gl.convert_layout(l_i, row_o)
+    o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+    rows = gl.arange(0, ROWS, layout=row_o)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
+
+
+def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda"):
+    """Random queries, a paged cache ``[pages, BS, Hkv, D]``, ``union`` distinct blocks per (tile, KV head)
+    and each token's log2 prior per union block (about 30% of the tokens routed to each block)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(tiles * hkv * ROWS, D, generator=g).to(device, torch.bfloat16)
+    k = torch.randn(pages, BS, hkv, D, generator=g).to(device, torch.bfloat16)
+    v = torch.randn(pages, BS, hkv, D, generator=g).to(device, torch.bfloat16)
+    ublk = torch.argsort(torch.rand(tiles * hkv, pages, generator=g), dim=1)[:, :union].to(torch.int32)
+    nu = torch.full((tiles * hkv,), union, dtype=torch.int32)
+    nu[::7] = torch.randint(0, union + 1, nu[::7].shape, generator=g).to(torch.int32)  # ragged unions, some empty
+    prior = torch.log2(torch.rand(tiles * hkv, union, QT, generator=g) * 0.5 + 0.01)
+    prior[torch.rand(prior.shape, generator=g) > 0.3] = float("-inf")
+    return dict(q=q, k=k, v=v, ublk=ublk.to(device), nu=nu.to(device), prior=prior.to(device), hkv=hkv, union=union)
+
+
+def reference(work: dict, units) -> torch.Tensor:
+    """Float32 outputs ``[len(units), ROWS, D]`` of the loop for some (tile, KV head) units."""
+    hkv, scale = work["hkv"], LOG2E / math.sqrt(D)
+    out = []
+    for u in units:
+        h, n = u % hkv, int(work["nu"][u])
+        if n == 0:
+            out.append(torch.zeros(ROWS, D, device=work["q"].device))
+            continue
+        q = work["q"][u * ROWS:(u + 1) * ROWS].float()
+        blk = work["ublk"][u, :n].long()
+        k = work["k"][blk, :, h].reshape(n * BS, D).float()
+        v = work["v"][blk, :, h].reshape(n * BS, D).float()
+        bias = work["prior"][u, :n].repeat_interleave(G, dim=1).T.repeat_interleave(BS, dim=1)  # [ROWS, n BS]
+        s = q @ k.T * scale + bias
+        m = s.amax(1, keepdim=True).clamp(min=-1e30)
+        p = torch.exp2(s - m)
+        l = p.sum(1, keepdim=True)
+        out.append(torch.where(l > 0, (p @ v) / l.clamp(min=1e-30), 0.0))
+    return torch.stack(out)
+
+
+def _smem_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def launchers(work: dict, stages: int):
+    """``{variant: call}`` writing ``o [tiles Hkv ROWS, D]`` fp32."""
+    hkv, union = work["hkv"], work["union"]
+    units = work["nu"].numel()
+    grid = (units // hkv, hkv)
+    o = torch.empty(units * ROWS, D, dtype=torch.float32, device=work["q"].device)
+    kv2 = {n: work[n].view(-1, hkv * D) for n in ("k", "v")}
+    tdesc = {n: TensorDescriptor.from_tensor(t, [BS, D]) for n, t in kv2.items()}
+    gdesc = {n: GluonDescriptor.from_tensor(t, [BS, D], _smem_layout()) for n, t in kv2.items()}
+    qdesc = GluonDescriptor.from_tensor(work["q"], [ROWS, D], _smem_layout())
+    scale = LOG2E / math.sqrt(D)
+    args = (work["ublk"], work["nu"], work["prior"], o, scale, union, hkv)
+
+    def tri():
+        _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G,
+                            num_warps=4, num_stages=3)
+
+    def glu(overlap):
+        return lambda: _union_gluon[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G,
+                                          STAGES=stages, OVERLAP=overlap, num_warps=4)
+
+    return o, {"triton": tri, "gluon": glu(False), "gluon-overlap": glu(True)}
+
+
+def compile_only(stages: int) -> int:
+    """Compile each variant for sm_90 on a machine without a GPU; print shared memory, registers, spills."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    lay = _smem_layout()
+    common = {"ublk_ptr": "*i32", "nu_ptr": "*i32", "prior_ptr": "*fp32", "o_ptr": "*fp32", "qk_scale": "fp32",
+              "NU": "i32", "HKV": "i32"}
+    cons = dict(ROWS=ROWS, D=D, BS=BS, QT=QT, G=G)
+    tsig = {"q_ptr": "*bf16", "k_desc": f"tensordesc<bf16[{BS}, {D}]>", "v_desc": f"tensordesc<bf16[{BS}, {D}]>",
+            **common, **{k: "constexpr" for k in cons}}
+    srcs = {"triton": (ASTSource(_union_triton, tsig, cons), dict(num_warps=4, num_stages=3))}
+    for overlap in (False, True):
+        gc = dict(cons, STAGES=stages, OVERLAP=overlap)
+        gsig = {"q_desc": f"tensordesc<bf16[{ROWS}, {D}],{lay!r}>", "k_desc": f"tensordesc<bf16[{BS}, {D}],{lay!r}>",
+                "v_desc": f"tensordesc<bf16[{BS}, {D}],{lay!r}>", **common, **{k: "constexpr" for k in gc}}
+        srcs["gluon-overlap" if overlap else "gluon"] = (GluonASTSource(_union_gluon, gsig, gc), dict(num_warps=4))
+    rc = 0
+    for name, (src, opts) in srcs.items():
+        try:
+            k = triton.compile(src, target=target, options=opts)
+        except Exception as e:  # noqa: BLE001
+            print(f"{name}: {type(e).__name__}: {str(e)[:3000]}")
+            rc = 1
+            continue
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.ptx")
+            Path(path).write_text(k.asm["ptx"])
+            r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", path + ".o"],
+                               capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", r.stderr)
+        spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+        print(f"{name}: shared {k.metadata.shared} B, registers {regs and regs.group(1)}, "
+              f"spills {spill and spill.group(1)}")
+        if os.environ.get("UNION_LOOP_DUMP"):
+            Path(os.environ["UNION_LOOP_DUMP"]).mkdir(parents=True, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                Path(os.environ["UNION_LOOP_DUMP"], f"{name}.{ext}").write_text(k.asm[ext])
+    return rc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiles", type=int, default=1056)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--union", type=int, default=230, help="blocks per (tile, KV head)")
+    ap.add_argument("--pages", type=int, default=2048)
+    ap.add_argument("--stages", type=int, default=3, help="Gluon's K/V ring slots (3 or more)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--compile-only", action="store_true")
+    a = ap.parse_args(argv)
+    if a.compile_only:
+        return compile_only(a.stages)
+    from decode import time_calls
+    work = make_work(a.tiles, a.hkv, a.union, a.pages)
+    o, calls = launchers(work, a.stages)
+    check = list(range(0, work["nu"].numel(), max(1, work["nu"].numel() // 24)))
+    ref = reference(work, check)
+    flop = 4.0 * ROWS * BS * D * float(work["nu"].sum())
+    rc = 0
+    for name, fn in calls.items():
+        o.fill_(float("nan"))
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            print(f"{name:14s} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            rc = 1
+            continue
+        got = o.view(-1, ROWS, D)[check]
+        err = float((got - ref).abs().max())
+        ms = time_calls([fn], a.iters, 3, True)
+        ok = err < 2e-2
+        rc |= not ok
+        print(f"{name:14s} {ms:8.3f} ms  {flop / ms / 1e9:6.1f} TFLOPS  max |err| {err:.2e} {'ok' if ok else 'WRONG'}",
+              flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
