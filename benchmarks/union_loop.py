@@ -188,13 +188,13 @@ def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
 
 
 def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda"):
-    """Random queries, a paged cache ``[pages, BS, Hkv, D]``, ``union`` distinct blocks per (tile, KV head)
+    """Random queries, a paged cache ``[pages, BS, Hkv, D]``, ``union`` random blocks per (tile, KV head)
     and each token's log2 prior per union block (about 30% of the tokens routed to each block)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(tiles * hkv * ROWS, D, generator=g).to(device, torch.bfloat16)
     k = torch.randn(pages, BS, hkv, D, generator=g).to(device, torch.bfloat16)
     v = torch.randn(pages, BS, hkv, D, generator=g).to(device, torch.bfloat16)
-    ublk = torch.argsort(torch.rand(tiles * hkv, pages, generator=g), dim=1)[:, :union].to(torch.int32)
+    ublk = torch.randint(0, pages, (tiles * hkv, union), generator=g, dtype=torch.int32)  # few pages: L2-resident
     nu = torch.full((tiles * hkv,), union, dtype=torch.int32)
     nu[::7] = torch.randint(0, union + 1, nu[::7].shape, generator=g).to(torch.int32)  # ragged unions, some empty
     prior = torch.log2(torch.rand(tiles * hkv, union, QT, generator=g) * 0.5 + 0.01)
