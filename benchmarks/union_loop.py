@@ -36,6 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -208,6 +209,68 @@ def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
     gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
 
 
+@gluon.jit
+def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, HKV,
+                ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, QT: gl.constexpr, G: gl.constexpr,
+                STAGES: gl.constexpr):
+    """``_union_gluon``'s loop (no overlap, one block an iteration) on warp-level MMAs (``mma.sync``, 16 rows
+    a warp) with operands read from the shared-memory ring: the rate a per-warp design would run at."""
+    w = gl.program_id(0)
+    h = gl.program_id(1)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D], q_desc.layout)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, D], k_desc.layout)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, D], v_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bar.index(s), count=1)
+    mbarrier.init(qbar, count=1)
+    fence_async_shared()
+
+    unit = w * HKV + h
+    nu = gl.load(nu_ptr + unit)
+    ublk = ublk_ptr + unit.to(gl.int64) * NU
+    mbarrier.expect(qbar, ROWS * D * 2)
+    tma.async_copy_global_to_shared(q_desc, [unit * ROWS, 0], qbar, q_s)
+    for s in gl.static_range(STAGES):
+        _issue_kv(k_desc, v_desc, k_s.index(s), v_s.index(s), bar.index(s), ublk, s, nu, h, BS, D, 1)
+    prow = prior_ptr + unit.to(gl.int64) * NU * QT + gl.arange(0, ROWS, layout=row_l) // G
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
+    l_i = gl.full([ROWS], 0.0, gl.float32, row_l)
+    acc = gl.zeros([ROWS, D], gl.float32, mma)
+    mbarrier.wait(qbar, 0)
+    q = q_s.load(a_op)
+    for j in range(nu):
+        slot = j % STAGES
+        mbarrier.wait(bar.index(slot), (j // STAGES) & 1)
+        kt = k_s.index(slot).permute((1, 0)).load(b_op)
+        s_acc = mma_v2(q, kt, gl.zeros([ROWS, BS], gl.float32, mma))
+        qk = s_acc * qk_scale + gl.load(prow + j * QT)[:, None]
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        vt = v_s.index(slot).load(b_op)
+        acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), vt, acc * alpha[:, None])
+        gl.thread_barrier()  # every warp has read the slot before it is refilled
+        _issue_kv(k_desc, v_desc, k_s.index(slot), v_s.index(slot), bar.index(slot), ublk, j + STAGES, nu, h,
+                  BS, D, 1)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bar.index(s))
+    mbarrier.invalidate(qbar)
+    o = acc / gl.where(l_i > 0, l_i, 1.0)[:, None]
+    rows = gl.arange(0, ROWS, layout=row_l)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
+    gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
+
+
 def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda"):
     """Random queries, a paged cache ``[pages, BS, Hkv, D]``, ``union`` random blocks per (tile, KV head)
     and each token's log2 prior per union block (about 30% of the tokens routed to each block)."""
@@ -270,7 +333,12 @@ def launchers(work: dict, stages: int, per: int):
         return lambda: _union_gluon[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G,
                                           STAGES=stages, OVERLAP=overlap, PER=per, RELOAD=reload, num_warps=4)
 
-    return o, {"triton": tri, "gluon": glu(False), "gluon-overlap": glu(True), NO_RELOAD: glu(False, False)}
+    def mma2():
+        _union_mma2[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, STAGES=stages,
+                          num_warps=4)
+
+    return o, {"triton": tri, "gluon": glu(False), "gluon-overlap": glu(True), NO_RELOAD: glu(False, False),
+               "gluon-mma2": mma2}
 
 
 def compile_only(stages: int, per: int) -> int:
@@ -296,6 +364,8 @@ def compile_only(stages: int, per: int) -> int:
         gsig = {"q_desc": f"tensordesc<bf16[{ROWS}, {D}],{lay!r}>", "k_desc": f"tensordesc<bf16[{BS}, {D}],{lay!r}>",
                 "v_desc": f"tensordesc<bf16[{BS}, {D}],{lay!r}>", **common, **{k: "constexpr" for k in gc}}
         srcs["gluon-overlap" if overlap else "gluon"] = (GluonASTSource(_union_gluon, gsig, gc), dict(num_warps=4))
+    del gc["OVERLAP"], gc["PER"], gsig["OVERLAP"], gsig["PER"]
+    srcs["gluon-mma2"] = (GluonASTSource(_union_mma2, gsig, gc), dict(num_warps=4))
     rc = 0
     for name, (src, opts) in srcs.items():
         try:
