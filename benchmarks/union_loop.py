@@ -6,20 +6,25 @@ log prior (``-inf``: the token did not route there). At 128k tokens, topk 64, th
 77 ms, at about 425 TFLOPS where FlashInfer's dense prefill runs near 600. Triton 3.6 waits for each warpgroup
 MMA right after issuing it, so a warpgroup's softmax never overlaps its own MMAs.
 
-This script measures how much an explicitly asynchronous loop gains, before the real kernel is rewritten:
+This script measures what an explicitly written loop gains over the Triton one (results and their reading:
+``docs/PERFORMANCE.md``, "The union loop alone"):
 
 - ``triton``: the loop as the prefill kernel writes it (TMA loads, ``tl.dot``, 3 pipeline stages);
-- ``gluon``: the same loop in Gluon with TMA into a ring of shared-memory stages and mbarriers, synchronous MMAs;
+- ``gluon``: the same loop in Gluon with TMA into a ring of shared-memory slots and mbarriers, synchronous
+  warpgroup MMAs; ``--per 2``: two blocks (128 keys) an iteration;
 - ``gluon-no-reload``: as ``gluon``, loading only the first blocks and reusing them (wrong values, not checked):
   the loop's rate without its K/V traffic;
 - ``gluon-overlap``: as ``gluon``, with the next block's QK MMA issued before this block's softmax and the PV MMA
-  left in flight while the next softmax runs (the intra-warpgroup overlap of FlashAttention 3).
+  left in flight while the next softmax runs (the intra-warpgroup overlap of FlashAttention 3);
+- ``gluon-mma2``: as ``gluon`` on warp-level MMAs (``mma.sync``, 16 rows a warp), the rate a design whose warps
+  skip blocks on their own would run at.
 
-Every variant is checked against a float32 PyTorch computation of the same loop before it is timed. Work: ``tiles x
-Hkv`` programs, each over ``--union`` random blocks of a paged cache laid out as SGLang's ``[pages, 64, Hkv, D]``.
+Every variant but ``gluon-no-reload`` is checked against a float32 PyTorch computation of the same loop before it
+is timed. Work: ``tiles x Hkv`` programs, each over ``--union`` random blocks (with repeats) of a paged cache of
+``--pages`` pages laid out as SGLang's ``[pages, 64, Hkv, D]``: 96 pages stay in L2, 4096 do not.
 
-    python benchmarks/union_loop.py --tiles 1056 --union 230          # on a Hopper GPU
-    python benchmarks/union_loop.py --compile-only                    # CPU: compile every variant for sm_90
+    python benchmarks/union_loop.py --tiles 1056 --union 230 --pages 96   # on a Hopper GPU
+    python benchmarks/union_loop.py --compile-only                         # CPU: compile the variants for sm_90
 """
 
 from __future__ import annotations

@@ -1,0 +1,89 @@
+"""``benchmarks/union_loop.py``: every variant of the prefill union loop computes attention with a prior.
+
+The script's float32 reference is checked here against a softmax written independently. On the CPU the Triton
+variant runs under the interpreter, and the Gluon variants are compiled for sm_90 in a subprocess (the
+interpreter cannot run Gluon). On a Hopper GPU every variant runs against the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._benchmarks import import_benchmark
+from tests.kernels._kernel_env import KERNEL_DEVICE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ul():
+    return import_benchmark("union_loop")  # benchmarks/union_loop.py
+
+
+def _hopper() -> bool:
+    return KERNEL_DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+
+
+def test_reference_is_a_softmax_weighted_by_the_prior(ul):
+    work = ul.make_work(tiles=4, hkv=2, union=5, pages=16, device="cpu")
+    units = list(range(8))
+    ref = ul.reference(work, units).double()
+    for i, u in enumerate(units):
+        n, h = int(work["nu"][u]), u % work["hkv"]
+        if n == 0:
+            assert not ref[i].any()
+            continue
+        q = work["q"][u * ul.ROWS:(u + 1) * ul.ROWS].double()
+        blk = work["ublk"][u, :n].long()
+        k = work["k"][blk, :, h].reshape(n * ul.BS, ul.D).double()
+        v = work["v"][blk, :, h].reshape(n * ul.BS, ul.D).double()
+        prior = torch.exp2(work["prior"][u, :n].double())  # [n, QT]: 0 where the token did not route
+        weight = prior.T[torch.arange(ul.ROWS) // ul.G].repeat_interleave(ul.BS, dim=1)  # [rows, n BS]
+        logits = q @ k.T / math.sqrt(ul.D)
+        e = torch.exp(logits - logits.amax(1, keepdim=True)) * weight
+        total = e.sum(1, keepdim=True)
+        want = torch.where(total > 0, e @ v / torch.where(total > 0, total, 1.0), 0.0)
+        assert torch.allclose(ref[i], want, atol=1e-4, rtol=1e-4), (u, float((ref[i] - want).abs().max()))
+
+
+@pytest.mark.parametrize("per", [1, 2])
+def test_variants_match_the_reference(ul, per):
+    if per == 2 and not _hopper():
+        pytest.skip("two blocks an iteration is a Gluon variant: Hopper only")
+    work = ul.make_work(tiles=3, hkv=2, union=7, pages=16, device=KERNEL_DEVICE)
+    o, calls = ul.launchers(work, stages=3, per=per)
+    if _hopper():
+        names = ["triton", "gluon", "gluon-overlap", "gluon-mma2"] if per == 1 else ["gluon", "gluon-overlap"]
+    else:
+        names = ["triton"]  # the interpreter, or a GPU without warpgroup MMAs
+    units = work["nu"].numel()
+    ref = ul.reference(work, range(units))
+    assert ref.abs().max() > 0.1  # not an all-zero case
+    for name in names:
+        o.fill_(float("nan"))
+        calls[name]()
+        got = o.view(units, ul.ROWS, ul.D)
+        err = float((got - ref).abs().max())
+        assert err < 2e-2, (name, err)  # bf16 probabilities in the PV product, fp32 accumulation
+
+
+@pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="CPU check; on a GPU the variants run")
+@pytest.mark.parametrize("per", [1, 2])
+def test_gluon_variants_compile_for_sm90(per):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "benchmarks/union_loop.py", "--compile-only", "--per", str(per)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode and "ptxas" in r.stderr and "No such file" in r.stderr:
+        pytest.skip("triton's bundled ptxas is missing")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    shared = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+): shared (\d+) B", r.stdout, re.M)}
+    assert set(shared) == {"triton", "gluon", "gluon-overlap", "gluon-mma2"}, r.stdout
+    assert max(shared.values()) <= 227 * 1024, shared
