@@ -138,24 +138,53 @@ def _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT: tl.constexpr, G_
     return u_m, g_m, pos_m, tok_m, in_m, unit_ok
 
 
+@triton.jit(do_not_specialize=["n", "nt", "steps"])
+def _tile_tables_kernel(cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, n, nt, steps,
+                        QT: tl.constexpr, R: tl.constexpr):
+    """Grid ``(1,)``: ``tile_off`` (a running sum of each request's tiles, ``R`` requests at a time), then
+    ``tile_req`` by a binary search of each tile id in it (``steps`` halvings of ``[0, n)``)."""
+    offs = tl.arange(0, R)
+    tl.store(tile_off_ptr, 0)
+    carry = 0
+    for c0 in range(0, n, R):
+        i = c0 + offs
+        m = i < n
+        q0 = tl.load(cu_ptr + i, mask=m, other=0).to(tl.int32)
+        qlen = tl.load(cu_ptr + i + 1, mask=m, other=0).to(tl.int32) - q0
+        start = tl.maximum(tl.load(seq_lens_ptr + i, mask=m, other=0).to(tl.int32) - qlen, 0)
+        tiles = tl.where(m & (qlen > 0), (start % QT + qlen + QT - 1) // QT, 0)
+        tl.store(tile_off_ptr + i + 1, tl.cumsum(tiles, axis=0) + carry, mask=m)
+        carry += tl.sum(tiles, axis=0)
+    tl.debug_barrier()  # the offsets are read back by other threads
+    for t0 in range(0, nt, R):
+        t = t0 + offs
+        lo = tl.zeros([R], tl.int32)
+        hi = tl.zeros([R], tl.int32) + n
+        for _ in range(steps):  # the first request whose tiles end after t (n: past the last tile)
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            end = tl.load(tile_off_ptr + mid + 1, mask=open_, other=0)
+            right = open_ & (end <= t)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(open_ & ~right, mid, hi)
+        tl.store(tile_req_ptr + t, lo, mask=t < nt)
+
+
 def tile_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, qt: int):
-    """Device tables placing the tiles, without synchronising.
+    """Device tables placing the tiles, in one launch and without synchronising.
 
     Returns ``tile_req [NT]`` int32 (request of each tile, ``n`` past the last tile), ``tile_off
     [n + 1]`` int32 (first tile of each request) and the static bound ``NT = T // QT + 2 n``
     (``cdiv(start % QT + qlen, QT) <= qlen // QT + 2`` tiles per request).
     """
     n = seq_lens.shape[0]
-    cu = cu_seqlens_q.to(torch.int64)
-    qlen = cu[1:] - cu[:-1]
-    start = (seq_lens.to(torch.int64) - qlen).clamp(min=0)
-    tiles = torch.where(qlen > 0, (start % qt + qlen + qt - 1) // qt, torch.zeros_like(qlen))
-    off = torch.zeros(n + 1, dtype=torch.int64, device=seq_lens.device)
-    off[1:] = torch.cumsum(tiles, 0)
     nt = num_tokens // qt + 2 * n
-    ids = torch.arange(nt, dtype=torch.int64, device=seq_lens.device)
-    tile_req = torch.searchsorted(off[1:].contiguous(), ids, right=True).to(torch.int32)
-    return tile_req, off.to(torch.int32), nt
+    dev = seq_lens.device
+    tile_req = torch.empty(nt, dtype=torch.int32, device=dev)
+    tile_off = torch.empty(n + 1, dtype=torch.int32, device=dev)
+    _tile_tables_kernel[(1,)](cu_seqlens_q, seq_lens, tile_req, tile_off, n, nt, max(1, n.bit_length()), QT=qt,
+                              R=1024, num_warps=4)
+    return tile_req, tile_off, nt
 
 
 def tile_layout_host(cu_seqlens_q, seq_lens, qt: int) -> list:

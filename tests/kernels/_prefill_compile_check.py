@@ -20,7 +20,8 @@ from dash_core.kernels import prefill as pf
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
-PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf}
+PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf,
+                   "_tile_tables_kernel": pf}
 kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 
 CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)

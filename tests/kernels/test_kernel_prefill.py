@@ -499,3 +499,23 @@ def test_waves_fill_whole_rounds():
     assert w <= 140 and (w * hkv) % slots == 0
     assert pf.wave_tiles(500, per, hkv, cpu, scratch_bytes=1 << 40) == 500
     assert pf.wave_tiles(10, per, hkv, cpu, scratch_bytes=3 * per) == 3  # under one round: the budget
+
+
+@pytest.mark.parametrize("n, seed", [(1, 0), (5, 1), (1500, 2)])  # 1500: the offsets' running sum crosses chunks
+def test_tile_tables_place_the_host_layout(n, seed):
+    """``tile_req`` / ``tile_off`` (one launch) against ``tile_layout_host``: every tile's request in tile
+    order, each request's first tile, and ``n`` on the tiles past the last; requests with no new token or
+    starting mid-tile included."""
+    g = torch.Generator().manual_seed(seed)
+    qlen = torch.randint(0, 40, (n,), generator=g) * (torch.rand(n, generator=g) > 0.2)
+    seq = qlen + torch.randint(0, 70, (n,), generator=g)
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(qlen, 0)
+    t, qt = int(cu[-1]) + 3, 16
+    tile_req, tile_off, nt = pf.tile_tables(cu.to(DEV), seq.to(torch.int32).to(DEV), t, qt)
+    layout = pf.tile_layout_host(cu, seq, qt)
+    want = torch.full((nt,), n, dtype=torch.int32)
+    want[:len(layout)] = torch.tensor([req for req, *_ in layout], dtype=torch.int32)
+    assert torch.equal(tile_req.cpu(), want)
+    first = torch.searchsorted(want[:len(layout)], torch.arange(n + 1, dtype=torch.int32))  # first tile of each
+    assert torch.equal(tile_off.cpu(), first.to(torch.int32))
