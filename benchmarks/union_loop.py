@@ -112,6 +112,48 @@ def _add_prior(s, qk_scale, prow, j, nu, QT: gl.constexpr, BS: gl.constexpr, PER
 
 
 @gluon.jit
+def _ring_start(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, w, h, NU, HKV, ROWS: gl.constexpr, D: gl.constexpr,
+                BS: gl.constexpr, STAGES: gl.constexpr, PER: gl.constexpr):
+    """A program's shared memory (Q, and a ring of STAGES slots of PER blocks' K and V with one mbarrier each),
+    with Q's TMA and the first STAGES slots' loads issued: ``(q_s, k_s, v_s, bar, qbar, unit, nu, ublk)``."""
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D], q_desc.layout)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PER * BS, D], k_desc.layout)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PER * BS, D], v_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bar.index(s), count=1)
+    mbarrier.init(qbar, count=1)
+    fence_async_shared()
+    unit = w * HKV + h
+    nu = gl.load(nu_ptr + unit)
+    ublk = ublk_ptr + unit.to(gl.int64) * NU
+    mbarrier.expect(qbar, ROWS * D * 2)
+    tma.async_copy_global_to_shared(q_desc, [unit * ROWS, 0], qbar, q_s)
+    for s in gl.static_range(STAGES):
+        _issue_kv(k_desc, v_desc, k_s.index(s), v_s.index(s), bar.index(s), ublk, s, nu, h, BS, D, PER)
+    return q_s, k_s, v_s, bar, qbar, unit, nu, ublk
+
+
+@gluon.jit
+def _ring_end(bar, qbar, STAGES: gl.constexpr):
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bar.index(s))
+    mbarrier.invalidate(qbar)
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i):
+    """One block of the online softmax (log2 domain): ``(p, alpha, m, l)``, ``alpha`` rescaling the old sums;
+    a row still at ``-inf`` everywhere keeps zero weights."""
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(qk - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
 def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, HKV,
                  ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, QT: gl.constexpr, G: gl.constexpr,
                  STAGES: gl.constexpr, OVERLAP: gl.constexpr, PER: gl.constexpr,
@@ -127,23 +169,8 @@ def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D], q_desc.layout)
-    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PER * BS, D], k_desc.layout)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, PER * BS, D], v_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bar.index(s), count=1)
-    mbarrier.init(qbar, count=1)
-    fence_async_shared()
-
-    unit = w * HKV + h
-    nu = gl.load(nu_ptr + unit)
-    ublk = ublk_ptr + unit.to(gl.int64) * NU
-    mbarrier.expect(qbar, ROWS * D * 2)
-    tma.async_copy_global_to_shared(q_desc, [unit * ROWS, 0], qbar, q_s)
-    for s in gl.static_range(STAGES):
-        _issue_kv(k_desc, v_desc, k_s.index(s), v_s.index(s), bar.index(s), ublk, s, nu, h, BS, D, PER)
+    q_s, k_s, v_s, bar, qbar, unit, nu, ublk = _ring_start(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, w, h, NU, HKV,
+                                                          ROWS, D, BS, STAGES, PER)
     prow = prior_ptr + unit.to(gl.int64) * NU * QT + gl.arange(0, ROWS, layout=row_s) // G
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
@@ -167,12 +194,7 @@ def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
             mbarrier.wait(bar.index(nslot), ((j + 1) // STAGES) & 1, pred=has_next)
             s_next = warpgroup_mma(q_s, k_s.index(nslot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             qk = _add_prior(s_cur, qk_scale, prow, j, nu, QT, BS, PER, s_layout)
-            m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
             p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             # outstanding: PV j-1 (older), S j+1: wait for PV j-1 only
             acc = warpgroup_mma_wait(1, deps=[acc])
@@ -192,21 +214,14 @@ def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
             mbarrier.wait(bar.index(slot), (j // STAGES) & 1, pred=RELOAD or j < STAGES)
             s_acc = warpgroup_mma(q_s, k_s.index(slot).permute((1, 0)), s_zero, use_acc=False)
             qk = _add_prior(s_acc, qk_scale, prow, j, nu, QT, BS, PER, s_layout)
-            m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_use)
-            p = gl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_s.index(slot), acc)
             if RELOAD:  # (not RELOAD: the first STAGES blocks again and again, to time the loop without its loads)
                 gl.thread_barrier()  # every warp's MMAs are done with the slot before it is refilled
                 _issue_kv(k_desc, v_desc, k_s.index(slot), v_s.index(slot), bar.index(slot), ublk, j + STAGES, nu,
                           h, BS, D, PER)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bar.index(s))
-    mbarrier.invalidate(qbar)
+    _ring_end(bar, qbar, STAGES)
     l_o = gl.convert_layout(l_i, row_o)
     o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
     rows = gl.arange(0, ROWS, layout=row_o)
@@ -227,23 +242,8 @@ def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_s
     b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
 
-    q_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D], q_desc.layout)
-    k_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, D], k_desc.layout)
-    v_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, D], v_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bar.index(s), count=1)
-    mbarrier.init(qbar, count=1)
-    fence_async_shared()
-
-    unit = w * HKV + h
-    nu = gl.load(nu_ptr + unit)
-    ublk = ublk_ptr + unit.to(gl.int64) * NU
-    mbarrier.expect(qbar, ROWS * D * 2)
-    tma.async_copy_global_to_shared(q_desc, [unit * ROWS, 0], qbar, q_s)
-    for s in gl.static_range(STAGES):
-        _issue_kv(k_desc, v_desc, k_s.index(s), v_s.index(s), bar.index(s), ublk, s, nu, h, BS, D, 1)
+    q_s, k_s, v_s, bar, qbar, unit, nu, ublk = _ring_start(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, w, h, NU, HKV,
+                                                          ROWS, D, BS, STAGES, 1)
     prow = prior_ptr + unit.to(gl.int64) * NU * QT + gl.arange(0, ROWS, layout=row_l) // G
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_l)
     l_i = gl.full([ROWS], 0.0, gl.float32, row_l)
@@ -256,20 +256,13 @@ def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_s
         kt = k_s.index(slot).permute((1, 0)).load(b_op)
         s_acc = mma_v2(q, kt, gl.zeros([ROWS, BS], gl.float32, mma))
         qk = s_acc * qk_scale + gl.load(prow + j * QT)[:, None]
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
         vt = v_s.index(slot).load(b_op)
         acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), vt, acc * alpha[:, None])
         gl.thread_barrier()  # every warp has read the slot before it is refilled
         _issue_kv(k_desc, v_desc, k_s.index(slot), v_s.index(slot), bar.index(slot), ublk, j + STAGES, nu, h,
                   BS, D, 1)
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bar.index(s))
-    mbarrier.invalidate(qbar)
+    _ring_end(bar, qbar, STAGES)
     o = acc / gl.where(l_i > 0, l_i, 1.0)[:, None]
     rows = gl.arange(0, ROWS, layout=row_l)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
