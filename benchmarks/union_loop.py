@@ -402,9 +402,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.compile_only:
         return compile_only(a.stages, a.per)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (on a CPU machine: --compile-only)", file=sys.stderr)
+        return 2
     from decode import time_calls
     work = make_work(a.tiles, a.hkv, a.union, a.pages)
     o, calls = launchers(work, a.stages, a.per)
+    if torch.cuda.get_device_capability()[0] != 9:
+        print("not a Hopper GPU: the Gluon variants (warpgroup MMAs, sm_90 TMA) are left out", flush=True)
+        calls = {"triton": calls["triton"]}
     check = list(range(0, work["nu"].numel(), max(1, work["nu"].numel() // 24)))
     ref = reference(work, check)
     flop = 4.0 * ROWS * BS * D * float(work["nu"].sum())
