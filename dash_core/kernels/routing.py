@@ -254,6 +254,15 @@ def select_kept(
 
 
 @triton.jit
+def _load_scores(x_rows, c, row_ok, ncand, ncand4):
+    """Scores ``[QT, NH_PAD, TC]`` of candidates ``c`` (-inf past each unit's ``ncand`` and on padded rows),
+    read in whole groups of 4 up to ``ncand4``."""
+    x = tl.load(x_rows + c[None, None, :], mask=row_ok[None, :, None] & (c[None, None, :] < ncand4[:, None, None]),
+                other=float("-inf"))
+    return tl.where(c[None, None, :] < ncand[:, None, None], x, float("-inf"))
+
+
+@triton.jit
 def route_tile(
     x_ptr, x_unit, x_row_stride, nrows, ncand, m,
     mp_ptr, mp_unit, ck_ptr, bt_ptr, bt_unit,
@@ -288,6 +297,10 @@ def route_tile(
     row_ok = offs_r < nrows
     nmax = tl.max(ncand, axis=0)
     x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * x_row_stride
+    # The score passes load whole groups of 4 candidates (16-byte loads; a mask that may end mid-group makes
+    # the compiler load one element at a time) and set the up to 3 past ncand to -inf after the load; the
+    # group stays inside the row (x_row_stride >= the row's length >= ncand).
+    ncand4 = tl.minimum((ncand + 3) // 4 * 4, x_row_stride)
 
     # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
     if X_IN_REGS:  # every candidate in one [TC] tile: the scores are read once for all passes
@@ -306,8 +319,7 @@ def route_tile(
             cnt = tl.zeros([QT, NH_PAD], tl.float32)
             for c0 in range(0, nmax, TC):
                 c = c0 + offs_c
-                ok = row_ok[None, :, None] & (c[None, None, :] < ncand[:, None, None])
-                x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
+                x = _load_scores(x_rows, c, row_ok, ncand, ncand4)
                 t_ssq, t_sdf, t_cnt = _halley_sums(x, tau)
                 ssq += t_ssq
                 sdf += t_sdf
@@ -329,8 +341,7 @@ def route_tile(
         for c0 in range(0, nmax, TC):
             c = c0 + offs_c
             cok = c[None, :] < ncand[:, None]
-            ok = row_ok[None, :, None] & cok[:, None, :]
-            x = tl.load(x_rows + c[None, None, :], mask=ok, other=float("-inf"))
+            x = _load_scores(x_rows, c, row_ok, ncand, ncand4)
             diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
             mp = tl.sum(diff * diff, axis=1) / nrows_f
             npos_before = npos
