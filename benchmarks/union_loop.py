@@ -255,7 +255,7 @@ def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_s
         mbarrier.wait(bar.index(slot), (j // STAGES) & 1)
         kt = k_s.index(slot).permute((1, 0)).load(b_op)
         s_acc = mma_v2(q, kt, gl.zeros([ROWS, BS], gl.float32, mma))
-        qk = s_acc * qk_scale + gl.load(prow + j * QT)[:, None]
+        qk = _add_prior(s_acc, qk_scale, prow, j, nu, QT, BS, 1, mma)
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
         vt = v_s.index(slot).load(b_op)
         acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), vt, acc * alpha[:, None])
@@ -421,7 +421,7 @@ def main(argv=None) -> int:
             fn()
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
-            print(f"{name:14s} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
+            print(f"{name:16s} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
             rc = 1
             continue
         got = o.view(-1, ROWS, D)[check]
