@@ -497,12 +497,18 @@ def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr
 # host side
 
 
+def _row(max_cand: int) -> int:
+    """Entries of a score or mp row of the routing scratch: ``max_cand`` rounded up to 16."""
+    return -(-max_cand // 16) * 16
+
+
 @dataclass
 class PrefillScratch:
     """Routing scratch of one wave of ``W`` tiles (``slots = W * QT`` token slots).
 
-    scores ``[slots, Hq, max_cand]`` fp32; mp ``[slots, Hsel, max_cand]`` fp32 and
-    mp_cand like it in int32: each unit's positive mp as a list, and their candidates; sel_idx / sel_blk
+    scores ``[slots, Hq, row]`` fp32; mp ``[slots, Hsel, row]`` fp32 and mp_cand like it in int32: each
+    unit's positive mp as a list, and their candidates (``row``: ``max_cand`` rounded up to 16, so that every
+    row starts 64-byte aligned and the route kernel reads whole groups of 4); sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position).
@@ -531,7 +537,7 @@ class PrefillScratch:
     def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams) -> int:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
-        per_slot = 4 * (hq * max_cand + 2 * hsel * max_cand + 3 * hsel * cap + hsel)
+        per_slot = 4 * ((hq + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
         own_prior = hq < 2 * hkv  # union_prior does not fit beside union_bias in the scores
         return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt)
 
@@ -542,15 +548,15 @@ class PrefillScratch:
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         slots = tiles * qt
         f32, i32 = torch.float32, torch.int32
-        scores = torch.empty(slots, hq, max_cand, dtype=f32, device=device)
+        scores = torch.empty(slots, hq, _row(max_cand), dtype=f32, device=device)
         table = tiles * hkv * qt * max_cand  # elements of one union table
         flat = scores.view(-1)
         prior = (flat[table:2 * table] if hq >= 2 * hkv else torch.empty(table, dtype=f32, device=device))
         return cls(
             qt, tiles, max_cand,
             scores=scores,
-            mp=torch.empty(slots, hsel, max_cand, dtype=f32, device=device),
-            mp_cand=torch.empty(slots, hsel, max_cand, dtype=i32, device=device),
+            mp=torch.empty(slots, hsel, _row(max_cand), dtype=f32, device=device),
+            mp_cand=torch.empty(slots, hsel, _row(max_cand), dtype=i32, device=device),
             sel_idx=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_blk=torch.empty(slots, hsel, cap, dtype=i32, device=device),
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),

@@ -83,16 +83,18 @@ def mp_key_range(mp, ok, npos, key_min, key_max):
 
 
 @triton.jit
-def _kept_entries(mp_ptr, ck_ptr, mp_unit, j, n_u, LIST: tl.constexpr):
+def _kept_entries(mp_ptr, ck_ptr, mp_unit, j, n_u, n_load, LIST: tl.constexpr):
     """Entries ``j [T]`` of each unit's mp (T: a tile width, TS or TL): ``(mp [QT, T], candidate [QT, T]
-    int32, valid [QT, T])``.
+    int32, valid [QT, T])``, loaded up to ``n_load [QT] >= n_u`` (whole groups of 4 make 16-byte loads) and
+    zero past ``n_u``.
     LIST: ``mp_ptr + mp_unit[u] + j`` holds the unit's positive mp in increasing candidate order and
     ``ck_ptr + mp_unit[u] + j`` their candidates, ``n_u`` of them; otherwise mp of candidate ``j``, ``n_u``
     candidates."""
     valid = j[None, :] < n_u[:, None]
-    mpv = tl.load(mp_ptr + mp_unit[:, None] + j[None, :], mask=valid, other=0.0)
+    ld = j[None, :] < n_load[:, None]
+    mpv = tl.where(valid, tl.load(mp_ptr + mp_unit[:, None] + j[None, :], mask=ld, other=0.0), 0.0)
     if LIST:
-        cand = tl.load(ck_ptr + mp_unit[:, None] + j[None, :], mask=valid, other=0)
+        cand = tl.where(valid, tl.load(ck_ptr + mp_unit[:, None] + j[None, :], mask=ld, other=0), 0)
     else:
         cand = j[None, :] + tl.zeros_like(n_u)[:, None]
     return mpv, cand, valid
@@ -127,17 +129,20 @@ def select_kept(
     LIST (not with ONE_TILE): the scratch holds only each unit's ``npos`` positive mp, in increasing
     candidate order, with their candidates at ``ck_ptr + mp_unit[u] + j`` (``append_positive``), and
     ``[key_min, key_max]`` (``[QT]`` int32) are the bits of the smallest and the largest: every pass
-    reads the lists, never the other candidates. Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
+    reads the lists, never the other candidates, up to ``npos`` rounded up to 4 (each unit's rows must have
+    room for that many). Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
     Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction.
     """
     tl.static_assert(not (LIST and ONE_TILE), "LIST is for the multi-pivot search")
     offs_s = tl.arange(0, TS)
     offs_l = tl.arange(0, TL)
-    if LIST:  # the passes below read npos list entries instead of ncand candidates
+    if LIST:  # the passes below read npos list entries instead of ncand candidates, in groups of 4
         n_u = npos
+        n_load = (npos + 3) // 4 * 4
         n_hi = tl.max(npos, axis=0)
     else:
         n_u = ncand
+        n_load = ncand
         n_hi = nmax
     # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
     thr = tl.zeros([QT], tl.int32)
@@ -187,7 +192,7 @@ def select_kept(
             else:
                 ge = tl.zeros([QT, NPIV], tl.int32)
                 for c0 in range(0, n_hi, TS):
-                    mpv, _c, valid = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_s, n_u, LIST)
+                    mpv, _c, valid = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_s, n_u, n_load, LIST)
                     key = mpv.to(tl.int32, bitcast=True)
                     ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
             enough = ge >= topk
@@ -205,7 +210,7 @@ def select_kept(
         slog = tl.zeros([QT], tl.float32)
         nlog = tl.zeros([QT], tl.float32)
         for c0 in range(0, n_hi, TL):
-            mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, LIST)
+            mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, n_load, LIST)
             gt = (mpv.to(tl.int32, bitcast=True) > thr[:, None]) & cok
             ngt += tl.sum(gt.to(tl.int32), axis=1)
             if EST_DIAG:
@@ -225,7 +230,7 @@ def select_kept(
     nkept = tl.zeros([QT], tl.int32)
     nties = tl.zeros([QT], tl.int32)
     for c0 in range(0, n_hi, TL):
-        mpv, c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, LIST)
+        mpv, c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, n_load, LIST)
         key = mpv.to(tl.int32, bitcast=True)
         gt = (key > thr[:, None]) & cok
         tie = (key == thr[:, None]) & (key > 0) & cok
@@ -288,8 +293,8 @@ def route_tile(
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
     The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST (not with
     X_IN_REGS): the mp scratch receives each unit's positive mp only, as a list with their candidates
-    in ``ck_ptr`` (int32, shaped like mp), and the cap and compaction read those lists. TL: the width of
-    the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
+    in ``ck_ptr`` (int32, shaped like mp, rows of at least ``ncand`` rounded up to 4), and the cap and
+    compaction read those lists. TL: the width of the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
     """
     tl.static_assert(not (LIST and X_IN_REGS), "LIST is for scores read in tiles")
     offs_r = tl.arange(0, NH_PAD)

@@ -178,7 +178,7 @@ def test_routing_matches_oracle(seed, reqs, router, topk, est, sigma, sf, local_
 
 def test_routing_wide_rows_and_caps(monkeypatch):
     """More candidates than one route tile (several tiles per pass), topk below and above the support,
-    a GQA group of 4 (one tile = 16 tokens x 4 heads)."""
+    a GQA group of 4 (one tile = 16 tokens x 4 heads), and a scratch full of NaN past each unit's list."""
     # 16-wide score tiles over 44 candidates; 4-wide tiles for the cap's pivot search and 8-wide tiles for
     # its ties and compaction, over lists of up to 44 positive mp (20+ with topk 3)
     monkeypatch.setattr(pf, "ROUTE_TILE_BUDGET", 256)
@@ -191,6 +191,9 @@ def test_routing_wide_rows_and_caps(monkeypatch):
         p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0)
         case = make_prefill_case(21, [(16 * 45 + 5, 20), (40, 40)], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
         plan, scratch = plan_and_scratch(case)
+        # the cap reads each unit's list in groups of 4: what lies past its end must not count
+        scratch.mp.fill_(float("nan"))
+        scratch.mp_cand.fill_(1 << 30)
         pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
                       plan.num_tiles)
         check_routing(case, plan, scratch)
