@@ -21,9 +21,9 @@ entmax reads the score rows from the scratch (L2-resident at decode sizes) once 
 candidates fit one register tile, else once per Halley step. The cap never sorts: the
 ``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive floats order like their
 bits), by a radix select on histograms (8 bits a pass) when a unit's candidates fit one register
-tile, else by a multi-pivot search (prefill: over each unit's list of positive mp, written as mp is
-computed, from the range of its keys; the ties and the compaction read the list too); ties go to the
-lower block.
+tile of at least ``RADIX_MIN_KEYS``, else by a multi-pivot search (prefill: over each unit's list of
+positive mp, written as mp is computed, from the range of its keys; the ties and the compaction read
+the list too); ties go to the lower block.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ from .kv_write import write_token
 PRIOR_EPS = 1e-20  # SPEC.md section 5
 HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # SPEC.md section 4 (globals kernels read are constexprs)
 INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
+SELECT_WARPS = 8  # warps of the decode select kernel
+# The one-tile cap's radix select runs on tiles of at least this many keys (one per thread of the select kernel),
+# else the pivot search: a smaller tile is replicated across threads, and tl.histogram miscounted it on the H200
+# (triton 3.6: the wrong topk-th largest at topk 1-3 in 23 of 600 short decode cases).
+RADIX_MIN_KEYS = tl.constexpr(32 * SELECT_WARPS)
 
 
 @triton.jit
@@ -163,7 +168,7 @@ def select_kept(
             else:
                 key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
                                   other=0.0).to(tl.int32, bitcast=True)
-        if ONE_TILE and QT == 1:  # radix select, 8 bits a pass: the topk-th largest key in 4 passes
+        if ONE_TILE and QT == 1 and TS >= RADIX_MIN_KEYS:  # radix select: the topk-th largest key, 8 bits a pass
             keys = tl.reshape(key_all, [TS])
             kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
             bins = tl.arange(0, 512)
@@ -557,5 +562,5 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma,
         NH_PAD=nh_pad, NS_PAD=_pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, BS=bs, PS=page_size,
-        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, num_warps=8,
+        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, num_warps=SELECT_WARPS,
     )
