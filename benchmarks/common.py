@@ -1,7 +1,7 @@
 """Output helpers shared by the benchmarks: JSON records merged by case, a marked section of
 ``docs/PERFORMANCE.md`` replaced in place (other sections untouched), and a dependency-free SVG
-bar chart, the crossover of two timing series, and synthetic correlated queries. Timing helpers
-(``time_calls``, ``copy_bandwidth``, ``log``) live in ``decode.py``.
+bar chart, the crossover of two timing series, synthetic correlated queries, and the register report of
+compiled PTX. Timing helpers (``time_calls``, ``copy_bandwidth``, ``log``) live in ``decode.py``.
 """
 
 from __future__ import annotations
@@ -115,6 +115,26 @@ def import_published(module: str):
         return importlib.import_module(f"dash_attn.{module}")
     finally:
         torch.set_float32_matmul_precision(prec)
+
+
+def ptxas_usage(ptx: str, arch: str = "sm_90a") -> tuple:
+    """``(registers, spill store bytes)`` that triton's bundled ptxas reports for ``ptx`` (None where it
+    reports none): the compile checks run it on machines without a GPU."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        Path(path).write_text(ptx)
+        r = subprocess.run([ptxas, "-v", "--gpu-name", arch, path, "-o", path + ".o"], capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return (int(regs.group(1)) if regs else None), (int(spill.group(1)) if spill else None)
 
 
 def add_shape_args(ap, sf_help: str) -> None:

@@ -342,9 +342,8 @@ def launchers(work: dict, stages: int, per: int):
 def compile_only(stages: int, per: int) -> int:
     """Compile each variant for sm_90 on a machine without a GPU; print shared memory, registers, spills."""
     import os
-    import re
-    import subprocess
-    import tempfile
+
+    from common import ptxas_usage
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -372,16 +371,8 @@ def compile_only(stages: int, per: int) -> int:
             print(f"{name}: {type(e).__name__}: {str(e)[:3000]}")
             rc = 1
             continue
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.ptx")
-            Path(path).write_text(k.asm["ptx"])
-            r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", path + ".o"],
-                               capture_output=True, text=True)
-        regs = re.search(r"Used (\d+) registers", r.stderr)
-        spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-        print(f"{name}: shared {k.metadata.shared} B, registers {regs and regs.group(1)}, "
-              f"spills {spill and spill.group(1)}")
+        regs, spill = ptxas_usage(k.asm["ptx"])
+        print(f"{name}: shared {k.metadata.shared} B, registers {regs}, spills {spill}")
         if os.environ.get("UNION_LOOP_DUMP"):
             Path(os.environ["UNION_LOOP_DUMP"]).mkdir(parents=True, exist_ok=True)
             for ext in ("ttgir", "ptx"):

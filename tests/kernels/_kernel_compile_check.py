@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -30,6 +27,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from dash_core import DashParams  # noqa: E402
 from dash_core.kernels import decode_attention, kv_write, launcher, routing  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries  # noqa: E402
+from tests._benchmarks import import_benchmark  # noqa: E402
+
+ptxas_usage = import_benchmark("common").ptxas_usage
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
@@ -133,17 +133,7 @@ def _compile(item):
         rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
         return rec
     rec["shared"] = kern.metadata.shared
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kern.asm["ptx"])
-        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.o")],
-                           capture_output=True, text=True)
-    m = re.search(r"Used (\d+) registers", r.stderr)
-    s = re.search(r"(\d+) bytes spill stores", r.stderr)
-    rec["registers"] = int(m.group(1)) if m else None
-    rec["spill_bytes"] = int(s.group(1)) if s else None
+    rec["registers"], rec["spill_bytes"] = ptxas_usage(kern.asm["ptx"])
     return rec
 
 
