@@ -104,6 +104,20 @@ def check_indexer_query(q: torch.Tensor, iq: Optional[torch.Tensor], k: Optional
     return replace(params, router="shared")
 
 
+def check_kernel_query(q: torch.Tensor, cache: PagedKVCache, params: DashParams, rows: str, tensors) -> None:
+    """Checks decode and prefill share: ``q [rows, Hq, D]`` contiguous in D with the cache's D, a
+    configuration the kernels support, and the cache's pages and summaries and every ``(name, tensor)``
+    of ``tensors`` on q's device (``head_cls`` may be None)."""
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [{rows}, Hq, D] contiguous in D; got {tuple(q.shape)}")
+    if q.shape[2] != cache.head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {cache.head_dim}")
+    check_kernel_config(q.dtype, q.shape[1], cache, params)
+    for name, x in (("k_pages", cache.k_pages), ("summaries", cache.summaries), *tensors):
+        if x is not None or name != "head_cls":
+            _check_on(name, x, q.device)
+
+
 def check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n: int, t: int, rows: str, d: int,
                        dev, indexer: bool = False) -> None:
     """Checks decode and prefill share: the page table ``[n, max_pages]``, ``head_cls`` and the new
@@ -135,17 +149,10 @@ def check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n: int,
 def check_decode_args(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, out,
                       iq: Optional[torch.Tensor] = None) -> None:
     """Validate a decode step from shapes and dtypes only (no device reads)."""
-    if q.dim() != 3 or q.stride(-1) != 1:
-        raise ValueError(f"q must be [n, Hq, D] contiguous in D; got {tuple(q.shape)}")
-    n, hq, d = q.shape
-    if d != cache.head_dim:
-        raise ValueError(f"q head_dim {d} != cache head_dim {cache.head_dim}")
-    check_kernel_config(q.dtype, hq, cache, params)
+    check_kernel_query(q, cache, params, "n", (("block_table", block_table), ("seq_lens", seq_lens),
+                                               ("head_cls", head_cls)))
+    n, _, d = q.shape
     dev = q.device
-    for name, x in (("k_pages", cache.k_pages), ("summaries", cache.summaries), ("block_table", block_table),
-                    ("seq_lens", seq_lens), ("head_cls", head_cls)):
-        if x is not None or name != "head_cls":
-            _check_on(name, x, dev)
     if tuple(seq_lens.shape) != (n,) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be [n = {n}] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
     check_step_tensors(k, v, cache, block_table, slot_mapping, head_cls, n, n, "n", d, dev, indexer=iq is not None)

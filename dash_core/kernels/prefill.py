@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..layout import PagedKVCache
 from ..params import DashParams
 from .common import block_page, interpreting, summary_scores
-from .launcher import check_indexer_query, check_kernel_config, check_step_tensors, sm_count, _check_on
+from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
 from .routing import route_tile
 
 logger = logging.getLogger(__name__)
@@ -622,17 +622,10 @@ def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: O
 def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params,
                        out, iq: Optional[torch.Tensor] = None) -> None:
     """Validate a prefill call from shapes and dtypes only (no device reads)."""
-    if q.dim() != 3 or q.stride(-1) != 1:
-        raise ValueError(f"q must be [T, Hq, D] contiguous in D; got {tuple(q.shape)}")
-    t, hq, d = q.shape
-    if d != cache.head_dim:
-        raise ValueError(f"q head_dim {d} != cache head_dim {cache.head_dim}")
-    check_kernel_config(q.dtype, hq, cache, params)
+    check_kernel_query(q, cache, params, "T", (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
+                                               ("seq_lens", seq_lens), ("head_cls", head_cls)))
+    t, _, d = q.shape
     dev = q.device
-    for name, x in (("k_pages", cache.k_pages), ("summaries", cache.summaries), ("block_table", block_table),
-                    ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("head_cls", head_cls)):
-        if x is not None or name != "head_cls":
-            _check_on(name, x, dev)
     n = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if seq_lens.dim() != 1 or seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"seq_lens must be [n] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")

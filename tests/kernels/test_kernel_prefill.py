@@ -471,6 +471,8 @@ def test_validation_errors_before_any_write():
         (dict(head_cls=case.head_cls[:1]), "head_cls"),
         (dict(params=DashParams(block_size=256)), "block_size"),
         (dict(q=case.q.reshape(case.q.shape[0], -1, 32)), "head_dim"),
+        (dict(seq_lens=case.seq_lens.to("meta")), "seq_lens is on meta"),
+        (dict(q=case.q.transpose(1, 2).contiguous().transpose(1, 2)), "contiguous in D"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
