@@ -500,34 +500,28 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     the summaries they complete when ``write_summarize``) in the score launch.
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark).
     """
-    n, hq, d = q.shape
+    n, hq, _ = q.shape
     hkv = summaries.shape[1]
-    g = hq // hkv
-    bs = params.block_size
-    max_pages = block_table.shape[1]
-    max_cand = max_pages * page_size // bs
+    max_cand = block_table.shape[1] * page_size // params.block_size
     shared = params.router == "shared"
-    nrows = hq if shared else g
-    hsel = 1 if shared else hkv
     if n == 0:
         return
     if only != "select":
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                      write_summarize)
+                      write_summarize, max_cand)
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
-                   sel_bias, sel_count, nrows, hsel, max_cand, n)
+                   sel_bias, sel_count, hq if shared else hq // hkv, 1 if shared else hkv, max_cand, n)
 
 
 def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                  write_summarize) -> None:
+                  write_summarize, max_cand) -> None:
     n, hq, d = q.shape
     hkv = summaries.shape[1]
     g = hq // hkv
     bs = params.block_size
     max_pages = block_table.shape[1]
-    max_cand = max_pages * page_size // bs
     block_n = max(16, min(64 if d <= 128 else 32, _pow2(max_cand)))
     _decode_scores_kernel[(n, hkv, num_splits)](
         q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
