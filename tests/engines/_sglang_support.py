@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import sys
-import time
 import types
 
 import pytest
 import torch
 
 from dash_core import DashParams
+from tests.engines import _levels
 
-# Engines and checkpoints of these tests are tiny; this much free disk covers temp dirs and logs.
-MIN_FREE_GB = 2
 # Every engine here runs with a small KV pool: without --max-total-tokens SGLang's CPU path sizes the pool
 # from system memory (about 70 % of it).
 MAX_TOTAL_TOKENS = 4096
@@ -28,25 +24,12 @@ MAX_TOTAL_TOKENS = 4096
 
 def budget(name: str, seconds: float):
     """A module-scoped fixture that prints the module's run time against its budget (no assertion)."""
-
-    @pytest.fixture(scope="module", autouse=True)
-    def _budget(request):
-        start = time.monotonic()
-        yield
-        line = (f"[sglang level {name}] {time.monotonic() - start:.1f} s of a {seconds:.0f} s budget "
-                f"(after the shared SGLang import at collection)")
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            sys.stderr.write("\n" + line + "\n")
-
-    return _budget
+    return _levels.budget("sglang", name, seconds, "(after the shared SGLang import at collection)")
 
 
-def check_free_disk(path: str, need_gb: float = MIN_FREE_GB) -> None:
+def check_free_disk(path: str, need_gb: float = _levels.MIN_FREE_GB) -> None:
     """Fail with a clear message when ``path``'s filesystem has less than ``need_gb`` free."""
-    free = shutil.disk_usage(path).free / 2**30
-    if free < need_gb:
-        pytest.fail(f"only {free:.1f} GiB free under {path}; the SGLang engine tests need about {need_gb} GiB")
+    _levels.check_free_disk("SGLang", path, need_gb)
 
 
 def dash_config_keys(params: DashParams) -> dict:

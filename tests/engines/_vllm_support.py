@@ -7,42 +7,24 @@ spec and vLLM's own cache-view allocation); nothing is faked except, in the TP t
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import time
 
 import pytest
 import torch
 
 from dash_core import DashParams
+from tests.engines import _levels
 
-# Engines and checkpoints of these tests are tiny; this much free disk covers temp dirs and logs.
-MIN_FREE_GB = 2
 
 
 def budget(name: str, seconds: float):
     """A module-scoped fixture that prints the module's run time against its budget (no assertion)."""
-
-    @pytest.fixture(scope="module", autouse=True)
-    def _budget(request):
-        start = time.monotonic()
-        yield
-        line = f"[vllm level {name}] {time.monotonic() - start:.1f} s of a {seconds:.0f} s budget"
-        capture = request.config.pluginmanager.get_plugin("capturemanager")
-        if capture is not None:
-            with capture.global_and_fixture_disabled():
-                sys.stderr.write(f"\n{line}\n")
-        else:
-            sys.stderr.write(f"\n{line}\n")
-
-    return _budget
+    return _levels.budget("vllm", name, seconds)
 
 
-def check_free_disk(path: str, need_gb: float = MIN_FREE_GB) -> None:
+def check_free_disk(path: str, need_gb: float = _levels.MIN_FREE_GB) -> None:
     """Fail with a clear message when ``path``'s filesystem has less than ``need_gb`` free."""
-    free = shutil.disk_usage(path).free / 2**30
-    if free < need_gb:
-        pytest.fail(f"only {free:.1f} GiB free under {path}; the vLLM engine tests need about {need_gb} GiB")
+    _levels.check_free_disk("vLLM", path, need_gb)
 
 
 def engine_config(model_dir: str, block_size: int = 16, **kw):
