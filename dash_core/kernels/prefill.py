@@ -223,7 +223,7 @@ def _prefill_route_kernel(
     ``tile0 + w``.
 
     Scores: ``[QT * G_PAD, D]`` rows of ``sf * q`` (rounded to the query dtype) against ``[BLOCK_N, D]``
-    summaries per step, ``x = 0.5 <sf q, s> / sqrt(D)`` fp32 into ``x [slot, Hq, max_cand]`` with
+    summaries per step, ``x = 0.5 <sf q, s> / sqrt(D)`` fp32 into ``x [slot, Hq, row]`` (``_row``) with
     slot ``w * QT + u`` for the tile's token u. Then ``route_tile`` with ``QT`` units: (token, KV head
     h) of G rows (``kv_head``) or token of ``Hq`` rows (``shared``, all KV heads scored by this
     program), writing each unit's positive ``mp`` as a list (``mp`` and its candidates in ``ck``, shaped and

@@ -293,8 +293,8 @@ def route_tile(
     ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
     Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TC]`` mp, ``[QT, NPIV, TS]`` pivot counts, ``[QT, TL]``
     for the cap's ties and compaction; ONE_TILE (``TS`` covers every candidate) keeps the mp bits in
-    registers across the cap's passes (with one unit: a 4-pass radix select on 256-bin histograms
-    instead of the pivot search);
+    registers across the cap's passes (with one unit and ``TS >= RADIX_MIN_KEYS``: a 4-pass radix select
+    on 256-bin histograms instead of the pivot search);
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
     The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST (not with
     X_IN_REGS): the mp scratch receives each unit's positive mp only, as a list with their candidates

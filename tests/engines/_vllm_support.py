@@ -16,7 +16,6 @@ from dash_core import DashParams
 from tests.engines import _levels
 
 
-
 def budget(name: str, seconds: float):
     """A module-scoped fixture that prints the module's run time against its budget (no assertion)."""
     return _levels.budget("vllm", name, seconds)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dash_core import DashParams
-from dash_core.kernels import launcher
+from dash_core.kernels import launcher, routing
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import kernel_selection, make_scenario, oracle_route, selection_mismatches
 
@@ -73,15 +73,26 @@ def test_routing_matches_oracle(seed, lens, router, topk, est, sigma, sf, local_
 
 def test_small_topk_on_few_candidates():
     """topk 1-3 over a few candidates (a select tile of 16 keys): on the H200 the radix select's histograms of such
-    a tile kept the wrong block in about one case in ten (now the pivot search runs there)."""
+    tiles kept the wrong block (23 of 600 short cases in a sweep; now the pivot search runs there)."""
     for seed in range(4):
         for lens in ([0, 0, 41], [41], [100]):
-            for topk in (1, 2, 3):
-                p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, sigma=1.0)
-                sc = make_scenario(seed, lens, hq=4, hkv=2, bs=16, params=p, shared_prefix_pages=1).to(DEV)
-                bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(1, 1))
-                launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
-                check_routing(sc, bufs)
+            _route_small_topk(seed, lens)
+
+
+def test_small_topk_on_the_smallest_radix_tile():
+    """topk 1-3 where the radix select still runs: 129-256 candidates, a select tile of ``RADIX_MIN_KEYS`` keys."""
+    assert routing.RADIX_MIN_KEYS.value == 256
+    for seed in range(2):
+        _route_small_topk(seed, [2100, 16 * 250 + 3])  # 132 and 251 candidates
+
+
+def _route_small_topk(seed, lens):
+    for topk in (1, 2, 3):
+        p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, sigma=1.0)
+        sc = make_scenario(seed, lens, hq=4, hkv=2, bs=16, params=p, shared_prefix_pages=1).to(DEV)
+        bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(1, 1))
+        launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+        check_routing(sc, bufs)
 
 
 def test_topk_ties_go_to_lower_blocks():
