@@ -1,0 +1,46 @@
+"""``benchmarks/prefill_host.py``: the launches and allocations of one prefill call, counted on the CPU.
+
+Short prompts are bound by the host, so the number of launches per call is a property to keep: these
+tests fail when a change adds one."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._benchmarks import import_benchmark
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def prefill_host():
+    return import_benchmark("prefill_host")  # benchmarks/prefill_host.py
+
+
+def test_launches_of_one_wave(prefill_host):
+    """A 2k prompt is one wave: the tile tables, one route, one attention and the zero tail; the new K/V add a
+    write launch and a summary launch."""
+    base = {"_tile_tables_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1, "_zero_tail_kernel": 1}
+    counts = prefill_host.host_counts(prefill_host.make_call(2048, write=False))
+    assert {k: v for k, v in counts.items() if k != "torch.empty"} == base
+    counts = prefill_host.host_counts(prefill_host.make_call(2048, write=True))
+    assert {k: v for k, v in counts.items() if k != "torch.empty"} == dict(base, _kv_write_kernel=2)
+    assert counts["torch.empty"] >= 1
+
+
+def test_waves_add_a_route_and_an_attention_launch_each(prefill_host):
+    """A prompt longer than one wave's scratch: one route and one attention launch per wave, the rest once."""
+    from dash_core.kernels import prefill as pf
+
+    route, empty = pf._prefill_route_kernel, torch.empty
+    counts = prefill_host.host_counts(prefill_host.make_call(32768, write=False))
+    waves = counts["_prefill_route_kernel"]
+    assert waves > 1 and counts["_prefill_attn_kernel"] == waves
+    assert counts["_tile_tables_kernel"] == counts["_zero_tail_kernel"] == 1
+    assert pf._prefill_route_kernel is route and torch.empty is empty  # restored after counting
+
+
+def test_script_prints_counts_and_time(prefill_host, capsys):
+    assert prefill_host.main(["--tokens", "1024", "--iters", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "4 launches" in out and "Python per call" in out
