@@ -18,6 +18,7 @@ import cProfile
 import pstats
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,26 +35,35 @@ KERNELS = ((pf, "_tile_tables_kernel"), (pf, "_prefill_route_kernel"), (pf, "_pr
            (pf, "_zero_tail_kernel"), (kv_write, "_kv_write_kernel"))
 
 
+@dataclass
+class HostCounts:
+    """Launches per kernel name and ``torch.empty`` calls."""
+
+    launches: dict = field(default_factory=dict)
+    allocations: int = 0
+
+
 class _Counter:
     """Stands in for a Triton kernel: ``kernel[grid](...)`` counts a launch and runs nothing."""
 
-    def __init__(self, counts: dict, name: str):
+    def __init__(self, counts: HostCounts, name: str):
         self.counts, self.name = counts, name
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.counts[self.name] = self.counts.get(self.name, 0) + 1
+            self.counts.launches[self.name] = self.counts.launches.get(self.name, 0) + 1
         return launch
 
 
 @contextlib.contextmanager
-def counted(counts: dict):
-    """Kernels replaced by counters and ``torch.empty`` calls counted (key ``"torch.empty"``) inside the block."""
+def counted():
+    """Kernels replaced by counters and ``torch.empty`` calls counted inside the block (yields the ``HostCounts``)."""
+    counts = HostCounts()
     saved = [(mod, name, getattr(mod, name)) for mod, name in KERNELS]
     empty = torch.empty
 
     def counting_empty(*args, **kwargs):
-        counts["torch.empty"] = counts.get("torch.empty", 0) + 1
+        counts.allocations += 1
         return empty(*args, **kwargs)
 
     for mod, name, _ in saved:
@@ -86,16 +96,16 @@ def make_call(tokens: int, write: bool, hq: int = 32, hkv: int = 8, d: int = 128
     return lambda: pf.paged_dash_prefill_triton(q, kv, kv, cache, bt, cu, seq_lens, slots, head_cls, params, out=out)
 
 
-def host_counts(call) -> dict:
+def host_counts(call) -> HostCounts:
     """Launches per kernel and ``torch.empty`` calls of one ``call()``."""
-    with counted({}) as counts:
+    with counted() as counts:
         call()
     return counts
 
 
 def host_time(call, iters: int) -> float:
     """Microseconds of Python per ``call()`` (kernels replaced by counters), after a few warm-up calls."""
-    with counted({}):
+    with counted():
         for _ in range(5):
             call()
         start = time.perf_counter()
@@ -113,14 +123,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     call = make_call(args.tokens, args.write)
     counts = host_counts(call)
-    launches = sum(v for k, v in counts.items() if k != "torch.empty")
-    print(f"tokens {args.tokens}, write {args.write}: {launches} launches "
-          f"({', '.join(f'{k} {v}' for k, v in counts.items() if k != 'torch.empty')}), "
-          f"{counts.get('torch.empty', 0)} torch.empty calls")
+    print(f"tokens {args.tokens}, write {args.write}: {sum(counts.launches.values())} launches "
+          f"({', '.join(f'{k} {v}' for k, v in counts.launches.items())}), {counts.allocations} torch.empty calls")
     print(f"Python per call, launches not included: {host_time(call, args.iters):.1f} us")
     if args.profile:
         prof = cProfile.Profile()
-        with counted({}):
+        with counted():
             prof.enable()
             for _ in range(min(args.iters, 500)):
                 call()
