@@ -57,9 +57,11 @@ from dash_core import DashParams, ops  # noqa: E402
 from dash_core.kernels import launcher  # noqa: E402
 from dash_core.kernels import prefill as pf  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+from dash_core.workspace import PrefillWorkspace  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
 MARK_BEGIN, MARK_END = "<!-- prefill-benchmark:begin -->", "<!-- prefill-benchmark:end -->"
+WORKSPACE_TAG = " workspace"  # variant suffix of the rows whose calls share a PrefillWorkspace
 
 
 def synthetic_prompt(n, hq, hkv, d, bs, dtype, g: torch.Generator, q_corr) -> tuple:
@@ -114,23 +116,26 @@ def prefill_op(cuda):
     return ops.paged_dash_prefill if cuda else pf.paged_dash_prefill_triton
 
 
-def dash_fn(pr: Prompt, params, write: bool, chunk, out):
-    """One DASH prefill of the whole prompt (at once, or chunk by chunk on the history)."""
+def dash_fn(pr: Prompt, params, write: bool, chunk, out, workspace: bool = False):
+    """One DASH prefill of the whole prompt (at once, or chunk by chunk on the history). workspace: each
+    piece's calls share a ``PrefillWorkspace`` (made by the first call): the time of a layer after the
+    first of an engine step, whose plan and scratch the step's first layer made."""
     op = prefill_op(pr.cuda)
     dev = pr.q.device
     pieces = []
     for s in range(0, pr.n, chunk or pr.n):
         e = min(pr.n, s + (chunk or pr.n))
         pieces.append((slice(s, e), torch.tensor([0, e - s], dtype=torch.int32, device=dev),
-                       torch.tensor([e], dtype=torch.int32, device=dev)))
+                       torch.tensor([e], dtype=torch.int32, device=dev), PrefillWorkspace() if workspace else None))
 
     def run():
-        for sl, cu, seq in pieces:
+        for sl, cu, seq, ws in pieces:
             if write:
                 op(pr.q[sl], pr.k[sl], pr.v[sl], pr.cache, pr.block_table, cu, seq, pr.slot_mapping[sl],
-                   pr.head_cls, params, out=out[sl])
+                   pr.head_cls, params, out=out[sl], workspace=ws)
             else:
-                op(pr.q[sl], None, None, pr.cache, pr.block_table, cu, seq, None, pr.head_cls, params, out=out[sl])
+                op(pr.q[sl], None, None, pr.cache, pr.block_table, cu, seq, None, pr.head_cls, params, out=out[sl],
+                   workspace=ws)
     return run
 
 
@@ -339,8 +344,16 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
                     for write in (True, False):
                         fn = dash_fn(pr, params, write, chunk, out)
                         ms = timed(fn, a, cuda)
+                        mem = peak_mb(fn, cuda)
                         add("dash-triton", variant, ms, topk=topk, write=write, chunk=chunk, frac=st["kv_fraction"],
-                            floor=floor, mem=peak_mb(fn, cuda), extra=ex)
+                            floor=floor, mem=mem, extra=ex)
+                        if n <= a.workspace_max_context:  # a later layer of the step: plan and scratch reused
+                            fn = dash_fn(pr, params, write, chunk, out, workspace=True)
+                            ms = timed(fn, a, cuda)
+                            add("dash-triton", variant + WORKSPACE_TAG, ms, topk=topk, write=write, chunk=chunk,
+                                frac=st["kv_fraction"], floor=floor, mem=mem, extra=ex,
+                                note="calls share a PrefillWorkspace: plan and scratch made by the first; peak mem "
+                                     "is the scratch the workspace holds (a call allocates none)")
                 if cuda:  # where the time goes: the routing waves alone (attention = the rest)
                     ms = timed(route_only_fn(pr, params), a, cuda)
                     add("dash-triton", "route-only" + tag, ms, topk=topk, frac=st["kv_fraction"],
@@ -531,7 +544,8 @@ def summary(records: list) -> str:
         if not r.get("ms"):
             continue
         where = (r["device"], r["hkv"], r.get("chunk"))
-        if r["method"] == "dash-triton" and r["includes_write"] and "=" not in r["variant"]:
+        if (r["method"] == "dash-triton" and r["includes_write"] and "=" not in r["variant"]
+                and WORKSPACE_TAG not in r["variant"]):
             o = ours.setdefault(where + (r["topk"],), {})
             o[r["context"]] = min(o.get(r["context"], float("inf")), r["ms"])
         elif r["method"].startswith("dense"):
@@ -602,6 +616,8 @@ def main(argv=None) -> int:
                     help="AR(1) coefficient of queries over positions (0: independent queries, the worst case)")
     ap.add_argument("--published-max-context", type=int, default=131072)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--workspace-max-context", type=int, default=32768,
+                    help="also time calls sharing a PrefillWorkspace (later layers of a step) up to this length")
     ap.add_argument("--tune", action="append", default=[],
                     help="extra DASH kernel settings to time, e.g. --tune ATTN_ROWS=128,ATTN_WARPS=8 (repeatable; "
                          "names of dash_core.kernels.prefill constants)")

@@ -7,7 +7,10 @@ allocations and the launch arguments. The launches themselves (tens of microseco
 and the CUDA caching allocator's cost per allocation are not in the time; the counts say how many of
 each a call makes. Run it before and after a host-side change:
 
-    python benchmarks/prefill_host.py --tokens 2048 [--write] [--profile 15]
+    python benchmarks/prefill_host.py --tokens 2048 [--write] [--workspace] [--profile 15]
+
+--workspace passes one ``PrefillWorkspace`` to every call, as the layers of an engine step do: the
+counts and times are then those of a layer after the first (no plan, no tile tables, no scratch).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pstats
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -30,6 +34,7 @@ from dash_core import DashParams  # noqa: E402
 from dash_core.kernels import kv_write  # noqa: E402
 from dash_core.kernels import prefill as pf  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+from dash_core.workspace import PrefillWorkspace  # noqa: E402
 
 KERNELS = ((pf, "_tile_tables_kernel"), (pf, "_prefill_route_kernel"), (pf, "_prefill_attn_kernel"),
            (pf, "_zero_tail_kernel"), (kv_write, "_kv_write_kernel"))
@@ -77,9 +82,10 @@ def counted():
             setattr(mod, name, fn)
 
 
-def make_call(tokens: int, write: bool, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 64, topk=64):
+def make_call(tokens: int, write: bool, hq: int = 32, hkv: int = 8, d: int = 128, bs: int = 64, topk=64,
+              workspace: Optional[PrefillWorkspace] = None):
     """A no-argument callable making the prefill call of one request of ``tokens`` new tokens on empty history,
-    on CPU tensors (the benchmark's shape by default)."""
+    on CPU tensors (the benchmark's shape by default); every call passes ``workspace``."""
     params = DashParams(block_size=bs, topk=topk)
     ps = bs
     pages = -(-tokens // ps) + 1
@@ -93,7 +99,8 @@ def make_call(tokens: int, write: bool, hq: int = 32, hkv: int = 8, d: int = 128
     seq_lens = torch.tensor([tokens], dtype=torch.int32)
     head_cls = torch.zeros(hkv, d, dtype=kb.dtype)
     out = torch.empty_like(q)
-    return lambda: pf.paged_dash_prefill_triton(q, kv, kv, cache, bt, cu, seq_lens, slots, head_cls, params, out=out)
+    return lambda: pf.paged_dash_prefill_triton(q, kv, kv, cache, bt, cu, seq_lens, slots, head_cls, params, out=out,
+                                                workspace=workspace)
 
 
 def host_counts(call) -> HostCounts:
@@ -118,12 +125,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--write", action="store_true", help="pass the new K/V (the call writes them first)")
+    ap.add_argument("--workspace", action="store_true",
+                    help="share one PrefillWorkspace across calls (a layer after the first of an engine step)")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest functions")
     args = ap.parse_args(argv)
-    call = make_call(args.tokens, args.write)
+    call = make_call(args.tokens, args.write, workspace=PrefillWorkspace() if args.workspace else None)
+    if args.workspace:
+        host_counts(call)  # the first layer's call makes the plan and scratch
     counts = host_counts(call)
-    print(f"tokens {args.tokens}, write {args.write}: {sum(counts.launches.values())} launches "
+    print(f"tokens {args.tokens}, write {args.write}, workspace {args.workspace}: {sum(counts.launches.values())} launches "
           f"({', '.join(f'{k} {v}' for k, v in counts.launches.items())}), {counts.allocations} torch.empty calls")
     print(f"Python per call, launches not included: {host_time(call, args.iters):.1f} us")
     if args.profile:

@@ -37,6 +37,7 @@ import torch
 from .layout import PagedKVCache, check_page_size
 from .params import DashParams
 from .rope import PageRopeSettings
+from .workspace import PrefillWorkspace, check_workspace
 from . import paged, recorder
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,7 +113,8 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
                        params: DashParams, *, out: Optional[torch.Tensor] = None, iq: Optional[torch.Tensor] = None,
                        ik: Optional[torch.Tensor] = None, head_cls_i: Optional[torch.Tensor] = None,
                        roles: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
-                       page_rope: Optional[PageRopeSettings] = None) -> torch.Tensor:
+                       page_rope: Optional[PageRopeSettings] = None,
+                       workspace: Optional[PrefillWorkspace] = None) -> torch.Tensor:
     """Extend every request by its new tokens under causal DASH, on paged history of any length.
 
     q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` new keys/values written at ``slot_mapping [T]``
@@ -132,16 +134,22 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
     positions ``[T]`` int64 give the coordinates; each request's new tokens are the end of its prompt
     (a request with history continues its last stored token's state: prefill a page-mode prompt in
     one chunk).
+
+    workspace: a ``dash_core.workspace.PrefillWorkspace`` shared by the calls of one batch (the
+    layers of an engine step): the first call makes the plan and routing scratch, the others reuse
+    them. Used by the Triton path; the PyTorch path ignores it.
     """
+    check_workspace(workspace)
     if _check_aux(cache, k if k is not None else q, q.shape[0], iq, ik, head_cls_i, roles, positions, page_rope,
                   decode=False, query=q, writes=k is not None):
         return _paged_dash_aux("prefill", q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping,
-                               head_cls, params, out, iq, ik, head_cls_i, roles, positions, page_rope)
+                               head_cls, params, out, iq, ik, head_cls_i, roles, positions, page_rope,
+                               workspace=workspace)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):  # fp32 stays on the torch path
         from .kernels.prefill import paged_dash_prefill_triton
         _check_query(q, cache, head_cls, block_table, seq_lens)
         return paged_dash_prefill_triton(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping,
-                                         head_cls, params, out=out)
+                                         head_cls, params, out=out, workspace=workspace)
     return _paged_dash("prefill", q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls,
                        params, out)
 
@@ -204,9 +212,10 @@ def _paged_dash(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_ma
 
 
 def _paged_dash_aux(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params, out,
-                    iq, ik, head_cls_i, roles, positions, page_rope, **decode_kw):
+                    iq, ik, head_cls_i, roles, positions, page_rope, workspace=None, **decode_kw):
     """The ops with an indexer and/or page mode (arguments validated by ``_check_aux``): page RoPE and
-    the auxiliary rows (``paged.prepare_aux``), the writes, then the attention of either path."""
+    the auxiliary rows (``paged.prepare_aux``), the writes, then the attention of either path
+    (``workspace``: prefill's, ``decode_kw``: decode's)."""
     indexer = iq is not None
     _check_query(q, cache, head_cls, block_table, seq_lens, indexer=indexer)
     if cu_seqlens_q.shape != (seq_lens.shape[0] + 1,):
@@ -245,7 +254,7 @@ def _paged_dash_aux(op, q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slo
             return paged_dash_decode_triton(q, None, None, cache, block_table, seq_lens, None, head_cls, params,
                                             out=out, iq=iq, **decode_kw)
         return paged_dash_prefill_triton(q, None, None, cache, block_table, cu_seqlens_q, seq_lens, None, head_cls,
-                                         params, out=out, iq=iq)
+                                         params, out=out, iq=iq, workspace=workspace)
     recorder.record(op, q=q, cache=cache, block_table=block_table, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens,
                     slot_mapping=slot_mapping, params=params)
     return paged.paged_dash_torch(q, cache, block_table, cu_seqlens_q, seq_lens, head_cls, params, out, iq=iq,

@@ -39,6 +39,7 @@ from .layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from .ops import paged_dash_decode, paged_dash_prefill
 from .params import DashParams
 from .rope import PageRopeSettings
+from .workspace import PrefillWorkspace
 
 
 class DashKVCache:
@@ -70,6 +71,7 @@ class DashKVCache:
         self.block_table = torch.arange(batch_size * self.pages_per_seq, dtype=torch.int32,
                                         device=device).view(batch_size, self.pages_per_seq)
         self.lengths = [0] * num_layers
+        self._step: Optional[tuple] = None  # (start, new tokens, device) -> the step's inputs of every layer
 
     @property
     def batch_size(self) -> int:
@@ -83,6 +85,22 @@ class DashKVCache:
     def reset(self) -> None:
         """Forget every sequence (the memory is reused)."""
         self.lengths = [0] * len(self.lengths)
+        self._step = None
+
+    def step_inputs(self, start: int, new: int, device) -> tuple:
+        """``seq_lens [B]``, ``cu_seqlens_q [B + 1]`` and the ``PrefillWorkspace`` of a step that appends ``new``
+        tokens after ``start``: made by its first layer, shared by the layers after it (the same tensors, so
+        the prefill plan and scratch are made once per step)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" names the current device, as q.device would
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (start, new, device)
+        if self._step is None or self._step[0] != key:
+            b = self.batch_size
+            seq_lens = torch.full((b,), start + new, dtype=torch.int32, device=device)
+            cu = torch.arange(0, (b + 1) * new, new, dtype=torch.int32, device=device)
+            self._step = (key, seq_lens, cu, PrefillWorkspace())
+        return self._step[1:]
 
 
 def dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: Optional[torch.Tensor],
@@ -107,7 +125,7 @@ def dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: 
     pos = torch.arange(start, start + s, device=dev)
     ps = cache.page_size
     slots = (cache.block_table[:, pos // ps].long() * ps + pos % ps).reshape(-1)  # [B * S]
-    seq_lens = torch.full((b,), start + s, dtype=torch.int32, device=dev)
+    seq_lens, cu, workspace = cache.step_inputs(start, s, dev)
     flat = lambda x: x.permute(0, 2, 1, 3).reshape(b * s, x.shape[1], d)
     view = cache.layer(layer)
     extra = {}
@@ -124,8 +142,7 @@ def dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: 
         out = paged_dash_decode(flat(q), flat(k), flat(v), view, cache.block_table, seq_lens, slots, head_cls,
                                 cache.params, **extra)
     else:
-        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=dev)
         out = paged_dash_prefill(flat(q), flat(k), flat(v), view, cache.block_table, cu, seq_lens, slots, head_cls,
-                                 cache.params, **extra)
+                                 cache.params, workspace=workspace, **extra)
     cache.lengths[layer] = start + s
     return out.view(b, s, hq, d).permute(0, 2, 1, 3)

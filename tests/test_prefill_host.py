@@ -39,6 +39,20 @@ def test_waves_add_a_route_and_an_attention_launch_each(prefill_host):
     assert pf._prefill_route_kernel is route and torch.empty is empty  # restored after counting
 
 
+def test_a_shared_workspace_leaves_the_plan_to_the_first_call(prefill_host):
+    """Calls after the first with one ``PrefillWorkspace`` (the later layers of a step): no tile tables launch and
+    no scratch allocation; the route, attention and zero-tail launches remain."""
+    from dash_core.workspace import PrefillWorkspace
+
+    ws = PrefillWorkspace()
+    call = prefill_host.make_call(2048, write=False, workspace=ws)
+    first = prefill_host.host_counts(call)
+    later = prefill_host.host_counts(call)
+    assert first.launches["_tile_tables_kernel"] == 1 and first.allocations > 0
+    assert later.launches == {"_prefill_route_kernel": 1, "_prefill_attn_kernel": 1, "_zero_tail_kernel": 1}
+    assert later.allocations == 0 and ws.builds == 1
+
+
 def test_script_prints_counts_and_time(prefill_host, capsys):
     assert prefill_host.main(["--tokens", "1024", "--iters", "20"]) == 0
     out = capsys.readouterr().out

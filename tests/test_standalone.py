@@ -35,3 +35,17 @@ def test_errors():
     with pytest.raises(ValueError, match="batch"):
         dash_attention(torch.randn(2, 4, 3, 16), x[:, :, :3].expand(2, -1, -1, -1), x[:, :, :3].expand(2, -1, -1, -1),
                        torch.randn(2, 16), cache, 0)
+
+
+def test_layers_of_a_step_share_its_inputs():
+    """The layers of one step get the same length tensors and ``PrefillWorkspace`` (so the Triton path plans the
+    step once); the next step, or a reset, makes new ones."""
+    cache = DashKVCache(2, 3, 64, 2, 16, DashParams(block_size=16))
+    first = cache.step_inputs(0, 10, "cpu")
+    assert all(a is b for a, b in zip(first, cache.step_inputs(0, 10, "cpu")))
+    seq_lens, cu, _ = first
+    assert seq_lens.tolist() == [10, 10, 10] and cu.tolist() == [0, 10, 20, 30]
+    later = cache.step_inputs(10, 1, "cpu")
+    assert later[0].tolist() == [11, 11, 11] and later[2] is not first[2]
+    cache.reset()
+    assert cache.step_inputs(10, 1, "cpu")[2] is not later[2]

@@ -40,7 +40,7 @@ backend is built (``dash_core.model_config.serving_params``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -54,6 +54,7 @@ from dash_core.layout import (
 )
 from dash_core.ops import SUPPORTED_DTYPES, paged_dash_decode, paged_dash_prefill
 from dash_core.model_config import AuxConfig, serving_params
+from dash_core.workspace import PrefillWorkspace
 from graphs.decode import DecodeGraphBuffers
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.runtime_context import get_parallel
@@ -73,6 +74,8 @@ class DashForwardMetadata:
     graph: bool = False  # built by init_forward_metadata_out_graph: views of the static graph buffers
     positions: Optional[torch.Tensor] = None  # page mode: [T] int64, forward_batch.positions
     roles: Optional[torch.Tensor] = None  # page mode, extend: [T] int64 from the placeholder token ids
+    # extend: the plan and routing scratch the batch's layers share (made by the first layer's call)
+    workspace: PrefillWorkspace = field(default_factory=PrefillWorkspace)
 
 
 def summary_store(pool, block_size: int, heads: Optional[int] = None) -> list:
@@ -352,6 +355,8 @@ class DashAttnBackend(AttentionBackend):
             extra.pop("ik", None)  # K/V (and ik) were written already
         if op is paged_dash_decode and md.graph:
             extra["buffers"] = self.graph_buffers.kernel  # the captured graph's Triton scratch (None on the CPU)
+        if op is paged_dash_prefill:
+            extra["workspace"] = md.workspace
         out = op(q3, k, v, cache, md.block_table, *_op_lens(op, md), slots, head_cls, self.params, **extra)
         return out.view(-1, hq * d)
 

@@ -22,7 +22,7 @@ heads, head slot ``Hkv`` holding ``dash_core.layout``'s auxiliary rows; ``AuxHea
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Optional
 
 import torch
@@ -32,6 +32,7 @@ from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_pref
 from dash_core.model_config import AuxConfig, serving_params
 from dash_core.params import DashParams
 from dash_core.rope import PageRopeSettings
+from dash_core.workspace import PrefillWorkspace
 from graphs.decode import DecodeGraphBuffers
 
 try:
@@ -128,6 +129,8 @@ class DashAttentionMetadata:
     # Page mode (aux groups only): each token's position, decode rows in a persistent buffer.
     decode_positions: Optional[torch.Tensor] = None  # [num_decodes] int64
     prefill_positions: Optional[torch.Tensor] = None  # [num_prefill_tokens] int64
+    # The plan and routing scratch the step's prefill calls share (made by the first layer's call).
+    prefill_workspace: PrefillWorkspace = field(default_factory=PrefillWorkspace)
 
 
 class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadata]):
@@ -454,7 +457,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         if md.num_prefills:
             paged_dash_prefill(query[start:end], None, None, cache, md.prefill_block_table,
                                md.prefill_query_start_loc, md.prefill_seq_lens, None, head_cls, self.params,
-                               out=output[start:end])
+                               out=output[start:end], workspace=md.prefill_workspace)
         self._count(start, end)
         return output
 
@@ -494,6 +497,6 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
             paged_dash_prefill(q[start:end], k[start:end], v[start:end], cache, md.prefill_block_table,
                                md.prefill_query_start_loc, md.prefill_seq_lens, md.slot_mapping[start:end], head_cls,
                                self.params, out=out[start:end], iq=rows(iq, start, end), ik=rows(ik, start, end),
-                               roles=roles, positions=md.prefill_positions, **extra)
+                               roles=roles, positions=md.prefill_positions, workspace=md.prefill_workspace, **extra)
         self._count(start, end)
         return output

@@ -48,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import PagedKVCache
 from ..params import DashParams
+from ..workspace import PrefillWorkspace, check_workspace
 from .common import block_page, interpreting, summary_scores
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
 from .routing import route_tile
@@ -620,8 +621,9 @@ def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: O
 
 
 def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params,
-                       out, iq: Optional[torch.Tensor] = None) -> None:
+                       out, iq: Optional[torch.Tensor] = None, workspace=None) -> None:
     """Validate a prefill call from shapes and dtypes only (no device reads)."""
+    check_workspace(workspace)
     check_kernel_query(q, cache, params, "T", (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
                                                ("seq_lens", seq_lens), ("head_cls", head_cls)))
     t, _, d = q.shape
@@ -750,7 +752,8 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
                               cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               seq_lens: torch.Tensor, slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor,
                               params: DashParams, *, out: Optional[torch.Tensor] = None,
-                              scratch_bytes: Optional[int] = None, iq: Optional[torch.Tensor] = None) -> torch.Tensor:
+                              scratch_bytes: Optional[int] = None, iq: Optional[torch.Tensor] = None,
+                              workspace: Optional[PrefillWorkspace] = None) -> torch.Tensor:
     """Causal DASH for the new tokens of every request with the Triton kernels (the CUDA branch of
     ``ops.paged_dash_prefill``).
 
@@ -762,12 +765,14 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     iq: ``[T, Hi, D]`` rotated indexer queries (SPEC.md section 9): the route launches score them
     (router ``shared``) against the cache's 1-head store of ``ik`` summaries, the attention launches
     use q; k, v must then be None (written with the auxiliary rows and summaries by the op).
+    workspace: a ``PrefillWorkspace`` the calls of one batch share: the plan (with its tile tables
+    launch) and the routing scratch are made by the first call and reused by the others.
     Launches only; never synchronises.
     """
     from .launcher import cache_dash_prefill_triton
 
     check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot_mapping, head_cls, params, out,
-                       iq=iq)
+                       iq=iq, workspace=workspace)
     params = check_indexer_query(q, iq, k, params)
     if out is None:
         out = torch.empty_like(q)
@@ -779,12 +784,23 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
         return out
     if n == 0:
         return out.zero_()
-    plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes,
-                             route_heads=None if iq is None else iq.shape[1])
+    route_heads = None if iq is None else iq.shape[1]
     rq, rcache, hs = q, cache, hq  # what routes: the queries over the summaries, or the indexer's
     if iq is not None:
-        rq, rcache, hs = iq, cache.indexer_view(), max(hq, iq.shape[1])
-    scratch = PrefillScratch.allocate(plan.wave, plan.qt, hs, cache.num_kv_heads, plan.max_cand, params, q.device)
+        rq, rcache, hs = iq, cache.indexer_view(), max(hq, route_heads)
+
+    def make() -> tuple:
+        plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes,
+                                 route_heads=route_heads)
+        return plan, PrefillScratch.allocate(plan.wave, plan.qt, hs, cache.num_kv_heads, plan.max_cand, params,
+                                             q.device)
+
+    if workspace is None:
+        plan, scratch = make()
+    else:  # everything the plan and the scratch are made from, besides the length tensors' values
+        key = (q.device, t, hq, d, hs, cache.num_kv_heads, cache.page_size, tuple(block_table.shape), params,
+               scratch_bytes, route_heads)
+        plan, scratch = workspace.take(key, (cu_seqlens_q, seq_lens), make)
     for tile0 in range(0, plan.num_tiles, plan.wave):
         tiles = min(plan.wave, plan.num_tiles - tile0)
         route_wave(rq, rcache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)

@@ -21,6 +21,7 @@ from dash_core.kernels import launcher
 from dash_core.kernels import prefill as pf
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.reference import attend, block_summaries
+from dash_core.workspace import PrefillWorkspace
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import summary_tolerance
 from tests.kernels._prefill_scenarios import (exempt, make_prefill_case, oracle_routing, oracle_rows, plan_and_scratch,
@@ -35,11 +36,13 @@ DEV = KERNEL_DEVICE
 MAX_DIFFERING_ROWS = 0.05
 
 
-def prefill(case, scratch_bytes=None, write=True):
+def prefill(case, scratch_bytes=None, write=True, workspace=None, lens=None):
+    """The op on ``case`` (``lens``: the ``(cu_seqlens_q, seq_lens)`` tensors to pass, default the case's)."""
     args = (case.k, case.v, case.slot_mapping) if write else (None, None, None)
-    return pf.paged_dash_prefill_triton(case.q, args[0], args[1], case.cache, case.block_table, case.cu,
-                                        case.seq_lens, args[2], case.head_cls, case.params,
-                                        scratch_bytes=scratch_bytes)
+    cu, seq_lens = lens if lens is not None else (case.cu, case.seq_lens)
+    return pf.paged_dash_prefill_triton(case.q, args[0], args[1], case.cache, case.block_table, cu, seq_lens,
+                                        args[2], case.head_cls, case.params, scratch_bytes=scratch_bytes,
+                                        workspace=workspace)
 
 
 def count_differing_rows(case, out) -> tuple:
@@ -406,6 +409,36 @@ def test_extends_match_oracle_on_most_rows():
             again = prefill(case, scratch_bytes=2 * per_tile, write=False)
             assert torch.equal(again, out)
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
+
+
+def test_workspace_shared_by_the_layers_of_a_batch():
+    """Layers of one batch (different caches and queries, the same length tensors) sharing a workspace: the
+    first call makes the plan and scratch, the second reuses them (in three waves, over the first layer's
+    leftover scratch) and both outputs equal calls without a workspace exactly. A new length tensor or another
+    token count makes them again."""
+    p = DashParams(block_size=16, scaling_factor=2.0, topk=3)
+    reqs = [(70, 40), (0, 0), (33, 33), (50, 7)]
+    layers = [make_prefill_case(60 + i, reqs, params=p).to(DEV) for i in range(2)]
+    for case in layers:
+        assert torch.equal(case.cu, layers[0].cu) and torch.equal(case.seq_lens, layers[0].seq_lens)
+    plan = pf.PrefillPlan.build(layers[0].q, layers[0].cache, layers[0].block_table, layers[0].cu,
+                                layers[0].seq_lens, p)
+    budget = -(-plan.num_tiles // 3) * pf.PrefillScratch.bytes_per_tile(plan.qt, layers[0].q.shape[1],
+                                                                        layers[0].cache.num_kv_heads, plan.max_cand, p)
+    alone = [prefill(case, scratch_bytes=budget) for case in layers]
+    ws = PrefillWorkspace()
+    lens = (layers[0].cu, layers[0].seq_lens)
+    shared = [prefill(case, scratch_bytes=budget, write=False, workspace=ws, lens=lens) for case in layers]
+    assert ws.builds == 1
+    for a, b in zip(alone, shared):
+        assert torch.equal(a, b)
+    again = prefill(layers[1], scratch_bytes=budget, write=False, workspace=ws, lens=(lens[0].clone(), lens[1]))
+    assert ws.builds == 2 and torch.equal(again, alone[1])
+    short = make_prefill_case(62, [(70, 40), (33, 33)], params=p).to(DEV)
+    out = prefill(short, scratch_bytes=budget, workspace=ws)
+    assert ws.builds == 3 and torch.equal(out, prefill(short, scratch_bytes=budget, write=False))
+    with pytest.raises(TypeError, match="PrefillWorkspace"):
+        prefill(short, workspace=object())
 
 
 def test_chunked_prompt_every_boundary_class():

@@ -25,6 +25,8 @@ from dash_core.kernels import prefill as pf
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
 from dash_core.recorder import load_batches
+from dash_core.standalone import DashKVCache, dash_attention
+from dash_core.workspace import PrefillWorkspace
 from dash_core.reference import block_summaries, dash_rows
 from tests.kernels._kernel_scenarios import summary_tolerance
 from tests.kernels.test_kernel_decode_attention import TOL
@@ -216,17 +218,49 @@ def test_peak_scratch_under_1gb_at_128k():
 
 @cuda_only
 def test_prefill_never_synchronises():
+    """Neither a call nor the calls that share a workspace (its first, which makes the plan, and a later one)."""
     p = DashParams(block_size=64, topk=16, scaling_factor=2.0)
     pr = Prompt(9, [5000, 300, 0], [1000, 300, 0], hq=8, hkv=2, d=128, bs=64, ps=64, params=p)
     pr.run()  # compiles
     torch.cuda.synchronize()
+    ws = PrefillWorkspace()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = pr.run()
+        first, later = pr.run(workspace=ws), pr.run(workspace=ws)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out).all() and ws.builds == 1
+    assert torch.equal(first, out) and torch.equal(later, out)
+
+
+def test_standalone_layers_share_a_step_plan():
+    """``standalone.dash_attention`` on the GPU (bf16, the Triton kernels): two layers, a prompt in two chunks then
+    decode steps; every row against the float64 ``dash_reference``; each prefill step makes one plan for both
+    layers."""
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    p = DashParams(block_size=64, scaling_factor=2.0, topk=8)
+    n, dt = 1300, torch.bfloat16
+    q = torch.randn(2, 8, n, 64, generator=g, device=DEVICE).to(dt)
+    k, v = (torch.randn(2, 2, n, 64, generator=g, device=DEVICE).to(dt) for _ in range(2))
+    hcs = [torch.randn(2, 64, generator=g, device=DEVICE).to(dt) for _ in range(2)]
+    cache = DashKVCache(2, 2, n, 2, 64, p, dtype=dt, device=DEVICE, page_size=128)
+    outs = [[], []]
+    for lo, hi in [(0, 700), (700, 1290)] + [(t, t + 1) for t in range(1290, n)]:
+        for layer in range(2):
+            outs[layer].append(dash_attention(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], hcs[layer], cache,
+                                              layer))
+        if hi - lo > 1:
+            assert cache.step_inputs(lo, hi - lo, DEVICE)[2].builds == int(CUDA)  # the PyTorch path makes none
+    bad = checked = 0
+    for layer in range(2):
+        ref, _ = dash_reference(q.cpu(), k.cpu(), v.cpu(), hcs[layer].cpu(), p)
+        out = torch.cat(outs[layer], dim=2).cpu()
+        for b in range(2):
+            e, c = row_errors(out[b].permute(1, 0, 2), ref[b].permute(1, 0, 2), dt, extra_atol=ORACLE_OUT)
+            bad, checked = bad + e, checked + c
+    assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from dash_reference"
 
 
 MATRIX = [  # (dtype, Hq, Hkv, D, bs, page_size, DashParams kwargs)

@@ -1,0 +1,62 @@
+"""What the prefill calls of one batch share: the plan and the routing scratch, made once.
+
+Every layer of an engine step prefills the same batch: the same ``cu_seqlens_q`` and ``seq_lens``,
+the same shapes. Without a workspace each call builds its plan (shape arithmetic and the launch that
+writes the tile tables) and allocates its routing scratch again. Pass one ``PrefillWorkspace`` to
+all of a batch's ``ops.paged_dash_prefill`` calls (FlashInfer's plan/run split, made implicit): the
+first call builds and keeps them, the calls after it reuse them.
+
+A workspace serves one batch. It rebuilds when a call differs from the one that built it in shapes,
+parameters, device or the length tensors themselves (compared by identity; the workspace holds them,
+so their memory cannot be reused by other tensors meanwhile). Values written into those same tensors
+in place are not seen: make a new workspace for a new batch. The calls must run on one stream (the
+layers of a step do), since they share the scratch. The PyTorch path (CPU, fp32) ignores it.
+
+Example (what a second call with the same batch reuses)::
+
+    >>> ws = PrefillWorkspace()
+    >>> cu, lens = object(), object()
+    >>> ws.take(("shape",), (cu, lens), lambda: "plan")
+    'plan'
+    >>> ws.take(("shape",), (cu, lens), lambda: "never made"), ws.builds
+    ('plan', 1)
+    >>> ws.take(("other shape",), (cu, lens), lambda: "plan 2"), ws.builds
+    ('plan 2', 2)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Optional, Tuple
+
+
+def check_workspace(workspace: Any) -> None:
+    """A ``workspace`` argument: None or a ``PrefillWorkspace`` (TypeError otherwise)."""
+    if workspace is not None and not isinstance(workspace, PrefillWorkspace):
+        raise TypeError(f"workspace must be a dash_core.workspace.PrefillWorkspace, got {type(workspace).__name__}")
+
+
+class PrefillWorkspace:
+    """The plan and scratch of one batch's prefill calls (see the module docstring).
+
+    builds: how many times a call had to make them (1 when every call of the batch reused them).
+    """
+
+    def __init__(self) -> None:
+        self._key: Optional[Hashable] = None
+        self._lens: Tuple[Any, ...] = ()
+        self._value: Any = None
+        self.builds = 0
+
+    def take(self, key: Hashable, lens: Tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """The kept value when ``key`` equals the kept key and ``lens`` are the very objects kept with it;
+        else ``make()``, kept with ``key`` and ``lens`` (the objects, held)."""
+        if (self.builds == 0 or key != self._key or len(lens) != len(self._lens)
+                or any(a is not b for a, b in zip(lens, self._lens))):
+            self._value = make()
+            self._key, self._lens = key, tuple(lens)
+            self.builds += 1
+        return self._value
+
+    def clear(self) -> None:
+        """Drop the kept plan and scratch (their memory returns to the allocator)."""
+        self._key, self._lens, self._value = None, (), None
