@@ -44,8 +44,10 @@ HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # SPEC.md section 4 (global
 INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
 SELECT_WARPS = 8  # warps of the decode select kernel
 # The one-tile cap's radix select runs on tiles of at least this many keys (one per thread of the select kernel),
-# else the pivot search: a smaller tile is replicated across threads, and tl.histogram miscounted it on the H200
-# (triton 3.6: the wrong topk-th largest at topk 1-3 in 23 of 600 short decode cases).
+# else the pivot search. On a smaller tile several threads hold each key, and with the keys made in registers
+# (X_IN_REGS: the mean over heads of a [1, NH, TS] tile, reshaped) the compiled radix select found the wrong
+# topk-th key on the H200 (triton 3.6): 23 of 600 short decode cases at topk 1-3. Each histogram alone is right
+# and the same keys loaded from memory give the right key (benchmarks/histogram_probe.py isolates it).
 RADIX_MIN_KEYS = tl.constexpr(32 * SELECT_WARPS)
 
 

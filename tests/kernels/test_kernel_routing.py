@@ -72,8 +72,9 @@ def test_routing_matches_oracle(seed, lens, router, topk, est, sigma, sf, local_
 
 
 def test_small_topk_on_few_candidates():
-    """topk 1-3 over a few candidates (a select tile of 16 keys): on the H200 the radix select's histograms of such
-    tiles kept the wrong block (23 of 600 short cases in a sweep; now the pivot search runs there)."""
+    """topk 1-3 over a few candidates (a select tile of 16 keys): on the H200 the radix select on such tiles, with
+    its keys in registers, kept the wrong block (23 of 600 short cases in a sweep; now the pivot search runs there;
+    ``RADIX_MIN_KEYS``)."""
     for seed in range(4):
         for lens in ([0, 0, 41], [41], [100]):
             _route_small_topk(seed, lens)

@@ -1,0 +1,111 @@
+"""Does ``tl.histogram`` count replicated tiles right on this GPU? The decode radix select's pattern, isolated.
+
+The decode cap's radix select (``routing.select_kept``) runs only on tiles of at least ``RADIX_MIN_KEYS`` keys,
+where every thread of the select kernel holds distinct keys: with smaller tiles it kept the wrong block on the
+H200 (triton 3.6). This script checks the pieces apart on random inputs against torch: the histogram of a
+[TS] tile loaded from memory, the whole 4-pass radix select on it, and the same with keys made as the kernel
+makes them in registers (a reduction over heads of a [1, NH, TS] tile, reshaped to [TS]). It prints one line
+per shape with the number of wrong results; run it after a Triton upgrade before moving the bound:
+
+    python benchmarks/histogram_probe.py          # a CUDA GPU; TRITON_INTERPRET=1 checks the script on the CPU
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _radix_kth(keys, kvalid, topk):
+    """The topk-th largest of the valid int32 keys (positive float bits), 8 bits a pass (as ``select_kept``)."""
+    bins = tl.arange(0, 512)
+    prefix = topk * 0
+    krem = topk
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        if p == 0:
+            match = kvalid
+        else:
+            match = kvalid & ((keys >> (shift + 8)) == (prefix >> (shift + 8)))
+        digit = tl.where(match, (keys >> shift) & 255, 256)
+        hist = tl.where(bins < 256, tl.histogram(digit, 512), 0)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        d_sel = tl.max(tl.where((at_least >= krem) & (bins < 256), bins, -1), axis=0)
+        krem = krem - tl.sum(tl.where(bins == d_sel, at_least - hist, 0), axis=0)
+        prefix = prefix | (d_sel << shift)
+    return prefix
+
+
+@triton.jit
+def _probe_kernel(x_ptr, n_ptr, topk_ptr, hist_ptr, kth_ptr, keys_ptr, TS: tl.constexpr, NH: tl.constexpr,
+                  FROM_HEADS: tl.constexpr):
+    """Keys: x [TS] floats (FROM_HEADS False) or the mean over NH rows of relu(x - 0.5)^2 of x [NH, TS] (as the
+    kernel's mp in registers). Writes the keys, their top-byte histogram and the topk-th largest key."""
+    offs = tl.arange(0, TS)
+    n = tl.load(n_ptr)
+    topk = tl.load(topk_ptr)
+    if FROM_HEADS:
+        rows = tl.arange(0, NH)
+        x = tl.load(x_ptr + rows[None, :, None] * TS + offs[None, None, :], mask=offs[None, None, :] < n,
+                    other=float("-inf"))
+        d = tl.where(x > 0.5, x - 0.5, 0.0)
+        keys = tl.reshape((tl.sum(d * d, axis=1) / NH).to(tl.int32, bitcast=True), [TS])
+    else:
+        keys = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.int32, bitcast=True)
+    tl.store(keys_ptr + offs, keys)
+    kvalid = (offs < n) & (keys > 0)
+    bins = tl.arange(0, 512)
+    tl.store(hist_ptr + bins, tl.where(bins < 256, tl.histogram(tl.where(kvalid, keys >> 24, 256), 512), 0))
+    tl.store(kth_ptr, _radix_kth(keys, kvalid, topk))
+
+
+def probe(device, ts: int, nh: int, from_heads: bool, warps: int, trials: int, g: torch.Generator) -> tuple:
+    """(wrong histograms, wrong topk-th keys) in ``trials`` random cases."""
+    wrong_hist = wrong_kth = 0
+    for _ in range(trials):
+        n = int(torch.randint(1, ts + 1, (1,), generator=g))
+        topk = int(torch.randint(1, 4, (1,), generator=g))
+        shape = (nh, ts) if from_heads else (ts,)
+        x = (torch.rand(shape, generator=g) * (torch.rand(shape, generator=g) > 0.3) * 2).to(device)
+        hist = torch.empty(512, dtype=torch.int32, device=device)
+        kth = torch.empty(1, dtype=torch.int32, device=device)
+        keys = torch.empty(ts, dtype=torch.int32, device=device)
+        _probe_kernel[(1,)](x, torch.tensor([n], dtype=torch.int32, device=device),
+                            torch.tensor([topk], dtype=torch.int32, device=device), hist, kth, keys, TS=ts, NH=nh,
+                            FROM_HEADS=from_heads, num_warps=warps)
+        k = keys.cpu()
+        valid = (torch.arange(ts) < n) & (k > 0)
+        ref = torch.bincount(torch.where(valid, k >> 24, 256).long(), minlength=512)[:512].int()
+        ref[256:] = 0
+        pos = k[valid]
+        wrong_hist += int(not torch.equal(hist.cpu(), ref))
+        wrong_kth += int(pos.numel() >= topk and int(kth) != int(torch.topk(pos, topk).values[-1]))
+    return wrong_hist, wrong_kth
+
+
+def main() -> int:
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interp:
+        print("needs a CUDA GPU (or TRITON_INTERPRET=1 to check the script on the CPU)")
+        return 2
+    device = "cpu" if interp else "cuda"
+    g = torch.Generator().manual_seed(0)
+    trials = 2 if interp else 100
+    bad = 0
+    for warps in (1, 4, 8):
+        for ts in (16, 32, 64, 128, 256, 512):
+            for nh in (0, 2, 4, 16):  # 0: keys loaded from memory
+                wh, wk = probe(device, ts, max(nh, 1), nh > 0, warps, trials, g)
+                bad += wh + wk
+                print(f"warps {warps} TS {ts:4d} keys {'from memory' if nh == 0 else f'from {nh:2d} heads'}: "
+                      f"histogram wrong {wh}/{trials}, topk-th key wrong {wk}/{trials}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
