@@ -65,3 +65,15 @@ def summary_scores(qs, bt_row_ptr, summ_ptr, ss_b, h, ss_h, blk, mask, x_scale, 
     sidx = summary_index(page, blk, PS, BS)
     summ = tl.load(summ_ptr + sidx[:, None] * ss_b + h * ss_h + offs_d[None, :], mask=mask[:, None], other=0.0)
     return tl.dot(qs, tl.trans(summ)) * x_scale
+
+
+@triton.jit
+def load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD: tl.constexpr, D: tl.constexpr):
+    """The query rows of KV head ``h``'s group in decode row ``i``: ``q [G_PAD, D]`` (zero past ``G``), their head
+    ids ``heads [G_PAD]``, the mask ``g_ok`` and ``offs_d``."""
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D)
+    g_ok = offs_g < G
+    heads = h * G + offs_g
+    q = tl.load(q_ptr + i * sq_n + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    return q, heads, g_ok, offs_d

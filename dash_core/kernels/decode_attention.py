@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, LOG2E_F, block_page, decode_bounds
+from .common import LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query
 
 
 @triton.jit
@@ -49,12 +49,8 @@ def _decode_attn_split_kernel(
     k_hi = tl.minimum(total, k_lo + per)
 
     ppb: tl.constexpr = PS // BS
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BLOCK_T)
-    g_ok = offs_g < G
-    heads = h * G + offs_g
-    q = tl.load(q_ptr + i * sq_n + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
     bt_row = bt_ptr + i.to(tl.int64) * sbt_n
     sel_row = i.to(tl.int64) * ssel_n + h * ssel_h
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import decode_bounds, summary_scores
+from .common import decode_bounds, load_group_query, summary_scores
 from .kv_write import write_token
 
 PRIOR_EPS = 1e-20  # SPEC.md section 5
@@ -411,12 +411,8 @@ def _decode_scores_kernel(
     per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
     c_start = s * per
     c_end = tl.minimum(ncand, c_start + per)
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    g_ok = offs_g < G
-    heads = h * G + offs_g
-    q = tl.load(q_ptr + i * sq_n + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
     qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
     bt_row = bt_ptr + i.to(tl.int64) * sbt_n
     x_rows = x_ptr + i.to(tl.int64) * sx_n + heads[:, None].to(tl.int64) * sx_h
