@@ -213,6 +213,34 @@ def test_sparse_prefill_chunked_extend_and_decode_match_oracle(dash_kit, page_si
     assert max((d - r).abs().max().item() for d, r in zip(dense, ref)) > 100 * ATOL
 
 
+def test_each_extend_batch_brings_its_prefill_workspace(dash_kit, monkeypatch):
+    """Every extend call gets the ``PrefillWorkspace`` of its batch's metadata (the layers of a batch share it;
+    on CUDA the first makes the plan and scratch), and the next batch a new one."""
+    import adapters.sglang.backend as backend
+    from dash_core.workspace import PrefillWorkspace
+
+    seen = []
+    real = backend.paged_dash_prefill
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("workspace"), backend_of_fx.forward_metadata.workspace))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "paged_dash_prefill", spy)
+    kit = dash_kit(SPARSE)
+    case = _case(kit, "dash_ws", "EXTEND", 16, (0, 0), (40, 23))
+    fx = kit.build_dense_attention_fixture(KitTestCase(), case, max_context_len=128, **F32)
+    backend_of_fx = fx.backend
+    loc_fn = kit.make_loc_fn("shuffled_pages", batch_size=2, seq_lens=(70, 50), prefix_lens=(0, 0), page_size=16,
+                             max_context_len=128, seed=5)
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(63, fx.actual_module.hidden_size, generator=g)
+    steps = [("EXTEND", (0, 0), (40, 23), hidden), ("EXTEND", (40, 23), (30, 27), hidden[:57])]
+    _run_steps(kit, fx, steps, loc_fn, 128)
+    assert len(seen) == 2 and all(isinstance(w, PrefillWorkspace) and w is md for w, md in seen)
+    assert seen[0][0] is not seen[1][0]
+
+
 # ---- start-up errors, modes, summary store ------------------------------------------------------
 
 @pytest.mark.parametrize("page_size", [1, 8, 24])

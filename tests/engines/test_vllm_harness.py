@@ -137,6 +137,34 @@ def test_mixed_batch_matches_oracle(vllm_config, name, layout):
     assert layer.impl.stats["forwards"] == 3
 
 
+def test_the_layers_of_a_step_share_its_prefill_workspace(vllm_config, monkeypatch):
+    """Every prefill call of one step (two layers here) gets the step's ``PrefillWorkspace`` (on CUDA the first
+    makes the plan and scratch, the second reuses them); the next step's metadata brings a new one."""
+    import adapters.vllm.backend as backend
+    from dash_core.workspace import PrefillWorkspace
+
+    seen = []
+    real = backend.paged_dash_prefill
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("workspace"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "paged_dash_prefill", spy)
+    params = PARAMS["sparse-kv_head"]
+    layer, spec, builder = dash_layer(vllm_config, params, torch.randn(HKV, D))
+    _, kv = allocate_kv_cache(spec, NUM_BLOCKS, "LBHNC")
+    data, table = _requests(3), _block_tables(4)
+    md, out = _run_step(layer, builder, kv, table, data, [(0, 0, 36), (2, 0, 24)])
+    again = torch.empty_like(out)
+    q = torch.cat([data[0][0][:36], data[2][0][:24]])
+    layer.impl.forward(layer, q, None, None, kv, md, output=again)  # a second layer of the same step
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+    _run_step(layer, builder, kv, table, data, [(2, 24, 40)])
+    assert len(seen) == 3 and all(isinstance(w, PrefillWorkspace) for w in seen)
+    assert seen[0] is seen[1] is md.prefill_workspace and seen[2] is not seen[0]
+
+
 def test_padded_decode_batch_uses_persistent_buffers(vllm_config):
     """The CUDA-graph contract on the CPU: decode metadata lives at fixed addresses, and a
     padding request (query length 0, seq_len 0) gets a zero row, not NaN."""
