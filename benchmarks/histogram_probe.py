@@ -1,11 +1,12 @@
-"""Does ``tl.histogram`` count replicated tiles right on this GPU? The decode radix select's pattern, isolated.
+"""Where the decode radix select goes wrong on tiles whose keys several threads hold: the pattern, isolated.
 
 The decode cap's radix select (``routing.select_kept``) runs only on tiles of at least ``RADIX_MIN_KEYS`` keys,
 where every thread of the select kernel holds distinct keys: with smaller tiles it kept the wrong block on the
 H200 (triton 3.6). This script checks the pieces apart on random inputs against torch: the histogram of a
-[TS] tile loaded from memory, the whole 4-pass radix select on it, and the same with keys made as the kernel
-makes them in registers (a reduction over heads of a [1, NH, TS] tile, reshaped to [TS]). It prints one line
-per shape with the number of wrong results; run it after a Triton upgrade before moving the bound:
+[TS] tile loaded from memory, the kernel's own 4-pass radix select (``routing.radix_kth``) on it, and the same
+with keys made as the kernel makes them in registers (a reduction over heads of a [1, NH, TS] tile, reshaped to
+[TS]). It prints one line per shape with the number of wrong results; run it after a Triton upgrade before
+moving the bound:
 
     python benchmarks/histogram_probe.py          # a CUDA GPU; TRITON_INTERPRET=1 checks the script on the CPU
 """
@@ -19,26 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _radix_kth(keys, kvalid, topk):
-    """The topk-th largest of the valid int32 keys (positive float bits), 8 bits a pass (as ``select_kept``)."""
-    bins = tl.arange(0, 512)
-    prefix = topk * 0
-    krem = topk
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        if p == 0:
-            match = kvalid
-        else:
-            match = kvalid & ((keys >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = tl.where(match, (keys >> shift) & 255, 256)
-        hist = tl.where(bins < 256, tl.histogram(digit, 512), 0)
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        d_sel = tl.max(tl.where((at_least >= krem) & (bins < 256), bins, -1), axis=0)
-        krem = krem - tl.sum(tl.where(bins == d_sel, at_least - hist, 0), axis=0)
-        prefix = prefix | (d_sel << shift)
-    return prefix
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dash_core.kernels.routing import radix_kth  # noqa: E402  (the kernel's own radix select)
 
 
 @triton.jit
@@ -61,7 +44,7 @@ def _probe_kernel(x_ptr, n_ptr, topk_ptr, hist_ptr, kth_ptr, keys_ptr, TS: tl.co
     kvalid = (offs < n) & (keys > 0)
     bins = tl.arange(0, 512)
     tl.store(hist_ptr + bins, tl.where(bins < 256, tl.histogram(tl.where(kvalid, keys >> 24, 256), 512), 0))
-    tl.store(kth_ptr, _radix_kth(keys, kvalid, topk))
+    tl.store(kth_ptr, radix_kth(keys, kvalid, topk))
 
 
 def probe(device, ts: int, nh: int, from_heads: bool, warps: int, trials: int, g: torch.Generator) -> tuple:

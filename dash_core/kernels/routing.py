@@ -90,6 +90,29 @@ def mp_key_range(mp, ok, npos, key_min, key_max):
 
 
 @triton.jit
+def radix_kth(keys, kvalid, topk):
+    """The ``topk``-th largest of the ``kvalid`` entries of ``keys [T]`` (int32 bits of positive floats, ordered as
+    the floats): 8 bits a pass, each pass a 256-bin histogram of the next byte of the keys under the prefix found
+    so far (``select_kept``'s one-tile cap; ``benchmarks/histogram_probe.py`` runs it alone)."""
+    bins = tl.arange(0, 512)
+    prefix = topk * 0
+    krem = topk
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p  # a constexpr: p is one
+        if p == 0:
+            match = kvalid
+        else:  # the bits above this digit equal the prefix found so far
+            match = kvalid & ((keys >> (shift + 8)) == (prefix >> (shift + 8)))
+        digit = tl.where(match, (keys >> shift) & 255, 256)  # bin 256: not under this prefix
+        hist = tl.where(bins < 256, tl.histogram(digit, 512), 0)
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
+        d_sel = tl.max(tl.where((at_least >= krem) & (bins < 256), bins, -1), axis=0)
+        krem = krem - tl.sum(tl.where(bins == d_sel, at_least - hist, 0), axis=0)  # keys above d_sel go first
+        prefix = prefix | (d_sel << shift)
+    return prefix
+
+
+@triton.jit
 def _kept_entries(mp_ptr, ck_ptr, mp_unit, j, n_u, n_load, LIST: tl.constexpr):
     """Entries ``j [T]`` of each unit's mp (T: a tile width, TS or TL): ``(mp [QT, T], candidate [QT, T]
     int32, valid [QT, T])``, loaded up to ``n_load [QT] >= n_u`` (whole groups of 4 make 16-byte loads) and
@@ -173,22 +196,7 @@ def select_kept(
         if ONE_TILE and QT == 1 and TS >= RADIX_MIN_KEYS:  # radix select: the topk-th largest key, 8 bits a pass
             keys = tl.reshape(key_all, [TS])
             kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
-            bins = tl.arange(0, 512)
-            prefix = tl.sum(lo_k, axis=0) * 0
-            krem = prefix + topk
-            for p in tl.static_range(4):
-                shift = 24 - 8 * p  # a constexpr: p is one
-                if p == 0:
-                    match = kvalid
-                else:  # the bits above this digit equal the prefix found so far
-                    match = kvalid & ((keys >> (shift + 8)) == (prefix >> (shift + 8)))
-                digit = tl.where(match, (keys >> shift) & 255, 256)  # bin 256: not under this prefix
-                hist = tl.where(bins < 256, tl.histogram(digit, 512), 0)
-                at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
-                d_sel = tl.max(tl.where((at_least >= krem) & (bins < 256), bins, -1), axis=0)
-                krem = krem - tl.sum(tl.where(bins == d_sel, at_least - hist, 0), axis=0)  # keys above d_sel go first
-                prefix = prefix | (d_sel << shift)
-            lo_k = tl.where(need, prefix, lo_k)
+            lo_k = tl.where(need, radix_kth(keys, kvalid, tl.sum(lo_k, axis=0) * 0 + topk), lo_k)
             hi_k = lo_k + 1
         # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k.
         while tl.max(hi_k - lo_k, axis=0) > 1:

@@ -89,9 +89,9 @@ def test_small_topk_on_the_smallest_radix_tile():
 
 
 def test_radix_select_where_the_kernel_runs_it():
-    """``benchmarks/histogram_probe.py``'s radix select on tiles of ``RADIX_MIN_KEYS`` and more keys, one per thread of
-    ``SELECT_WARPS`` warps, with keys made in registers as the kernel makes them: every histogram and topk-th key
-    right (on the H200 smaller, replicated tiles get wrong keys in 5-16% of the cases, which 40 cases a shape would
+    """The kernel's radix select (``routing.radix_kth``, run alone by ``benchmarks/histogram_probe.py``) on tiles of
+    ``RADIX_MIN_KEYS`` and more keys, one per thread of ``SELECT_WARPS`` warps, with keys made in registers as the
+    kernel makes them: every histogram and topk-th key right (on the H200 smaller, replicated tiles get wrong keys in 5-16% of the cases, which 40 cases a shape would
     catch; the kernel runs the pivot search there)."""
     probe = import_benchmark("histogram_probe").probe
     g = torch.Generator().manual_seed(0)
