@@ -62,6 +62,7 @@ from dash_core.workspace import PrefillWorkspace  # noqa: E402
 PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
 MARK_BEGIN, MARK_END = "<!-- prefill-benchmark:begin -->", "<!-- prefill-benchmark:end -->"
 WORKSPACE_TAG = " workspace"  # variant suffix of the rows whose calls share a PrefillWorkspace
+LAYOUT_TAG = {"vllm": " vllm-layout"}  # variant suffix of DASH rows on a cache other than SGLang's
 
 
 def synthetic_prompt(n, hq, hkv, d, bs, dtype, g: torch.Generator, q_corr) -> tuple:
@@ -80,10 +81,11 @@ def synthetic_prompt(n, hq, hkv, d, bs, dtype, g: torch.Generator, q_corr) -> tu
 
 
 class Prompt:
-    """One prompt of ``n`` tokens: ``q [n, Hq, D]``, ``k, v [n, Hkv, D]`` and a paged cache (SGLang
-    layout, pages shuffled) with its summary store; K/V and summaries written once here."""
+    """One prompt of ``n`` tokens: ``q [n, Hq, D]``, ``k, v [n, Hkv, D]`` and a paged cache (pages shuffled)
+    with its summary store; K/V and summaries written once here. layout ``sglang``: token-major K and V
+    buffers ``[slots, Hkv, D]`` viewed as pages; ``vllm``: one head-major ``[pages, Hkv, ps, 2D]`` tensor."""
 
-    def __init__(self, n, hq, hkv, d, bs, ps, dtype, device, seed, q_corr, cuda):
+    def __init__(self, n, hq, hkv, d, bs, ps, dtype, device, seed, q_corr, cuda, layout="sglang"):
         self.n, self.hq, self.hkv, self.d = n, hq, hkv, d
         g = torch.Generator(device=device).manual_seed(seed)
         self.q, self.k, self.v, self.head_cls = synthetic_prompt(n, hq, hkv, d, bs, dtype, g, q_corr)
@@ -92,9 +94,13 @@ class Prompt:
         slots = num_pages * ps
         perm = torch.randperm(num_pages, device=device, generator=g)[:npages]
         self.block_table = perm.view(1, npages).to(torch.int32).contiguous()
-        self.cache = PagedKVCache.from_sglang(torch.zeros(slots, hkv, d, dtype=dtype, device=device),
-                                              torch.zeros(slots, hkv, d, dtype=dtype, device=device), ps,
-                                              alloc_summaries(slots, bs, hkv, d, dtype, device))
+        summ = alloc_summaries(slots, bs, hkv, d, dtype, device)
+        if layout == "vllm":
+            kv = torch.zeros(num_pages, hkv, ps, 2 * d, dtype=dtype, device=device)
+            self.cache = PagedKVCache.from_vllm(kv, hkv, d, summ)
+        else:
+            self.cache = PagedKVCache.from_sglang(torch.zeros(slots, hkv, d, dtype=dtype, device=device),
+                                                  torch.zeros(slots, hkv, d, dtype=dtype, device=device), ps, summ)
         pos = torch.arange(n, device=device)
         self.slot_mapping = self.block_table[0, pos // ps].to(torch.int64) * ps + pos % ps
         self.cu = torch.tensor([0, n], dtype=torch.int32, device=device)
@@ -290,7 +296,8 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
     cuda = device.type == "cuda"
     esize = torch.empty((), dtype=dtype).element_size()
     log(f"prompt {n} tokens, Hq={hq} Hkv={hkv} D={d} bs={bs}: building")
-    pr = Prompt(n, hq, hkv, d, bs, ps, dtype, device, seed=11, q_corr=a.query_correlation, cuda=cuda)
+    pr = Prompt(n, hq, hkv, d, bs, ps, dtype, device, seed=11, q_corr=a.query_correlation, cuda=cuda,
+                layout=a.layout)
     if sf is None:  # calibrated on the last queries of the prompt, as decode steps at its end
         rows = min(8, n)
         tail = type("Tail", (), {"cache": pr.cache, "block_table": pr.block_table.expand(rows, -1).contiguous()})
@@ -332,7 +339,7 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
             saved = {k: getattr(pf, k) for k in tune}
             for k, v in tune.items():
                 setattr(pf, k, v)
-            tag = "".join(f" {k.lower()}={v}" for k, v in tune.items())
+            tag = "".join(f" {k.lower()}={v}" for k, v in tune.items()) + LAYOUT_TAG.get(a.layout, "")
             ex = extra
             if tune:  # tile sizes may change with the settings: their own sharing statistics
                 st_t = selection_stats(pr, params)
@@ -614,6 +621,9 @@ def main(argv=None) -> int:
     add_shape_args(ap, "scaling_factor (default: calibrated per prompt length)")
     ap.add_argument("--query-correlation", type=float, default=0.95,
                     help="AR(1) coefficient of queries over positions (0: independent queries, the worst case)")
+    ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang",
+                    help="DASH's cache layout: token-major (SGLang) or head-major (vLLM); dense peers read K/V as "
+                         "they are")
     ap.add_argument("--published-max-context", type=int, default=131072)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--workspace-max-context", type=int, default=32768,

@@ -311,7 +311,7 @@ def _prefill_attn_kernel(
     k_desc, v_desc,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
-    UCH: tl.constexpr, SCALAR_BASE: tl.constexpr, TMA: tl.constexpr,
+    UCH: tl.constexpr, SCALAR_BASE: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -436,7 +436,10 @@ def _prefill_attn_kernel(
                     phys = tl.sum(tl.where(offs_ch == it // NSUB2, ch_ids, 0), axis=0).to(tl.int64)
                     page = phys // ppb
                     row0 = (phys % ppb) * BS + (it % NSUB2) * BLOCK_U
-                    if not TMA:
+                    if TMA:  # a box of _kv_descriptors: [page, row0, h, 0], or [page, h, row0, 0] head-major
+                        box = [page.to(tl.int32), h if TMA_HEAD_MAJOR else row0.to(tl.int32),
+                               row0.to(tl.int32) if TMA_HEAD_MAJOR else h, 0]
+                    else:
                         k_ptrs = k_ptr + (page * sk_p + row0 * sk_r + h * sk_h) + k_off
                         v_ptrs = v_ptr + (page * sv_p + row0 * sv_r + h * sv_h) + v_off
                         kv_ok = tl.full([BLOCK_U, 1], 1, tl.int1)
@@ -448,8 +451,8 @@ def _prefill_attn_kernel(
                     k_ptrs = k_ptr + page[:, None] * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :]
                     v_ptrs = v_ptr + page[:, None] * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :]
                     kv_ok = (c0 + jl < nu)[:, None]
-                if TMA:  # ONE_BLOCK: a [1, BLOCK_U, 1, D] box of the [pages, PS, Hkv, D] cache
-                    kt = tl.reshape(k_desc.load([page.to(tl.int32), row0.to(tl.int32), h, 0]), [BLOCK_U, D])
+                if TMA:
+                    kt = tl.reshape(k_desc.load(box), [BLOCK_U, D])
                 else:
                     kt = tl.load(k_ptrs, mask=kv_ok, other=0.0)
                 qk = tl.dot(q, tl.trans(kt)) * qk_scale
@@ -467,7 +470,7 @@ def _prefill_attn_kernel(
                 p = tl.exp2(qk - m_use[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 if TMA:
-                    vt = tl.reshape(v_desc.load([page.to(tl.int32), row0.to(tl.int32), h, 0]), [BLOCK_U, D])
+                    vt = tl.reshape(v_desc.load(box), [BLOCK_U, D])
                 else:
                     vt = tl.load(v_ptrs, mask=kv_ok, other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
@@ -687,31 +690,38 @@ def _tma_supported(device) -> bool:
 
 
 def _nested_rows(x: torch.Tensor) -> bool:
-    """Pages ``[pages, page_size, Hkv, D]`` laid out as nested rows, padding allowed (SGLang's layout; not
-    vLLM's, whose head stride exceeds its row stride): each stride covers the extent of the next dimension,
-    the form the TMA descriptors were measured on."""
+    """A 4-D tensor laid out as nested rows, padding allowed: each stride covers the extent of the next
+    dimension, the form TMA descriptors describe."""
     st, sh = x.stride(), x.shape
     return st[3] == 1 and st[2] >= sh[3] and st[1] >= st[2] * sh[2] and st[0] >= st[1] * sh[1]
 
 
+def _tma_fits(x: torch.Tensor) -> bool:
+    """``x`` can back a TMA descriptor: nested rows (``_nested_rows``), base and strides multiples of 16 bytes,
+    strides under 2^40 bytes, fewer than 2^31 pages."""
+    es = x.element_size()
+    strides = [st * es for st in x.stride()[:-1]]
+    return (_nested_rows(x) and x.data_ptr() % 16 == 0 and all(b % 16 == 0 and b < 2 ** 40 for b in strides)
+            and x.shape[0] < 2 ** 31)
+
+
 def _kv_descriptors(cache: PagedKVCache, block_u: int) -> Optional[tuple]:
-    """TMA descriptors of the K and V pages ``[pages, page_size, Hkv, D]`` with ``[1, block_u, 1, D]`` boxes, for
-    the attention launch's union tiles of one block (``ATTN_TMA``; NVIDIA Hopper and later). None, and pointer
-    loads, where the hardware or the cache does not fit them: pages not laid out as nested rows
-    (``_nested_rows``), a base or stride that is not a multiple of 16 bytes, a stride of 2^40 bytes or more, or
-    2^31 pages or more. These checks precede ``TensorDescriptor``'s own asserts so as to fall back instead."""
+    """``(k_desc, v_desc, head_major)``: TMA descriptors of the K and V pages for the attention launch's union
+    tiles of one block (``ATTN_TMA``; NVIDIA Hopper and later), or None (pointer loads) where the hardware or
+    the cache does not fit them. The pages ``[pages, page_size, Hkv, D]`` are described as they are (SGLang's
+    layout: ``[1, block_u, 1, D]`` boxes) or, where the head stride exceeds the row stride (vLLM's ``[pages,
+    Hkv, page_size, C]``), head-major as ``[pages, Hkv, page_size, D]`` with ``[1, 1, block_u, D]`` boxes
+    (``head_major``). These checks precede ``TensorDescriptor``'s own asserts so as to fall back instead."""
     kp, vp = cache.k_pages, cache.v_pages
     if not (ATTN_TMA and _tma_supported(kp.device)):
         return None
-    out = []
-    for x in (kp, vp):
-        es = x.element_size()
-        strides = [st * es for st in x.stride()[:-1]]
-        if (not _nested_rows(x) or x.data_ptr() % 16 or any(b % 16 or b >= 2 ** 40 for b in strides)
-                or x.shape[0] >= 2 ** 31):
-            return None
-        out.append(TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_u, 1, x.shape[3]]))
-    return tuple(out)
+    for head_major in (False, True):
+        views = [x.permute(0, 2, 1, 3) if head_major else x for x in (kp, vp)]
+        if all(_tma_fits(x) for x in views):
+            box = [1, 1, block_u, kp.shape[3]] if head_major else [1, block_u, 1, kp.shape[3]]
+            k_desc, v_desc = (TensorDescriptor(x, list(x.shape), list(x.stride()), box) for x in views)
+            return k_desc, v_desc, head_major
+    return None
 
 
 def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -737,13 +747,13 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         s.union_prior, s.union_prior.stride(0), s.union_prior.stride(1),
         s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
         s.union_bias.stride(1), s.union_bias.stride(2), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
-        *(kv_desc if kv_desc is not None else (kp, vp)),
+        *(kv_desc[:2] if kv_desc is not None else (kp, vp)),
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
         UCH=max(UNION_CHUNK, block_u // bs),  # whole tiles of PER blocks
-        SCALAR_BASE=bool(ATTN_SCALAR_BASE), TMA=kv_desc is not None,
+        SCALAR_BASE=bool(ATTN_SCALAR_BASE), TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]),
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
 

@@ -277,10 +277,11 @@ def _restrided(x: torch.Tensor, pad: int, start: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["sglang", "vllm"])
 def test_tma_loads_follow_the_cache_layout(layout, monkeypatch):
-    """The attention launch's TMA descriptors (emulated by the interpreter) are made for pages laid out as nested
-    rows (SGLang's layout, and a copy with padded rows), and refused for vLLM's layout and for a base or a
-    stride off 16 bytes; every variant gives the output of the pointer loads (``ATTN_TMA`` 0), bit for bit.
-    Two blocks per page, so that boxes start mid-page."""
+    """The attention launch's TMA descriptors (emulated by the interpreter) describe the pages as they are where
+    they are nested rows (SGLang's layout, and a copy with padded rows), head-major where the head stride exceeds
+    the row stride (vLLM's layout, and a head-major copy with padded rows), and are refused for a base or a
+    stride off 16 bytes in either order; every variant gives the output of the pointer loads (``ATTN_TMA`` 0),
+    bit for bit. Two blocks per page, so that boxes start mid-page."""
     if not pf._tma_supported(torch.device(DEV)):
         pytest.skip("no TMA on this device")
     p = DashParams(block_size=64, topk=2, scaling_factor=1.0)
@@ -293,13 +294,19 @@ def test_tma_loads_follow_the_cache_layout(layout, monkeypatch):
     want = prefill(case, write=False)
     monkeypatch.setattr(pf, "ATTN_TMA", 1)
 
-    def copy(pad, start):
-        return type(cache)(_restrided(cache.k_pages, pad, start), _restrided(cache.v_pages, pad, start),
-                           cache.summaries)
+    def copy(pad, start, head_major=False):
+        def one(x):
+            if head_major:  # [pages, Hkv, page_size, D + pad] storage
+                return _restrided(x.permute(0, 2, 1, 3), pad, start).permute(0, 2, 1, 3)
+            return _restrided(x, pad, start)
+        return type(cache)(one(cache.k_pages), one(cache.v_pages), cache.summaries)
 
-    variants = [(cache, layout == "sglang"), (copy(16, 0), True), (copy(8, 1), False), (copy(1, 0), False)]
-    for c, tma in variants:  # the cache itself, padded rows, a base 2 bytes off 16, rows of 129 elements
-        assert (pf._kv_descriptors(c, 64) is not None) == tma
+    # (cache, how the descriptors describe it: None = pointer loads, else head-major or not)
+    variants = [(cache, layout == "vllm"), (copy(16, 0), False), (copy(16, 0, True), True),
+                (copy(8, 1), None), (copy(8, 1, True), None), (copy(1, 0), None), (copy(1, 0, True), None)]
+    for c, head_major in variants:  # padded rows, a base 2 bytes off 16, rows of 129 elements
+        desc = pf._kv_descriptors(c, 64)
+        assert (None if desc is None else desc[2]) == head_major
         got = pf.paged_dash_prefill_triton(case.q, None, None, c, case.block_table, case.cu, case.seq_lens, None,
                                            case.head_cls, p)
         assert torch.equal(got, want)
