@@ -28,6 +28,30 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Optional, Tuple
 
+import torch
+
+from .params import DashParams
+
+
+def prefill_scratch_bytes(num_tokens: int, max_requests: int, max_context: int, num_q_heads: int,
+                          num_kv_heads: int, params: DashParams, *, indexer_heads: Optional[int] = None) -> int:
+    """The most routing scratch, in bytes, one CUDA ``paged_dash_prefill`` call (and so a workspace) holds for up
+    to ``num_tokens`` new tokens of up to ``max_requests`` requests whose block tables cover up to
+    ``max_context`` tokens (page-table width times page size); never more than
+    ``dash_core.kernels.prefill.SCRATCH_BYTES`` (896 MiB). indexer_heads: the indexer's query heads when it
+    routes. Engines that size their KV cache from a profiled peak add it (the vLLM adapter does).
+    """
+    from .kernels.prefill import scratch_bound
+    return scratch_bound(num_tokens, max_requests, max_context, num_q_heads, num_kv_heads, params,
+                         route_heads=indexer_heads)
+
+
+def reserve_prefill_scratch(nbytes: int, device: torch.device) -> None:
+    """Allocate and free ``nbytes`` on a CUDA ``device`` (nothing elsewhere, nothing while a graph is captured),
+    so that a memory profile of the running step counts the prefill scratch a later step takes."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        torch.empty(nbytes, dtype=torch.uint8, device=device)
+
 
 def check_workspace(workspace: Any) -> None:
     """A ``workspace`` argument: None or a ``PrefillWorkspace`` (TypeError otherwise)."""

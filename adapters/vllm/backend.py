@@ -32,7 +32,7 @@ from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_pref
 from dash_core.model_config import AuxConfig, serving_params
 from dash_core.params import DashParams
 from dash_core.rope import PageRopeSettings
-from dash_core.workspace import PrefillWorkspace
+from dash_core.workspace import PrefillWorkspace, prefill_scratch_bytes, reserve_prefill_scratch
 from graphs.decode import DecodeGraphBuffers
 
 try:
@@ -405,9 +405,16 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
             raise ValueError(f"DASH uses softmax scale 1/sqrt(D) = {head_size ** -0.5:.6g}, got scale {scale}")
         self.scale = scale
         self.head_cls = head_cls
+        cfg = get_current_vllm_config_or_none()
         if dash_params is None:
-            dash_params = _model_params(get_current_vllm_config_or_none()) or DashParams()
+            dash_params = _model_params(cfg) or DashParams()
         self.params = dash_params
+        # The largest prefill a step can hold, for the scratch reserved while vLLM profiles memory.
+        self.max_context = self.max_requests = None
+        if cfg is not None and cfg.model_config is not None:
+            bs = dash_params.block_size
+            self.max_context = -(-cfg.model_config.max_model_len // bs) * bs
+            self.max_requests = cfg.scheduler_config.max_num_seqs
         # Counters, for logs and tests (they prove which path ran).
         self.stats = {"kv_updates": 0, "forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
 
@@ -443,6 +450,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise ValueError("DASH attention does not support fused output quantization (output_scale)")
         if attn_metadata is None:  # memory profiling and dummy runs
+            self._reserve_prefill_scratch(query)
             return output
         md = attn_metadata
         if self.aux is not None:
@@ -460,6 +468,20 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
                                out=output[start:end], workspace=md.prefill_workspace)
         self._count(start, end)
         return output
+
+    def prefill_scratch_bytes(self, num_tokens: int) -> int:
+        """The most routing scratch a prefill of ``num_tokens`` tokens takes on CUDA (0 without a vLLM config)."""
+        if self.max_context is None:
+            return 0
+        indexer = self.aux.indexer_heads if self.aux is not None and self.aux.indexer_heads else None
+        return prefill_scratch_bytes(num_tokens, self.max_requests, self.max_context, self.num_q_heads,
+                                     self.num_kv_heads, self.params, indexer_heads=indexer)
+
+    def _reserve_prefill_scratch(self, query: torch.Tensor) -> None:
+        """vLLM sizes the KV cache from the peak memory of a forward without metadata (``profile_run``, with
+        the most tokens a step schedules); DASH's prefill scratch, which each step's workspace allocates
+        later, would be missing from that peak. Allocate and free it here so that the peak counts it."""
+        reserve_prefill_scratch(self.prefill_scratch_bytes(query.shape[0]), query.device)
 
     def _count(self, start: int, end: int) -> None:
         self.stats["forwards"] += 1

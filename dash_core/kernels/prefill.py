@@ -591,15 +591,33 @@ class PrefillPlan:
         scratch holds ``max(Hq, Hi)`` score rows per token."""
         t, hq, _ = q.shape
         hkv = cache.num_kv_heads
-        qt = tile_tokens(hq, hkv, params.block_size)
-        if route_heads is not None:
-            qt = min(qt, tile_tokens(route_heads, 1, params.block_size))
         max_cand = max(1, block_table.shape[1] * cache.page_size // params.block_size)
+        qt, per_tile = _tile_geometry(hq, hkv, max_cand, params, route_heads)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
-        score_rows = hq if route_heads is None else max(hq, route_heads)
-        per_tile = PrefillScratch.bytes_per_tile(qt, score_rows, hkv, max_cand, params)
         wave = wave_tiles(nt, per_tile, hkv, q.device, scratch_bytes)
         return cls(qt, nt, wave, max_cand, tile_req, tile_off)
+
+
+def _tile_geometry(hq: int, hkv: int, max_cand: int, params: DashParams,
+                   route_heads: Optional[int] = None) -> tuple:
+    """``(QT, bytes of one tile's routing scratch)`` (``PrefillPlan.build``)."""
+    qt = tile_tokens(hq, hkv, params.block_size)
+    if route_heads is not None:
+        qt = min(qt, tile_tokens(route_heads, 1, params.block_size))
+    score_rows = hq if route_heads is None else max(hq, route_heads)
+    return qt, PrefillScratch.bytes_per_tile(qt, score_rows, hkv, max_cand, params)
+
+
+def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_heads: int, num_kv_heads: int,
+                  params: DashParams, route_heads: Optional[int] = None, scratch_bytes: Optional[int] = None) -> int:
+    """The most routing scratch (bytes) ``paged_dash_prefill_triton`` allocates for up to ``num_tokens`` new
+    tokens in up to ``max_requests`` requests, with block tables of up to ``max_context`` tokens (``max_pages *
+    page_size``): the tile tables' bound ``NT`` (``tile_tables``) tiles, or the byte budget's wave if fewer."""
+    max_cand = max(1, max_context // params.block_size)
+    qt, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_cand, params, route_heads)
+    budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
+    nt = num_tokens // qt + 2 * min(max_requests, num_tokens)
+    return min(nt, max(1, budget // per_tile)) * per_tile
 
 
 def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: Optional[int] = None) -> int:

@@ -10,6 +10,7 @@ oracle on a bounded fraction of rows. Shapes are small: the interpreter runs eve
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -21,7 +22,7 @@ from dash_core.kernels import launcher
 from dash_core.kernels import prefill as pf
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.reference import attend, block_summaries
-from dash_core.workspace import PrefillWorkspace
+from dash_core.workspace import PrefillWorkspace, prefill_scratch_bytes
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import summary_tolerance
 from tests.kernels._prefill_scenarios import (exempt, make_prefill_case, oracle_routing, oracle_rows, plan_and_scratch,
@@ -416,6 +417,39 @@ def test_extends_match_oracle_on_most_rows():
             again = prefill(case, scratch_bytes=2 * per_tile, write=False)
             assert torch.equal(again, out)
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
+
+
+def _allocated(scratch: pf.PrefillScratch) -> int:
+    """Bytes of the distinct storages a scratch's tensors view."""
+    storages = {}
+    for f in dataclasses.fields(scratch):
+        x = getattr(scratch, f.name)
+        if isinstance(x, torch.Tensor):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("hq, hkv, router, topk, budget", [
+    (8, 2, "kv_head", 2, None),  # union_prior inside the scores' storage
+    (4, 4, "kv_head", None, None),  # Hq < 2 Hkv: union_prior on its own
+    (8, 2, "shared", 3, None),
+    (8, 2, "kv_head", 2, 300_000),  # the byte budget binds: a wave of fewer tiles
+])
+def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk, budget):
+    """``scratch_bound`` (``workspace.prefill_scratch_bytes``, what the vLLM adapter reserves while vLLM profiles
+    memory) against the scratch a call allocates: equal for ``max_requests`` requests on the widest block table
+    where the budget does not bind, never below it for fewer requests or where it binds."""
+    p = DashParams(block_size=16, topk=topk, scaling_factor=1.0, router=router)
+    for reqs in ([(150, 150), (40, 7), (90, 33)], [(300, 190)]):
+        case = make_prefill_case(3, reqs, hq=hq, hkv=hkv, bs=16, params=p).to(DEV)
+        t, width = case.q.shape[0], case.block_table.shape[1] * case.cache.page_size
+        plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, budget)
+        got = _allocated(pf.PrefillScratch.allocate(plan.wave, plan.qt, hq, hkv, plan.max_cand, p, case.q.device))
+        bound = pf.scratch_bound(t, len(reqs), width, hq, hkv, p, scratch_bytes=budget)
+        assert got == bound if budget is None else got <= bound <= budget
+        assert pf.scratch_bound(t, 3, width, hq, hkv, p, scratch_bytes=budget) >= got
+        assert pf.scratch_bound(t, len(reqs), width - 16, hq, hkv, p, scratch_bytes=budget) < got or budget
+    assert prefill_scratch_bytes(t, 3, width, hq, hkv, p) == pf.scratch_bound(t, 3, width, hq, hkv, p)
 
 
 def test_workspace_shared_by_the_layers_of_a_batch():

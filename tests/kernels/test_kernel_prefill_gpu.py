@@ -26,7 +26,7 @@ from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
 from dash_core.recorder import load_batches
 from dash_core.standalone import DashKVCache, dash_attention
-from dash_core.workspace import PrefillWorkspace
+from dash_core.workspace import PrefillWorkspace, prefill_scratch_bytes, reserve_prefill_scratch
 from dash_core.reference import block_summaries, dash_rows
 from tests.kernels._kernel_scenarios import summary_tolerance
 from tests.kernels.test_kernel_decode_attention import TOL
@@ -213,7 +213,23 @@ def test_peak_scratch_under_1gb_at_128k():
     torch.cuda.synchronize()
     scratch = torch.cuda.max_memory_allocated() - base
     assert scratch < 1 << 30, f"prefill scratch {scratch / 2**20:.0f} MiB at 128k tokens"
+    # what the vLLM adapter reserves while vLLM profiles memory covers it (the allocator rounds each tensor up)
+    bound = prefill_scratch_bytes(total, 1, pr.block_table.shape[1] * 64, hq, hkv, p)
+    assert scratch <= bound + (64 << 10), f"{scratch} bytes allocated, {bound} reserved"
     assert torch.isfinite(out).all()
+
+
+@cuda_only
+def test_reserving_the_scratch_raises_the_peak_only():
+    """``reserve_prefill_scratch`` (the vLLM adapter's, while vLLM profiles memory) allocates and frees: the
+    peak grows by the bytes, the allocated memory does not."""
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    reserve_prefill_scratch(100 << 20, dev)
+    assert torch.cuda.max_memory_allocated() - base >= 100 << 20
+    assert torch.cuda.memory_allocated() == base
 
 
 @cuda_only
