@@ -14,7 +14,8 @@ scoring are the same for every tiling) for:
 - ``tile QT``: today's tiles;
 - ``tiles QT/2``, ``tiles QT/4``: smaller tiles, each loading its own union;
 - ``two tiers T``: blocks that at least ``T`` of a tile's ``QT`` tokens routed to run at the full tile,
-  the others only for the quarter tiles (``QT/4`` tokens) with a token that routed to them.
+  the others only for the quarter tiles (``QT/4`` tokens) with a token that routed to them; ``two tiers T
+  full``: the part of that work done at the full tile (the rest runs on quarter tiles, smaller MMAs).
 
 It also prints, per (token, KV head), how many candidates lie within 1 of some query head's maximum score
 (the *band*: every other score is below every threshold the entmax's Halley steps try, so a router could read
@@ -59,6 +60,7 @@ def tiling_work(kept: torch.Tensor, thresholds=THRESHOLDS) -> dict:
     for t in thresholds:
         popular = cnt >= t
         out[f"two tiers {t}"] = int(popular.sum()) * qt + int((quarters * (~popular & (cnt > 0))).sum()) * (qt // 4)
+        out[f"two tiers {t} full"] = int(popular.sum()) * qt  # of which at the full tile (the rest: quarter tiles)
     return out
 
 
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
     print(f"{n} tokens, Hq {hq}, Hkv {hkv}, bs {bs}, topk {topk}, sf {sf}, {a.samples} tiles of {qt} tokens: "
           f"executed / useful attention work")
     for key, v in total.items():
-        print(f"  {key:14s} {v / max(useful, 1):5.2f}")
+        print(f"  {key:18s} {v / max(useful, 1):5.2f}")
     print("per (token, KV head), mean over the sampled tiles' tokens")
     for key in ("candidates", "band", "support"):
         print(f"  {key:14s} {band[key] / max(band['units'], 1):7.1f}")

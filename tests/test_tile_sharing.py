@@ -24,7 +24,8 @@ def test_tiling_work_counts_block_rows(tile_sharing):
     kept[0, [0, 15], 2] = True
     w = tile_sharing.tiling_work(kept, thresholds=(2, 4))
     assert w == {"useful": 19, "tile 16": 3 * 16, "tiles 8": (2 + 1 + 2) * 8, "tiles 4": (4 + 1 + 2) * 4,
-                 "two tiers 2": 2 * 16 + 1 * 4, "two tiers 4": 1 * 16 + (1 + 2) * 4}
+                 "two tiers 2": 2 * 16 + 1 * 4, "two tiers 4": 1 * 16 + (1 + 2) * 4,
+                 "two tiers 2 full": 2 * 16, "two tiers 4 full": 1 * 16}
 
 
 def test_script_on_a_short_prompt(tile_sharing, capsys):
@@ -35,9 +36,10 @@ def test_script_on_a_short_prompt(tile_sharing, capsys):
     ratio = {ln.rsplit(None, 1)[0].strip(): float(ln.rsplit(None, 1)[1]) for ln in lines[1:cut]}
     band = {ln.split()[0]: float(ln.split()[1]) for ln in lines[cut + 1:]}
     assert 0 < band["support"] <= band["band"] <= band["candidates"]
-    assert set(ratio) == {"tile 16", "tiles 8", "tiles 4", "two tiers 2", "two tiers 4", "two tiers 6",
-                          "two tiers 8"}
-    assert all(v >= 1.0 for v in ratio.values())
+    tiers = [f"two tiers {t}" for t in (2, 4, 6, 8)]
+    assert set(ratio) == {"tile 16", "tiles 8", "tiles 4", *tiers, *(f"{k} full" for k in tiers)}
+    assert all(v >= 1.0 for k, v in ratio.items() if not k.endswith("full"))
+    assert all(0 <= ratio[f"{k} full"] <= ratio[k] for k in tiers)
     assert ratio["tiles 4"] <= ratio["tiles 8"] <= ratio["tile 16"]
 
 
