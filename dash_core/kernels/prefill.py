@@ -70,7 +70,11 @@ ROUTE_LIST_BUDGET = 1024  # elements of the [QT, entries] tiles of the ties and 
 ATTN_WARPS = 4
 ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
-UNION_CHUNK = 16  # union block ids loaded at once: the loop over them loads K/V at addresses it computes (32, 64 crashed)
+# Union block ids loaded at once: the loop over them loads K/V at addresses it computes. Tiles of one block take
+# 32 (16: 3% slower at 128k on the H200, 64: 1%); tiles of several blocks pick ids by tl.gather, which with 32
+# ids hit an illegal address on the H200 (triton 3.6; test_long_extend_on_long_history_varlen, bs 32): 16 there.
+UNION_CHUNK = 32
+UNION_CHUNK_GATHER = 16
 ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
 ATTN_TMA = 1  # union tiles of one block loaded by TMA (Hopper and later; pointer loads otherwise)
 UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
@@ -770,7 +774,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
-        UCH=max(UNION_CHUNK, block_u // bs),  # whole tiles of PER blocks
+        UCH=UNION_CHUNK if block_u <= bs and ATTN_SCALAR_BASE else max(UNION_CHUNK_GATHER, block_u // bs),
         SCALAR_BASE=bool(ATTN_SCALAR_BASE), TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]),
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
