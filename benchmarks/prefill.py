@@ -543,16 +543,16 @@ def _fmt(v, spec: str) -> str:
 
 
 def summary(records: list) -> str:
-    """Where sparse prefill (with its write, default settings: rows of ``--tune`` settings, whose variant
-    names a setting, are left out) loses to the faster dense peer, and the crossover length, per
-    (device, Hkv, topk, chunking)."""
+    """Where sparse prefill (with its write, default settings on SGLang's layout: rows of ``--tune`` settings,
+    whose variant names a setting, of a shared workspace and of another layout are left out) loses to the faster
+    dense peer, and the crossover length, per (device, Hkv, topk, chunking)."""
     ours, dense = {}, {}
     for r in records:
         if not r.get("ms"):
             continue
         where = (r["device"], r["hkv"], r.get("chunk"))
         if (r["method"] == "dash-triton" and r["includes_write"] and "=" not in r["variant"]
-                and WORKSPACE_TAG not in r["variant"]):
+                and WORKSPACE_TAG not in r["variant"] and not any(t in r["variant"] for t in LAYOUT_TAG.values())):
             o = ours.setdefault(where + (r["topk"],), {})
             o[r["context"]] = min(o.get(r["context"], float("inf")), r["ms"])
         elif r["method"].startswith("dense"):
@@ -594,6 +594,10 @@ def write_outputs(a, all_recs: list, bw: float, device: str) -> None:
         k = (f"{r['context']} tokens{'' if not r.get('chunk') else ' in chunks of ' + str(r['chunk'])}, Hkv {r['hkv']}")
         lab = (f"{r['method']}{' topk ' + str(r['topk']) if r['method'] == 'dash-triton' else ''}"
                f"{' +write' if r['includes_write'] and r['method'] == 'dash-triton' else ''}")
+        if r["method"] == "dash-triton":  # what else sets the row apart: route-only, settings, layout, workspace
+            words = r["variant"].split()
+            lab += "".join(" " + w for w in (words[1:] if words[0] == "one-shot" or words[0].startswith("chunks-")
+                                             else words))
         groups.setdefault(k, []).append((lab, r["ms"]))
     svg_bars(Path(a.svg), groups, "DASH prefill time per layer, B 1 (log scale)", "ms",
              {"dash-triton": "#1f77b4", "dense-sdpa": "#7f7f7f", "dense-flashinfer": "#2ca02c",

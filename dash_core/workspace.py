@@ -26,7 +26,8 @@ Example (what a second call with the same batch reuses)::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional, Tuple
+from dataclasses import replace
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -37,20 +38,40 @@ def prefill_scratch_bytes(num_tokens: int, max_requests: int, max_context: int, 
                           num_kv_heads: int, params: DashParams, *, indexer_heads: Optional[int] = None) -> int:
     """The most routing scratch, in bytes, one CUDA ``paged_dash_prefill`` call (and so a workspace) holds for up
     to ``num_tokens`` new tokens of up to ``max_requests`` requests whose block tables cover up to
-    ``max_context`` tokens (page-table width times page size); never more than
-    ``dash_core.kernels.prefill.SCRATCH_BYTES`` (896 MiB). indexer_heads: the indexer's query heads when it
-    routes. Engines that size their KV cache from a profiled peak add it (the vLLM adapter does).
+    ``max_context`` tokens (page-table width times page size): at most the byte budget
+    ``dash_core.kernels.prefill.SCRATCH_BYTES`` (896 MiB), or one query tile's scratch where that is larger.
+    indexer_heads: the indexer's query heads when it routes (the selection is then shared by the KV heads).
+    Engines that size their KV cache from a profiled peak add it (the vLLM adapter does).
     """
     from .kernels.prefill import scratch_bound
+    if indexer_heads:
+        params = replace(params, router="shared")
     return scratch_bound(num_tokens, max_requests, max_context, num_q_heads, num_kv_heads, params,
                          route_heads=indexer_heads)
 
 
+_RESERVED: Dict[torch.device, torch.Tensor] = {}  # the scratch a memory profile holds, per device
+
+
 def reserve_prefill_scratch(nbytes: int, device: torch.device) -> None:
-    """Allocate and free ``nbytes`` on a CUDA ``device`` (nothing elsewhere, nothing while a graph is captured),
-    so that a memory profile of the running step counts the prefill scratch a later step takes."""
-    if torch.device(device).type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """Hold ``nbytes`` on a CUDA ``device`` until ``release_prefill_scratch`` (nothing elsewhere, nothing while a
+    graph is captured; one reservation per device, the largest asked for). A memory profile of the running step
+    then counts, from the first layer on, the prefill scratch that a step's workspace holds as long."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        _hold(nbytes, device)
+
+
+def release_prefill_scratch() -> None:
+    """Free what ``reserve_prefill_scratch`` holds."""
+    _RESERVED.clear()
+
+
+def _hold(nbytes: int, device: torch.device) -> None:
+    held = _RESERVED.get(device)
+    if held is None or held.numel() < nbytes:
+        _RESERVED.pop(device, None)
+        _RESERVED[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def check_workspace(workspace: Any) -> None:

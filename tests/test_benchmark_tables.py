@@ -37,6 +37,7 @@ def test_rows_without_values_print_a_dash_and_speed_ups_use_the_faster_dense_pee
         _rec(8192, "dash-triton", "one-shot", 4.0, topk=64, write=True),
         _rec(8192, "dash-triton", "one-shot attn_stages=3", 1.5, topk=64, write=True),  # a --tune row: not the default
         _rec(8192, "dash-triton", "one-shot workspace", 1.8, topk=64, write=True),  # a later layer's call: not either
+        _rec(8192, "dash-triton", "one-shot vllm-layout", 1.7, topk=64, write=True),  # another cache layout: not either
         _rec(8192, "dash-triton", "route-only", 1.0, topk=64, peak_mb=None, kv_fraction=None, floor_ms=None,
              floor_fraction=None),
         _rec(131072, "dense-flashinfer", "one-shot", 250.0),
@@ -53,5 +54,5 @@ def test_rows_without_values_print_a_dash_and_speed_ups_use_the_faster_dense_pee
 
     summary = prefill_bench.summary(recs)
     assert "Hkv 8, topk 64, one shot: faster than the faster dense peer from 131072 tokens on" in summary
-    assert "slower at 8192 tokens" in summary  # the faster --tune and workspace rows do not count
+    assert "slower at 8192 tokens" in summary  # the faster --tune, workspace and vllm-layout rows do not count
     assert rows[("8192", "dash-triton", "one-shot workspace")][16].strip() == "1.11x"  # but have their own speed-up

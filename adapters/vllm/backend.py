@@ -32,7 +32,8 @@ from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_pref
 from dash_core.model_config import AuxConfig, serving_params
 from dash_core.params import DashParams
 from dash_core.rope import PageRopeSettings
-from dash_core.workspace import PrefillWorkspace, prefill_scratch_bytes, reserve_prefill_scratch
+from dash_core.workspace import (PrefillWorkspace, prefill_scratch_bytes, release_prefill_scratch,
+                                 reserve_prefill_scratch)
 from graphs.decode import DecodeGraphBuffers
 
 try:
@@ -57,6 +58,11 @@ def _model_params(vllm_config: Optional["VllmConfig"]) -> Optional[DashParams]:
     if vllm_config is None or vllm_config.model_config is None:
         return None
     return serving_params(vllm_config.model_config.hf_config)
+
+
+def _max_blocks(vllm_config: "VllmConfig", block_size: int) -> int:
+    """Pages of ``block_size`` tokens the longest request (``max_model_len``) takes."""
+    return -(-vllm_config.model_config.max_model_len // block_size)
 
 
 def block_size_error(vllm_block_size: int, params: DashParams) -> ValueError:
@@ -166,7 +172,7 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         if kv_cache_spec.block_size != self.params.block_size:
             raise block_size_error(kv_cache_spec.block_size, self.params)
         max_seqs = vllm_config.scheduler_config.max_num_seqs
-        self.max_blocks = -(-vllm_config.model_config.max_model_len // kv_cache_spec.block_size)
+        self.max_blocks = _max_blocks(vllm_config, kv_cache_spec.block_size)
         dtype = vllm_config.model_config.dtype
         triton_decode = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
         if not triton_decode and self.params.attention_backend != "TRITON":
@@ -413,7 +419,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         self.max_context = self.max_requests = None
         if cfg is not None and cfg.model_config is not None:
             bs = dash_params.block_size
-            self.max_context = -(-cfg.model_config.max_model_len // bs) * bs
+            self.max_context = _max_blocks(cfg, bs) * bs
             self.max_requests = cfg.scheduler_config.max_num_seqs
         # Counters, for logs and tests (they prove which path ran).
         self.stats = {"kv_updates": 0, "forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
@@ -452,6 +458,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         if attn_metadata is None:  # memory profiling and dummy runs
             self._reserve_prefill_scratch(query)
             return output
+        release_prefill_scratch()  # a step with metadata: its workspace allocates what it needs
         md = attn_metadata
         if self.aux is not None:
             return self._forward_aux(layer, query, key, value, kv_cache, md, output)
@@ -479,8 +486,9 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
 
     def _reserve_prefill_scratch(self, query: torch.Tensor) -> None:
         """vLLM sizes the KV cache from the peak memory of a forward without metadata (``profile_run``, with
-        the most tokens a step schedules); DASH's prefill scratch, which each step's workspace allocates
-        later, would be missing from that peak. Allocate and free it here so that the peak counts it."""
+        the most tokens a step schedules) and of the sampler run after it; DASH's prefill scratch, which a
+        step's workspace holds from its first prefill layer to the end of the step, would be missing from that
+        peak. Hold it from the first layer on, until the next forward with metadata (the layers share it)."""
         reserve_prefill_scratch(self.prefill_scratch_bytes(query.shape[0]), query.device)
 
     def _count(self, start: int, end: int) -> None:

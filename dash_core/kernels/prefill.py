@@ -616,12 +616,13 @@ def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_he
                   params: DashParams, route_heads: Optional[int] = None, scratch_bytes: Optional[int] = None) -> int:
     """The most routing scratch (bytes) ``paged_dash_prefill_triton`` allocates for up to ``num_tokens`` new
     tokens in up to ``max_requests`` requests, with block tables of up to ``max_context`` tokens (``max_pages *
-    page_size``): the tile tables' bound ``NT`` (``tile_tables``) tiles, or the byte budget's wave if fewer."""
+    page_size``): ``NT`` tiles (the tile tables' bound) of the widest table's scratch, or the byte budget (one
+    tile where a tile is larger) if less. ``params`` as the kernels run them (router ``shared`` with an indexer)."""
     max_cand = max(1, max_context // params.block_size)
     qt, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_cand, params, route_heads)
     budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
     nt = num_tokens // qt + 2 * min(max_requests, num_tokens)
-    return min(nt, max(1, budget // per_tile)) * per_tile
+    return min(nt * per_tile, max(budget, per_tile))
 
 
 def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: Optional[int] = None) -> int:
@@ -759,7 +760,8 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     s = scratch
     g_pad = _pow2(g)
     block_u = ATTN_KEYS if d <= 128 else min(bs, 32)
-    kv_desc = _kv_descriptors(cache, block_u) if block_u == bs and ATTN_SCALAR_BASE else None
+    one_block = block_u < 2 * bs and bool(ATTN_SCALAR_BASE)  # the kernel's ONE_BLOCK: no tl.gather of block ids
+    kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs else None
     _prefill_attn_kernel[(tiles, hkv)](
         q, q.stride(0), q.stride(1), kp, vp, kp.stride(0), kp.stride(1), kp.stride(2),
         vp.stride(0), vp.stride(1), vp.stride(2), bt, bt.stride(0),
@@ -774,7 +776,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
-        UCH=UNION_CHUNK if block_u <= bs and ATTN_SCALAR_BASE else max(UNION_CHUNK_GATHER, block_u // bs),
+        UCH=UNION_CHUNK if one_block else max(UNION_CHUNK_GATHER, block_u // bs),
         SCALAR_BASE=bool(ATTN_SCALAR_BASE), TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]),
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )

@@ -165,27 +165,33 @@ def test_the_layers_of_a_step_share_its_prefill_workspace(vllm_config, monkeypat
     assert seen[0] is seen[1] is md.prefill_workspace and seen[2] is not seen[0]
 
 
-def test_a_forward_without_metadata_reserves_the_prefill_scratch(vllm_config, monkeypatch):
+def test_a_forward_without_metadata_reserves_the_prefill_scratch(tmp_path, monkeypatch):
     """vLLM sizes the KV cache from the memory peak of a forward without metadata (``profile_run``, with the
-    most tokens a step schedules). There the impl reserves (on CUDA: allocates and frees) the most routing
-    scratch a prefill of that many tokens takes, for the scheduler's ``max_num_seqs`` requests on block tables
-    of ``max_model_len``, so that the peak counts the scratch later steps allocate."""
+    most tokens a step schedules) and of the sampler run after it. There the impl reserves (on CUDA: holds)
+    the most routing scratch a prefill of that many tokens takes, for the scheduler's ``max_num_seqs`` requests
+    on block tables of ``max_model_len`` rounded up to whole pages, until the next forward with metadata
+    releases it."""
     import adapters.vllm.backend as backend
     from dash_core.workspace import prefill_scratch_bytes
 
-    seen = []
-    monkeypatch.setattr(backend, "reserve_prefill_scratch", lambda nbytes, device: seen.append((nbytes, device)))
+    calls = []
+    monkeypatch.setattr(backend, "reserve_prefill_scratch", lambda nbytes, device: calls.append((nbytes, device)))
+    monkeypatch.setattr(backend, "release_prefill_scratch", lambda: calls.append("release"))
+    write_checkpoint(str(tmp_path), chunk_size=BS)
+    cfg = engine_config(str(tmp_path), block_size=BS, max_model_len=500, max_num_seqs=5)  # 500: 31.25 pages
     params = PARAMS["sparse-kv_head"]
-    layer, spec, _ = dash_layer(vllm_config, params, torch.randn(HKV, D))
+    layer, spec, builder = dash_layer(cfg, params, torch.randn(HKV, D))
     _, kv = allocate_kv_cache(spec, NUM_BLOCKS, "LBHNC")
-    t = vllm_config.scheduler_config.max_num_batched_tokens
+    t = cfg.scheduler_config.max_num_batched_tokens
     q = torch.randn(t, HQ, D)
     out = torch.zeros_like(q)
     layer.impl.forward(layer, q, q[:, :HKV], q[:, :HKV], kv, None, output=out)
-    want = prefill_scratch_bytes(t, vllm_config.scheduler_config.max_num_seqs,
-                                 vllm_config.model_config.max_model_len, HQ, HKV, params)
-    assert seen == [(want, q.device)] and want > prefill_scratch_bytes(t, 1, 16, HQ, HKV, params)
+    want = prefill_scratch_bytes(t, 5, 32 * BS, HQ, HKV, params)
+    assert calls == [(want, q.device)] and want != prefill_scratch_bytes(t, 5, 500, HQ, HKV, params)
     assert not out.any()
+    data, table = _requests(5), _block_tables(6)
+    _run_step(layer, builder, kv, table, data, [(0, 0, 36)])
+    assert calls[1:] == ["release"]
 
 
 def test_padded_decode_batch_uses_persistent_buffers(vllm_config):

@@ -438,18 +438,60 @@ def _allocated(scratch: pf.PrefillScratch) -> int:
 def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk, budget):
     """``scratch_bound`` (``workspace.prefill_scratch_bytes``, what the vLLM adapter reserves while vLLM profiles
     memory) against the scratch a call allocates: equal for ``max_requests`` requests on the widest block table
-    where the budget does not bind, never below it for fewer requests or where it binds."""
+    where the budget does not bind, the budget where it binds; never below a call with fewer requests or a
+    narrower table; never smaller for a wider one."""
     p = DashParams(block_size=16, topk=topk, scaling_factor=1.0, router=router)
     for reqs in ([(150, 150), (40, 7), (90, 33)], [(300, 190)]):
         case = make_prefill_case(3, reqs, hq=hq, hkv=hkv, bs=16, params=p).to(DEV)
         t, width = case.q.shape[0], case.block_table.shape[1] * case.cache.page_size
         plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, budget)
         got = _allocated(pf.PrefillScratch.allocate(plan.wave, plan.qt, hq, hkv, plan.max_cand, p, case.q.device))
-        bound = pf.scratch_bound(t, len(reqs), width, hq, hkv, p, scratch_bytes=budget)
-        assert got == bound if budget is None else got <= bound <= budget
-        assert pf.scratch_bound(t, 3, width, hq, hkv, p, scratch_bytes=budget) >= got
-        assert pf.scratch_bound(t, len(reqs), width - 16, hq, hkv, p, scratch_bytes=budget) < got or budget
+
+        def bound(requests, context):
+            return pf.scratch_bound(t, requests, context, hq, hkv, p, scratch_bytes=budget)
+
+        if budget is None:
+            assert got == bound(len(reqs), width)
+        else:  # the budget (or the one tile a wave holds at least) where it binds
+            assert got <= bound(len(reqs), width) <= max(budget, got)
+        assert got <= bound(3, width) and got <= bound(len(reqs), 2 * width)
+        for context in (width // 2, width - 16):
+            assert bound(len(reqs), context) <= bound(len(reqs), width)
+            assert bound(len(reqs), context) < got or budget is not None
     assert prefill_scratch_bytes(t, 3, width, hq, hkv, p) == pf.scratch_bound(t, 3, width, hq, hkv, p)
+
+
+def test_scratch_bound_of_an_indexer():
+    """With an indexer the kernels route with router ``shared`` over ``max(Hq, Hi)`` score rows: the bound the vLLM
+    adapter asks for (its layer's parameters, router ``kv_head``) equals what such a call allocates."""
+    p, hi = DashParams(block_size=16, topk=2, scaling_factor=1.0), 6
+    case = make_prefill_case(3, [(150, 150), (90, 33)], hq=8, hkv=2, bs=16, params=p).to(DEV)
+    t, width = case.q.shape[0], case.block_table.shape[1] * case.cache.page_size
+    shared = dataclasses.replace(p, router="shared")
+    plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, shared,
+                                route_heads=hi)
+    got = _allocated(pf.PrefillScratch.allocate(plan.wave, plan.qt, max(8, hi), 2, plan.max_cand, shared,
+                                                case.q.device))
+    assert prefill_scratch_bytes(t, 2, width, 8, 2, p, indexer_heads=hi) == got
+
+
+def test_the_profile_reservation_holds_the_largest_until_released():
+    """What ``reserve_prefill_scratch`` holds (on CUDA; the holder itself on any device): one tensor per device,
+    replaced by a larger request only, freed by ``release_prefill_scratch``; nothing held on the CPU."""
+    import dash_core.workspace as ws
+
+    cpu = torch.device("cpu")
+    ws.release_prefill_scratch()
+    ws.reserve_prefill_scratch(1 << 20, cpu)
+    assert not ws._RESERVED
+    ws._hold(1000, cpu)
+    first = ws._RESERVED[cpu]
+    ws._hold(10, cpu)
+    assert ws._RESERVED[cpu] is first and first.numel() == 1000
+    ws._hold(5000, cpu)
+    assert ws._RESERVED[cpu].numel() == 5000
+    ws.release_prefill_scratch()
+    assert not ws._RESERVED
 
 
 def test_workspace_shared_by_the_layers_of_a_batch():

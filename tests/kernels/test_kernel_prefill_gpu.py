@@ -26,7 +26,8 @@ from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
 from dash_core.recorder import load_batches
 from dash_core.standalone import DashKVCache, dash_attention
-from dash_core.workspace import PrefillWorkspace, prefill_scratch_bytes, reserve_prefill_scratch
+from dash_core.workspace import (PrefillWorkspace, prefill_scratch_bytes, release_prefill_scratch,
+                                 reserve_prefill_scratch)
 from dash_core.reference import block_summaries, dash_rows
 from tests.kernels._kernel_scenarios import summary_tolerance
 from tests.kernels.test_kernel_decode_attention import TOL
@@ -220,15 +221,16 @@ def test_peak_scratch_under_1gb_at_128k():
 
 
 @cuda_only
-def test_reserving_the_scratch_raises_the_peak_only():
-    """``reserve_prefill_scratch`` (the vLLM adapter's, while vLLM profiles memory) allocates and frees: the
-    peak grows by the bytes, the allocated memory does not."""
-    dev = torch.device("cuda")
+def test_reserving_the_scratch_holds_it_until_released():
+    """``reserve_prefill_scratch`` (the vLLM adapter's, while vLLM profiles memory) holds the bytes until
+    ``release_prefill_scratch``: the allocated memory grows by them, then returns to where it was."""
+    dev = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     reserve_prefill_scratch(100 << 20, dev)
-    assert torch.cuda.max_memory_allocated() - base >= 100 << 20
+    reserve_prefill_scratch(10 << 20, dev)  # a smaller request keeps the larger reservation
+    assert torch.cuda.memory_allocated() - base >= 100 << 20
+    release_prefill_scratch()
     assert torch.cuda.memory_allocated() == base
 
 
