@@ -691,12 +691,13 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     g = hq // hkv
     shared = params.router == "shared"
     s, summ, bt = scratch, cache.summaries, block_table
+    sq, ssum, ssc, smp, ssel = q.stride(), summ.stride(), s.scores.stride(), s.mp.stride(), s.sel_idx.stride()
     _prefill_route_kernel[(tiles, 1 if shared else hkv)](
-        q, q.stride(0), q.stride(1), summ, summ.stride(0), summ.stride(1), bt, bt.stride(0),
+        q, sq[0], sq[1], summ, ssum[0], ssum[1], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.scores, s.scores.stride(0), s.scores.stride(1), s.mp, s.mp.stride(0), s.mp.stride(1),
+        t, s.scores, ssc[0], ssc[1], s.mp, smp[0], smp[1],
         s.mp_cand,
-        s.sel_idx, s.sel_blk, s.sel_bias, s.sel_idx.stride(0), s.sel_idx.stride(1), s.sel_idx.shape[2],
+        s.sel_idx, s.sel_blk, s.sel_bias, ssel[0], ssel[1], s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
         1.0 / params.sigma, PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
@@ -762,15 +763,14 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     block_u = ATTN_KEYS if d <= 128 else min(bs, 32)
     one_block = block_u < 2 * bs and bool(ATTN_SCALAR_BASE)  # the kernel's ONE_BLOCK: no tl.gather of block ids
     kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs else None
+    sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()
+    spr, sub, sbi, so = s.union_prior.stride(), s.union_blk.stride(), s.union_bias.stride(), out.stride()
     _prefill_attn_kernel[(tiles, hkv)](
-        q, q.stride(0), q.stride(1), kp, vp, kp.stride(0), kp.stride(1), kp.stride(2),
-        vp.stride(0), vp.stride(1), vp.stride(2), bt, bt.stride(0),
+        q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.sel_idx, s.sel_bias, s.sel_idx.stride(0), 0 if shared else s.sel_idx.stride(1),
-        s.sel_count, s.sel_count.stride(0), 0 if shared else s.sel_count.stride(1),
-        s.union_prior, s.union_prior.stride(0), s.union_prior.stride(1),
-        s.union_blk, s.union_blk.stride(0), s.union_blk.stride(1), s.union_bias, s.union_bias.stride(0),
-        s.union_bias.stride(1), s.union_bias.stride(2), out, out.stride(0), out.stride(1), LOG2E_HOST / math.sqrt(d), g,
+        t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1], s.sel_count, scnt[0], 0 if shared else scnt[1],
+        s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_bias, sbi[0], sbi[1], sbi[2],
+        out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g,
         *(kv_desc[:2] if kv_desc is not None else (kp, vp)),
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
