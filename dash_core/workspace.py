@@ -26,7 +26,6 @@ Example (what a second call with the same batch reuses)::
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
@@ -43,9 +42,10 @@ def prefill_scratch_bytes(num_tokens: int, max_requests: int, max_context: int, 
     indexer_heads: the indexer's query heads when it routes (the selection is then shared by the KV heads).
     Engines that size their KV cache from a profiled peak add it (the vLLM adapter does).
     """
+    from .kernels.launcher import indexer_routing
     from .kernels.prefill import scratch_bound
     if indexer_heads:
-        params = replace(params, router="shared")
+        params = indexer_routing(params)
     return scratch_bound(num_tokens, max_requests, max_context, num_q_heads, num_kv_heads, params,
                          route_heads=indexer_heads)
 

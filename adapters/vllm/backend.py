@@ -95,6 +95,11 @@ class AuxHead:
         return -(-(self.num_q_heads + self.indexer_heads) // g) * g
 
 
+def _indexer_heads(aux: Optional[AuxHead]) -> Optional[int]:
+    """The indexer's query heads of a layer's auxiliary head, None without an indexer."""
+    return aux.indexer_heads or None if aux is not None else None
+
+
 class StepRoles:
     """The page-mode roles ``[T]`` int64 of the step's tokens (0 text, 1 page start, 2 page token),
     set by the model's ``forward`` from the input ids before its layers run and read by the DASH
@@ -190,7 +195,7 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
             max_seqs, self.max_blocks, num_heads, num_kv_heads, kv_cache_spec.head_size, kv_cache_spec.block_size,
             self.params, dtype, device, io=False, kernel=triton_decode,
             positions=self.aux is not None and self.aux.page_rope is not None,
-            indexer_heads=self.aux.indexer_heads or None if self.aux is not None else None)
+            indexer_heads=_indexer_heads(self.aux))
 
     def build(self, common_prefix_len: int, common_attn_metadata: "CommonAttentionMetadata",
               fast_build: bool = False) -> DashAttentionMetadata:
@@ -480,9 +485,8 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         """The most routing scratch a prefill of ``num_tokens`` tokens takes on CUDA (0 without a vLLM config)."""
         if self.max_context is None:
             return 0
-        indexer = self.aux.indexer_heads if self.aux is not None and self.aux.indexer_heads else None
         return prefill_scratch_bytes(num_tokens, self.max_requests, self.max_context, self.num_q_heads,
-                                     self.num_kv_heads, self.params, indexer_heads=indexer)
+                                     self.num_kv_heads, self.params, indexer_heads=_indexer_heads(self.aux))
 
     def _reserve_prefill_scratch(self, query: torch.Tensor) -> None:
         """vLLM sizes the KV cache from the peak memory of a forward without metadata (``profile_run``, with

@@ -101,6 +101,11 @@ def check_indexer_query(q: torch.Tensor, iq: Optional[torch.Tensor], k: Optional
     if k is not None:
         raise ValueError("with an indexer pass k = v = slot_mapping = None to the Triton launch: the op writes "
                          "K/V, the auxiliary rows and the indexer summaries first")
+    return indexer_routing(params)
+
+
+def indexer_routing(params: DashParams) -> DashParams:
+    """The routing parameters where an indexer routes: router ``shared`` (SPEC.md section 9)."""
     return replace(params, router="shared")
 
 

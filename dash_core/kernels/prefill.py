@@ -595,21 +595,23 @@ class PrefillPlan:
         scratch holds ``max(Hq, Hi)`` score rows per token."""
         t, hq, _ = q.shape
         hkv = cache.num_kv_heads
-        max_cand = max(1, block_table.shape[1] * cache.page_size // params.block_size)
-        qt, per_tile = _tile_geometry(hq, hkv, max_cand, params, route_heads)
+        qt, max_cand, per_tile = _tile_geometry(hq, hkv, block_table.shape[1] * cache.page_size, params,
+                                                route_heads)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
         wave = wave_tiles(nt, per_tile, hkv, q.device, scratch_bytes)
         return cls(qt, nt, wave, max_cand, tile_req, tile_off)
 
 
-def _tile_geometry(hq: int, hkv: int, max_cand: int, params: DashParams,
+def _tile_geometry(hq: int, hkv: int, table_tokens: int, params: DashParams,
                    route_heads: Optional[int] = None) -> tuple:
-    """``(QT, bytes of one tile's routing scratch)`` (``PrefillPlan.build``)."""
+    """``(QT, candidates per token at most, bytes of one tile's routing scratch)`` for block tables of
+    ``table_tokens`` tokens (``PrefillPlan.build``)."""
+    max_cand = max(1, table_tokens // params.block_size)
     qt = tile_tokens(hq, hkv, params.block_size)
     if route_heads is not None:
         qt = min(qt, tile_tokens(route_heads, 1, params.block_size))
     score_rows = hq if route_heads is None else max(hq, route_heads)
-    return qt, PrefillScratch.bytes_per_tile(qt, score_rows, hkv, max_cand, params)
+    return qt, max_cand, PrefillScratch.bytes_per_tile(qt, score_rows, hkv, max_cand, params)
 
 
 def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_heads: int, num_kv_heads: int,
@@ -618,8 +620,7 @@ def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_he
     tokens in up to ``max_requests`` requests, with block tables of up to ``max_context`` tokens (``max_pages *
     page_size``): ``NT`` tiles (the tile tables' bound) of the widest table's scratch, or the byte budget (one
     tile where a tile is larger) if less. ``params`` as the kernels run them (router ``shared`` with an indexer)."""
-    max_cand = max(1, max_context // params.block_size)
-    qt, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_cand, params, route_heads)
+    qt, _, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, route_heads)
     budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
     nt = num_tokens // qt + 2 * min(max_requests, num_tokens)
     return min(nt * per_tile, max(budget, per_tile))

@@ -603,9 +603,7 @@ def test_scratch_bytes_are_the_allocation(hq, hkv, router):
     p = DashParams(block_size=16, topk=4, router=router)
     qt, tiles, max_cand = 4, 3, 10
     s = pf.PrefillScratch.allocate(tiles, qt, hq, hkv, max_cand, p, "cpu")
-    storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes()
-                for x in vars(s).values() if isinstance(x, torch.Tensor)}
-    assert sum(storages.values()) == tiles * pf.PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, p)
+    assert _allocated(s) == tiles * pf.PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, p)
     assert s.union_bias.untyped_storage().data_ptr() == s.scores.untyped_storage().data_ptr()
     lo = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (s.union_bias, s.union_prior))
     assert lo[0][1] <= lo[1][0]
