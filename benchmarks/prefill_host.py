@@ -37,7 +37,7 @@ from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
 from dash_core.workspace import PrefillWorkspace  # noqa: E402
 
 KERNELS = ((pf, "_tile_tables_kernel"), (pf, "_prefill_route_kernel"), (pf, "_prefill_attn_kernel"),
-           (pf, "_zero_tail_kernel"), (kv_write, "_kv_write_kernel"))
+           (pf, "_zero_tail_kernel"), (kv_write, "_kv_rows_kernel"))
 
 
 @dataclass

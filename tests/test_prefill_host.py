@@ -23,7 +23,7 @@ def test_launches_of_one_wave(prefill_host):
     base = {"_tile_tables_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1, "_zero_tail_kernel": 1}
     assert prefill_host.host_counts(prefill_host.make_call(2048, write=False)).launches == base
     counts = prefill_host.host_counts(prefill_host.make_call(2048, write=True))
-    assert counts.launches == dict(base, _kv_write_kernel=2)
+    assert counts.launches == dict(base, _kv_rows_kernel=2)
     assert counts.allocations >= 1
 
 

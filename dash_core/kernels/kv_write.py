@@ -6,7 +6,8 @@ that completes it (``slot % bs == bs - 1``); its other keys are read back from t
 - Decode (one new token per request): one launch does both, the completing key is taken from
   the input (``OWN_ROW``), the others were written by earlier steps.
 - Prefill (several tokens of a block may arrive in one batch): a write launch, then a summary
-  launch that reads every key of the block from the cache.
+  launch that reads every key of the block from the cache. Each program of either takes ``ROWS``
+  tokens of one KV head (a program per token and head left most of a launch to starting programs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import triton
 import triton.language as tl
 
 from ..layout import PagedKVCache
+
+ROWS = 64  # tokens of one KV head per program of the prefill write and summary launches
 
 
 @triton.jit
@@ -49,18 +52,34 @@ def write_token(
             tl.store(vc_ptr + page * svc_p + row * svc_r + h * svc_h + offs_d, v_new.to(vc_ptr.dtype.element_ty))
         if SUMMARIZE:
             if slot % BS == BS - 1:
-                offs_t = tl.arange(0, BS)
-                row0 = row - (BS - 1)
-                kb = tl.load(kc_ptr + page * skc_p + (row0 + offs_t)[:, None] * skc_r + h * skc_h
-                             + offs_d[None, :]).to(tl.float32)
                 if OWN_ROW:
-                    kb = tl.where(offs_t[:, None] == BS - 1, k_new.to(tl.float32)[None, :], kb)
-                hc = tl.load(hc_ptr + h * shc_h + offs_d).to(tl.float32)
-                logits = tl.sum(kb * hc[None, :], axis=1) * scale
-                w = tl.exp(logits - tl.max(logits, axis=0))
-                w = w / tl.sum(w, axis=0)
-                s = tl.sum(w[:, None] * kb, axis=0)
-                tl.store(summ_ptr + (slot // BS) * ss_b + h * ss_h + offs_d, s.to(summ_ptr.dtype.element_ty))
+                    summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale,
+                                    k_new, D=D, BS=BS, PS=PS, OWN_ROW=True)
+                else:
+                    summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale,
+                                    None, D=D, BS=BS, PS=PS, OWN_ROW=False)
+
+
+@triton.jit
+def summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale, k_last,
+                    D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, OWN_ROW: tl.constexpr):
+    """Summarise KV head h of the block whose last slot is ``slot``: its keys ``[BS, D]`` from the cache
+    (the last one ``k_last [D]`` when OWN_ROW), ``softmax(K head_cls / sqrt(D))`` in fp32, the weighted key
+    sum stored at ``summaries[slot // BS, h]`` in the store's dtype."""
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BS)
+    page = slot // PS
+    row0 = slot % PS - (BS - 1)
+    kb = tl.load(kc_ptr + page * skc_p + (row0 + offs_t)[:, None] * skc_r + h * skc_h
+                 + offs_d[None, :]).to(tl.float32)
+    if OWN_ROW:
+        kb = tl.where(offs_t[:, None] == BS - 1, k_last.to(tl.float32)[None, :], kb)
+    hc = tl.load(hc_ptr + h * shc_h + offs_d).to(tl.float32)
+    logits = tl.sum(kb * hc[None, :], axis=1) * scale
+    w = tl.exp(logits - tl.max(logits, axis=0))
+    w = w / tl.sum(w, axis=0)
+    s = tl.sum(w[:, None] * kb, axis=0)
+    tl.store(summ_ptr + (slot // BS) * ss_b + h * ss_h + offs_d, s.to(summ_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -77,6 +96,42 @@ def _kv_write_kernel(
                 kc_ptr, vc_ptr, skc_p, skc_r, skc_h, svc_p, svc_r, svc_h,
                 summ_ptr, ss_b, ss_h, hc_ptr, shc_h, slot_ptr, num_slots, scale,
                 D=D, BS=BS, PS=PS, WRITE=WRITE, SUMMARIZE=SUMMARIZE, OWN_ROW=OWN_ROW)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _kv_rows_kernel(
+    k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
+    kc_ptr, vc_ptr, skc_p, skc_r, skc_h, svc_p, svc_r, svc_h,
+    summ_ptr, ss_b, ss_h, hc_ptr, shc_h,
+    slot_ptr, num_slots, scale, num_tokens,
+    D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, ROWS: tl.constexpr,
+    WRITE: tl.constexpr, SUMMARIZE: tl.constexpr,
+):
+    """Grid ``(cdiv(T, ROWS), Hkv)``: program (i, h) takes tokens ``i * ROWS ..`` of KV head h. WRITE stores
+    their K/V rows at their slots (skipped when < 0 or out of range); SUMMARIZE (a later launch: it reads
+    keys other programs wrote) summarises the block of each token whose slot is the last of its block."""
+    h = tl.program_id(1)
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    slot = tl.load(slot_ptr + offs_r, mask=offs_r < num_tokens, other=-1).to(tl.int64)
+    ok = (slot >= 0) & (slot < num_slots)
+    if WRITE:
+        offs_d = tl.arange(0, D)
+        t64 = offs_r.to(tl.int64)[:, None]
+        dst = (slot // PS)[:, None]
+        row = (slot % PS)[:, None]
+        k = tl.load(k_ptr + t64 * sk_t + h * sk_h + offs_d[None, :], mask=ok[:, None])
+        v = tl.load(v_ptr + t64 * sv_t + h * sv_h + offs_d[None, :], mask=ok[:, None])
+        tl.store(kc_ptr + dst * skc_p + row * skc_r + h * skc_h + offs_d[None, :], k.to(kc_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+        tl.store(vc_ptr + dst * svc_p + row * svc_r + h * svc_h + offs_d[None, :], v.to(vc_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+    if SUMMARIZE:
+        last = ok & (slot % BS == BS - 1)
+        rank = tl.cumsum(last.to(tl.int32), axis=0) - 1
+        for j in range(tl.sum(last.to(tl.int32), axis=0)):  # the j-th token of this program that ends a block
+            s_j = tl.max(tl.where(last & (rank == j), slot, -1), axis=0)
+            summarize_block(s_j, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale, None,
+                            D=D, BS=BS, PS=PS, OWN_ROW=False)
 
 
 def write_args(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
@@ -102,29 +157,32 @@ def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     """Write ``k, v [T, Hkv, D]`` at ``slot_mapping [T]`` (int64, < 0 = skipped) and summarise every
     block whose last slot is written (when the cache has a summary store).
 
-    decode=True: one launch; each token's block holds no other token of this batch (one new token
-    per request). decode=False: a write launch, then a summary launch (prefill, any batch).
+    decode=True: one launch, a program per token and KV head; each token's block holds no other token of
+    this batch (one new token per request). decode=False: a write launch, then a summary launch, of
+    ``ROWS`` tokens a program (prefill, any batch). ``k, v`` None: the summaries only.
     Arguments are assumed validated (``dash_core.kernels.launcher``); nothing is synchronised.
     """
     t = slot_mapping.shape[0]
-    if t == 0:
+    if t == 0 or (k is None and cache.summaries is None):
         return
     d = cache.head_dim
     summarize = cache.summaries is not None
     args = write_args(k, v, cache, slot_mapping, head_cls)
     num_warps = 16 if block_size * d >= 32768 else (8 if block_size * d >= 8192 else 4)  # [bs, D] fp32 tile
 
-    def launch(write: bool, summ_on: bool, own_row: bool) -> None:
-        _kv_write_kernel[(t, cache.num_kv_heads)](
-            *args, D=d, BS=block_size, PS=cache.page_size, WRITE=write, SUMMARIZE=summ_on, OWN_ROW=own_row,
-            num_warps=num_warps,
+    def rows(write: bool, summ_on: bool, warps: int) -> None:
+        _kv_rows_kernel[(triton.cdiv(t, ROWS), cache.num_kv_heads)](
+            *args, t, D=d, BS=block_size, PS=cache.page_size, ROWS=ROWS, WRITE=write, SUMMARIZE=summ_on,
+            num_warps=warps,
         )
 
-    if k is None:  # K/V already written: summaries only
-        if summarize:
-            launch(False, True, False)
-    elif decode or not summarize:
-        launch(True, summarize, summarize)
-    else:
-        launch(True, False, False)
-        launch(False, True, False)
+    if decode:
+        _kv_write_kernel[(t, cache.num_kv_heads)](
+            *args, D=d, BS=block_size, PS=cache.page_size, WRITE=k is not None, SUMMARIZE=summarize,
+            OWN_ROW=summarize and k is not None, num_warps=num_warps,
+        )
+        return
+    if k is not None:
+        rows(True, False, max(4, ROWS * d // 2048))  # [ROWS, D] K and V tiles
+    if summarize:  # after the write: a block's keys may come from several programs
+        rows(False, True, num_warps)

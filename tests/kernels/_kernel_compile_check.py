@@ -35,7 +35,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
 DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 KERNELS = {  # module, attribute
-    "_kv_write_kernel": kv_write, "_decode_scores_kernel": routing, "_decode_select_kernel": routing,
+    "_kv_write_kernel": kv_write, "_kv_rows_kernel": kv_write, "_decode_scores_kernel": routing,
+    "_decode_select_kernel": routing,
     "_decode_attn_split_kernel": decode_attention, "_merge_kernel": decode_attention,
 }
 

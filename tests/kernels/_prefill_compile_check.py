@@ -1,8 +1,8 @@
 """Compile every prefill kernel launch for sm_90 (H200) on a machine without a GPU.
 
 The prefill counterpart of ``_kernel_compile_check`` (whose recorder and compiler it reuses): records
-the launches ``paged_dash_prefill_triton`` makes for a set of supported configurations (kernels
-replaced by recorders, K/V already written so nothing else runs), compiles each distinct one for
+the launches ``paged_dash_prefill_triton`` (K/V already written) and the prefill K/V write make for a set
+of supported configurations (kernels replaced by recorders), compiles each distinct one for
 ``cuda:90`` and prints one JSON line per variant (shared memory, ptxas registers and spills).
 Run without ``TRITON_INTERPRET``:
 
@@ -16,12 +16,12 @@ import sys
 import torch
 
 from dash_core import DashParams
-from dash_core.kernels import prefill as pf
+from dash_core.kernels import kv_write, prefill as pf
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
 PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf,
-                   "_tile_tables_kernel": pf}
+                   "_tile_tables_kernel": pf, "_kv_rows_kernel": kv_write}
 kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 
 CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
@@ -67,6 +67,9 @@ def record_launches() -> dict:
                 iq = torch.zeros(t, hi, d, dtype=dtype) if hi else None
                 pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, scratch_bytes=1 << 24,
                                              iq=iq)
+                if not hi:  # cache_dash_prefill's write and summary launches
+                    kv = torch.zeros(t, hkv, d, dtype=dtype)
+                    kv_write.write_kv_and_summaries(kv, kv, cache, torch.arange(t), hc, bs, decode=False)
     finally:
         pf._tma_supported = tma_supported
         for name, mod in PREFILL_KERNELS.items():
