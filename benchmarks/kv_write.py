@@ -4,7 +4,7 @@
 summarises every block it completes, each launch taking ``kv_write.ROWS`` tokens of one KV head a
 program. The peer row launches the decode kernel the same two ways (write, then summaries) with one
 program per token and KV head, as the prefill write did before. Pages are shuffled; times are medians
-of CUDA-event-timed calls after warm-up; the floor is the bytes moved (K/V read and written, each
+of CUDA-event-timed calls after warm-up (``decode.time_calls``: calls issued back to back); the floor is the bytes moved (K/V read and written, each
 completed block's keys read, the summaries written) over the measured copy bandwidth.
 
     python benchmarks/kv_write.py --tokens 2048,8192,131072
@@ -20,6 +20,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from decode import copy_bandwidth, time_calls  # noqa: E402
 
 from dash_core.kernels import kv_write  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
@@ -28,32 +31,11 @@ from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
 def per_token(k, v, cache, slot_mapping, head_cls, bs) -> None:
     """The write as one program per (token, KV head): a write launch, then a summary launch."""
     args = kv_write.write_args(k, v, cache, slot_mapping, head_cls)
-    warps = 16 if bs * cache.head_dim >= 32768 else (8 if bs * cache.head_dim >= 8192 else 4)
+    warps = kv_write.summary_warps(bs, cache.head_dim)
     for write, summ in ((True, False), (False, True)):
         kv_write._kv_write_kernel[(slot_mapping.shape[0], cache.num_kv_heads)](
             *args, D=cache.head_dim, BS=bs, PS=cache.page_size, WRITE=write, SUMMARIZE=summ, OWN_ROW=False,
             num_warps=warps)
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes per second of a 1 GiB device copy (read + write)."""
-    x = torch.empty(1 << 29, dtype=torch.int16, device=device)
-    y = torch.empty_like(x)
-    return 2 * x.numel() * 2 / (timed(lambda: y.copy_(x), 10) * 1e-3)
 
 
 def main(argv=None) -> int:
@@ -87,7 +69,7 @@ def main(argv=None) -> int:
         for name, fn in (("rows (ROWS tokens a program)", lambda: kv_write.write_kv_and_summaries(
                              k, v, cache, slots, head_cls, bs, decode=False)),
                          ("one program per token", lambda: per_token(k, v, cache, slots, head_cls, bs))):
-            us = timed(fn, a.iters) * 1e3
+            us = time_calls([fn], a.iters, 3, True) * 1e3
             print(f"| {t} | {name} | {us:.1f} | {floor_us:.1f} | {floor_us / us:.0%} |")
     return 0
 

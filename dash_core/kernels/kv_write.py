@@ -151,6 +151,11 @@ def write_args(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: Page
             slot_mapping, cache.num_slots, 1.0 / math.sqrt(cache.head_dim))
 
 
+def summary_warps(block_size: int, head_dim: int) -> int:
+    """Warps of a program that summarises blocks (its ``[block_size, D]`` fp32 key tile)."""
+    return 16 if block_size * head_dim >= 32768 else (8 if block_size * head_dim >= 8192 else 4)
+
+
 def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
                            slot_mapping: torch.Tensor, head_cls: Optional[torch.Tensor], block_size: int,
                            *, decode: bool) -> None:
@@ -168,7 +173,7 @@ def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     d = cache.head_dim
     summarize = cache.summaries is not None
     args = write_args(k, v, cache, slot_mapping, head_cls)
-    num_warps = 16 if block_size * d >= 32768 else (8 if block_size * d >= 8192 else 4)  # [bs, D] fp32 tile
+    num_warps = summary_warps(block_size, d)
 
     def rows(write: bool, summ_on: bool, warps: int) -> None:
         _kv_rows_kernel[(triton.cdiv(t, ROWS), cache.num_kv_heads)](
