@@ -136,7 +136,8 @@ def _kv_rows_kernel(
 
 def write_args(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
                slot_mapping: torch.Tensor, head_cls: Optional[torch.Tensor]) -> tuple:
-    """The runtime arguments of ``write_token`` after ``(t, h)`` (placeholders where absent)."""
+    """The runtime arguments of ``write_token`` after ``(t, h)``, and of ``_kv_rows_kernel`` before ``num_tokens``
+    (placeholders where absent)."""
     kc, vc = cache.k_pages, cache.v_pages
     summarize = cache.summaries is not None
     summ = cache.summaries if summarize else kc  # placeholder pointer, never dereferenced

@@ -82,3 +82,41 @@ def test_prefill_write_and_summaries(seed, ntok, bs, ppb, layout, d, dtype, pad)
         s = block_summaries(by_pos[: nblk * bs].permute(1, 0, 2), head_cls, bs)  # [Hkv, nblk, D]
         expect[slots[: nblk * bs: bs] // bs] = s.permute(1, 0, 2)
     torch.testing.assert_close(cache.summaries.cpu().double(), expect, **summary_tolerance(dtype))
+
+
+def test_row_programs_write_as_one_program_per_token():
+    """The prefill write's row programs (``ROWS`` tokens of a head each) against the decode kernel launched once
+    per token and head, write then summaries (the prefill write before them), bit for bit: prompts in order on
+    shuffled pages that end just before, on and after a program's last token (bs 16: four blocks end in each
+    program), a padding slot and one past the cache; then the summaries alone (``k, v`` None) again."""
+    from dash_core.kernels import kv_write
+
+    hkv, d, bs, dtype = 2, 64, 16, torch.bfloat16
+    for t in (kv_write.ROWS - 1, kv_write.ROWS, kv_write.ROWS + 1, 2 * kv_write.ROWS + 1):
+        g = torch.Generator().manual_seed(t)
+        npages = -(-t // bs) + 1
+        pos = torch.arange(t)
+        slots = torch.randperm(npages, generator=g)[pos // bs] * bs + pos % bs
+        slots[kv_write.ROWS - 2] = -1
+        slots[kv_write.ROWS // 2] = npages * bs + 5  # past the cache: skipped
+        k, v = (torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV) for _ in range(2))
+        head_cls = torch.randn(hkv, d, generator=g).to(dtype).to(DEV)
+
+        def cache():
+            kb = torch.zeros(npages * bs, hkv, d, dtype=dtype, device=DEV)
+            return PagedKVCache.from_sglang(kb, torch.zeros_like(kb), bs, alloc_summaries(npages * bs, bs, hkv, d,
+                                                                                            dtype, DEV))
+
+        rows, per_token = cache(), cache()
+        sm = slots.to(DEV)
+        write_kv_and_summaries(k, v, rows, sm, head_cls, bs, decode=False)
+        args = kv_write.write_args(k, v, per_token, sm, head_cls)
+        for write, summ in ((True, False), (False, True)):
+            kv_write._kv_write_kernel[(t, hkv)](*args, D=d, BS=bs, PS=bs, WRITE=write, SUMMARIZE=summ,
+                                                OWN_ROW=False, num_warps=kv_write.summary_warps(bs, d))
+        assert torch.equal(rows.k_pages, per_token.k_pages) and torch.equal(rows.v_pages, per_token.v_pages)
+        assert torch.equal(rows.summaries, per_token.summaries)
+        assert int((per_token.summaries.abs().sum((1, 2)) > 0).sum()) >= t // bs - 2  # blocks were summarised
+        rows.summaries.zero_()
+        write_kv_and_summaries(None, None, rows, sm, head_cls, bs, decode=False)
+        assert torch.equal(rows.summaries, per_token.summaries)

@@ -97,13 +97,15 @@ def test_summaries_identical_whichever_path(chunks):
     assert torch.equal(by_prefill.cpu()[untouched], summ0.cpu()[untouched])
 
 
-def test_summaries_identical_prefill_and_decode_op():
+@pytest.mark.parametrize("bs,d", [(16, 64), (64, 128)])
+def test_summaries_identical_prefill_and_decode_op(bs, d):
     """The decode op writes a step's K/V and the summary its token completes inside its score launch:
     a prompt decoded token by token through ``paged_dash_decode_triton`` leaves the same summaries,
-    bit for bit, as the prefill write of the whole prompt."""
-    total, bs = 32, 16
+    bit for bit, as the prefill write of the whole prompt; also at the benchmarks' block size and head size,
+    where the prefill's summary launch runs more warps than the decode score launch."""
+    total = 2 * bs if bs < 64 else bs
     p = DashParams(block_size=bs, scaling_factor=2.0)
-    case = make_prefill_case(6, [(total, total)], bs=bs, hq=4, hkv=2, d=64, params=p).to(DEV)
+    case = make_prefill_case(6, [(total, total)], bs=bs, hq=4, hkv=2, d=d, params=p).to(DEV)
     wipe_new_tokens(case)
     summ0 = case.cache.summaries.clone()
     launcher.cache_dash_prefill_triton(case.k, case.v, case.cache, case.slot_mapping, p, case.head_cls)
