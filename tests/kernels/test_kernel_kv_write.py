@@ -7,6 +7,7 @@ import os
 import torch
 from hypothesis import given, settings, strategies as st
 
+from tests._benchmarks import import_benchmark
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
@@ -86,7 +87,8 @@ def test_prefill_write_and_summaries(seed, ntok, bs, ppb, layout, d, dtype, pad)
 
 def test_row_programs_write_as_one_program_per_token():
     """The prefill write's row programs (``ROWS`` tokens of a head each) against the decode kernel launched once
-    per token and head, write then summaries (the prefill write before them), bit for bit: prompts in order on
+    per token and head, write then summaries (the prefill write before them; ``benchmarks/kv_write.py``'s
+    peer), bit for bit: prompts in order on
     shuffled pages that end just before, on and after a program's last token (bs 16: four blocks end in each
     program), a padding slot and one past the cache; then the summaries alone (``k, v`` None) again."""
     from dash_core.kernels import kv_write
@@ -110,10 +112,7 @@ def test_row_programs_write_as_one_program_per_token():
         rows, per_token = cache(), cache()
         sm = slots.to(DEV)
         write_kv_and_summaries(k, v, rows, sm, head_cls, bs, decode=False)
-        args = kv_write.write_args(k, v, per_token, sm, head_cls)
-        for write, summ in ((True, False), (False, True)):
-            kv_write._kv_write_kernel[(t, hkv)](*args, D=d, BS=bs, PS=bs, WRITE=write, SUMMARIZE=summ,
-                                                OWN_ROW=False, num_warps=kv_write.summary_warps(bs, d))
+        import_benchmark("kv_write").per_token(k, v, per_token, sm, head_cls, bs)  # the benchmark's peer
         assert torch.equal(rows.k_pages, per_token.k_pages) and torch.equal(rows.v_pages, per_token.v_pages)
         assert torch.equal(rows.summaries, per_token.summaries)
         assert int((per_token.summaries.abs().sum((1, 2)) > 0).sum()) >= t // bs - 2  # blocks were summarised
