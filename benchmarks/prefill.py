@@ -146,10 +146,11 @@ def dash_fn(pr: Prompt, params, write: bool, chunk, out, workspace: bool = False
 
 
 def route_only_fn(pr: Prompt, params):
-    """The op's routing waves alone (plan, scratch and every route launch, no attention, no write)."""
+    """The op's routing waves alone (plan, scratch, the summary copy and every route launch, no attention, no
+    write)."""
     def run():
-        plan = pf.PrefillPlan.build(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params)
-        scratch = pf.PrefillScratch.allocate(plan.wave, plan.qt, pr.hq, pr.hkv, plan.max_cand, params, pr.q.device)
+        plan, scratch = pf.plan_and_scratch(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params)
+        pf.gather_summaries(pr.cache, pr.block_table, pr.seq, params, scratch)
         for tile0 in range(0, plan.num_tiles, plan.wave):
             pf.route_wave(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params, plan, scratch, tile0,
                           min(plan.wave, plan.num_tiles - tile0))
@@ -161,8 +162,8 @@ def selection_stats(pr: Prompt, params) -> dict:
     union per (tile, unit) a tile loads, and the useful / executed attention work."""
     q, cache, bt = pr.q, pr.cache, pr.block_table
     bs, lb = params.block_size, params.local_blocks
-    plan = pf.PrefillPlan.build(q, cache, bt, pr.cu, pr.seq, params)
-    scratch = pf.PrefillScratch.allocate(plan.wave, plan.qt, pr.hq, pr.hkv, plan.max_cand, params, q.device)
+    plan, scratch = pf.plan_and_scratch(q, cache, bt, pr.cu, pr.seq, params)
+    pf.gather_summaries(cache, bt, pr.seq, params, scratch)
     hsel = scratch.sel_count.shape[1]
     routed = union = 0
     for tile0 in range(0, plan.num_tiles, plan.wave):

@@ -36,8 +36,8 @@ from dash_core.kernels import prefill as pf  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
 from dash_core.workspace import PrefillWorkspace  # noqa: E402
 
-KERNELS = ((pf, "_tile_tables_kernel"), (pf, "_prefill_route_kernel"), (pf, "_prefill_attn_kernel"),
-           (pf, "_zero_tail_kernel"), (kv_write, "_kv_rows_kernel"))
+KERNELS = ((pf, "_tile_tables_kernel"), (pf, "_gather_summaries_kernel"), (pf, "_prefill_route_kernel"),
+           (pf, "_prefill_attn_kernel"), (pf, "_zero_tail_kernel"), (kv_write, "_kv_rows_kernel"))
 
 
 @dataclass

@@ -84,6 +84,41 @@ def _union_triton(q_ptr, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
     tl.store(o_ptr + (unit * ROWS + rows)[:, None].to(tl.int64) * D + offs_d[None, :], o)
 
 
+@triton.jit
+def _union_triton_t(q_ptr, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, HKV,
+                    ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, G: tl.constexpr):
+    """``_union_triton`` transposed: keys are the MMAs' M and the tile's rows their N (``S^T = K Q^T``,
+    ``O^T += V^T P^T``), so that a tile of fewer than 64 rows (``ROWS`` 16 or 32: 4 or 8 tokens) still runs on
+    warpgroup MMAs; the softmax reduces over the keys (axis 0)."""
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    unit = w * HKV + h
+    rows = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + (unit * ROWS + rows)[:, None].to(tl.int64) * D + offs_d[None, :])
+    q_t = tl.trans(q)  # [D, ROWS]
+    nu = tl.load(nu_ptr + unit)
+    ublk = ublk_ptr + unit.to(tl.int64) * NU
+    prow = prior_ptr + unit.to(tl.int64) * NU * QT + rows // G
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([D, ROWS], tl.float32)
+    for j in range(nu):
+        blk = tl.load(ublk + j)
+        kt = k_desc.load([blk * BS, h * D])
+        qk = tl.dot(kt, q_t) * qk_scale + tl.load(prow + j * QT)[None, :]  # [BS, ROWS]
+        m_new = tl.maximum(m_i, tl.max(qk, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        vt = v_desc.load([blk * BS, h * D])
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(vt), p.to(vt.dtype))
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
+    tl.store(o_ptr + (unit * ROWS + rows)[None, :].to(tl.int64) * D + offs_d[:, None], o)
+
+
 @gluon.jit
 def _issue_kv(k_desc, v_desc, k_s, v_s, bar, ublk, j, nu, h, BS: gl.constexpr, D: gl.constexpr, PER: gl.constexpr):
     """TMA of union blocks ``PER j .. PER j + PER - 1`` (K and V) into one ring slot, nothing when ``PER j >= nu``;
@@ -269,31 +304,33 @@ def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_s
     gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
 
 
-def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda"):
-    """Random queries, a paged cache ``[pages, BS, Hkv, D]``, ``union`` random blocks per (tile, KV head)
-    and each token's log2 prior per union block (about 30% of the tokens routed to each block)."""
+def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda", rows: int = ROWS):
+    """Random queries (``rows`` per tile: ``rows // G`` tokens), a paged cache ``[pages, BS, Hkv, D]``, ``union``
+    random blocks per (tile, KV head) and each token's log2 prior per union block (about 30% of the tokens routed
+    to each block)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(tiles * hkv * ROWS, D, generator=g).to(device, torch.bfloat16)
+    q = torch.randn(tiles * hkv * rows, D, generator=g).to(device, torch.bfloat16)
     k = torch.randn(pages, BS, hkv, D, generator=g).to(device, torch.bfloat16)
     v = torch.randn(pages, BS, hkv, D, generator=g).to(device, torch.bfloat16)
     ublk = torch.randint(0, pages, (tiles * hkv, union), generator=g, dtype=torch.int32)  # few pages: L2-resident
     nu = torch.full((tiles * hkv,), union, dtype=torch.int32)
     nu[::7] = torch.randint(0, union + 1, nu[::7].shape, generator=g).to(torch.int32)  # ragged unions, some empty
-    prior = torch.log2(torch.rand(tiles * hkv, union, QT, generator=g) * 0.5 + 0.01)
+    prior = torch.log2(torch.rand(tiles * hkv, union, rows // G, generator=g) * 0.5 + 0.01)
     prior[torch.rand(prior.shape, generator=g) > 0.3] = float("-inf")
-    return dict(q=q, k=k, v=v, ublk=ublk.to(device), nu=nu.to(device), prior=prior.to(device), hkv=hkv, union=union)
+    return dict(q=q, k=k, v=v, ublk=ublk.to(device), nu=nu.to(device), prior=prior.to(device), hkv=hkv, union=union,
+                rows=rows)
 
 
 def reference(work: dict, units) -> torch.Tensor:
-    """Float32 outputs ``[len(units), ROWS, D]`` of the loop for some (tile, KV head) units."""
-    hkv, scale = work["hkv"], LOG2E / math.sqrt(D)
+    """Float32 outputs ``[len(units), rows, D]`` of the loop for some (tile, KV head) units."""
+    hkv, rows, scale = work["hkv"], work["rows"], LOG2E / math.sqrt(D)
     out = []
     for u in units:
         h, n = u % hkv, int(work["nu"][u])
         if n == 0:
-            out.append(torch.zeros(ROWS, D, device=work["q"].device))
+            out.append(torch.zeros(rows, D, device=work["q"].device))
             continue
-        q = work["q"][u * ROWS:(u + 1) * ROWS].float()
+        q = work["q"][u * rows:(u + 1) * rows].float()
         blk = work["ublk"][u, :n].long()
         k = work["k"][blk, :, h].reshape(n * BS, D).float()
         v = work["v"][blk, :, h].reshape(n * BS, D).float()
@@ -311,21 +348,29 @@ def _smem_layout():
 
 
 def launchers(work: dict, stages: int, per: int):
-    """``{variant: call}`` writing ``o [tiles Hkv ROWS, D]`` fp32."""
-    hkv, union = work["hkv"], work["union"]
+    """``{variant: call}`` writing ``o [tiles Hkv rows, D]`` fp32 (tiles of other than ``ROWS`` rows: ``triton-t``
+    only)."""
+    hkv, union, rows = work["hkv"], work["union"], work["rows"]
     units = work["nu"].numel()
     grid = (units // hkv, hkv)
-    o = torch.empty(units * ROWS, D, dtype=torch.float32, device=work["q"].device)
+    o = torch.empty(units * rows, D, dtype=torch.float32, device=work["q"].device)
     kv2 = {n: work[n].view(-1, hkv * D) for n in ("k", "v")}
     tdesc = {n: TensorDescriptor.from_tensor(t, [BS, D]) for n, t in kv2.items()}
     gdesc = {n: GluonDescriptor.from_tensor(t, [BS, D], _smem_layout()) for n, t in kv2.items()}
-    qdesc = GluonDescriptor.from_tensor(work["q"], [ROWS, D], _smem_layout())
+    qdesc = GluonDescriptor.from_tensor(work["q"], [rows, D], _smem_layout())
     scale = LOG2E / math.sqrt(D)
     args = (work["ublk"], work["nu"], work["prior"], o, scale, union, hkv)
 
     def tri():
         _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G,
                             num_warps=4, num_stages=3)
+
+    def tri_t():
+        _union_triton_t[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=rows, D=D, BS=BS, QT=rows // G, G=G,
+                              num_warps=4, num_stages=3)
+
+    if rows != ROWS:
+        return o, {"triton-t": tri_t}
 
     def glu(overlap, reload=True):
         return lambda: _union_gluon[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G,
@@ -335,7 +380,7 @@ def launchers(work: dict, stages: int, per: int):
         _union_mma2[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, STAGES=stages,
                           num_warps=4)
 
-    return o, {"triton": tri, "gluon": glu(False), "gluon-overlap": glu(True), NO_RELOAD: glu(False, False),
+    return o, {"triton": tri, "triton-t": tri_t, "gluon": glu(False), "gluon-overlap": glu(True), NO_RELOAD: glu(False, False),
                "gluon-mma2": mma2}
 
 
@@ -356,6 +401,9 @@ def compile_only(stages: int, per: int) -> int:
     tsig = {"q_ptr": "*bf16", "k_desc": f"tensordesc<bf16[{BS}, {D}]>", "v_desc": f"tensordesc<bf16[{BS}, {D}]>",
             **common, **{k: "constexpr" for k in cons}}
     srcs = {"triton": (ASTSource(_union_triton, tsig, cons), dict(num_warps=4, num_stages=3))}
+    for rows in (16, 32, 64):
+        tc = dict(cons, ROWS=rows, QT=rows // G)
+        srcs[f"triton-t{rows}"] = (ASTSource(_union_triton_t, tsig, tc), dict(num_warps=4, num_stages=3))
     for overlap in (False, True):
         gc = dict(cons, STAGES=stages, OVERLAP=overlap, PER=per)
         gsig = {"q_desc": f"tensordesc<bf16[{ROWS}, {D}],{lay!r}>", "k_desc": f"tensordesc<bf16[{BS}, {D}],{lay!r}>",
@@ -389,6 +437,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=3, help="Gluon's K/V ring slots (3 or more)")
     ap.add_argument("--per", type=int, default=1, choices=(1, 2), help="union blocks per Gluon iteration")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=ROWS, choices=(16, 32, 64),
+                    help="rows of a tile (16 or 32: the transposed Triton loop alone)")
     ap.add_argument("--compile-only", action="store_true")
     a = ap.parse_args(argv)
     if a.compile_only:
@@ -397,14 +447,14 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU (on a CPU machine: --compile-only)", file=sys.stderr)
         return 2
     from decode import time_calls
-    work = make_work(a.tiles, a.hkv, a.union, a.pages)
+    work = make_work(a.tiles, a.hkv, a.union, a.pages, rows=a.rows)
     o, calls = launchers(work, a.stages, a.per)
     if torch.cuda.get_device_capability()[0] != 9:
         print("not a Hopper GPU: the Gluon variants (warpgroup MMAs, sm_90 TMA) are left out", flush=True)
-        calls = {"triton": calls["triton"]}
+        calls = {k: calls[k] for k in ("triton", "triton-t") if k in calls}
     check = list(range(0, work["nu"].numel(), max(1, work["nu"].numel() // 24)))
     ref = reference(work, check)
-    flop = 4.0 * ROWS * BS * D * float(work["nu"].sum())
+    flop = 4.0 * a.rows * BS * D * float(work["nu"].sum())
     rc = 0
     for name, fn in calls.items():
         o.fill_(float("nan"))
@@ -415,7 +465,7 @@ def main(argv=None) -> int:
             print(f"{name:16s} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
             rc = 1
             continue
-        got = o.view(-1, ROWS, D)[check]
+        got = o.view(-1, a.rows, D)[check]
         err = float((got - ref).abs().max())
         ms = time_calls([fn], a.iters, 3, True)
         ok = err < 2e-2 or name == NO_RELOAD

@@ -49,9 +49,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..layout import PagedKVCache
 from ..params import DashParams
 from ..workspace import PrefillWorkspace, check_workspace
-from .common import block_page, interpreting, summary_scores
+from .common import block_page, interpreting, summary_index, summary_scores
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
-from .routing import route_tile
+from .routing import _halley_sums, append_positive, halley_step, mp_key_range, route_tile, select_kept
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,20 @@ RESIDENT_CTAS = 2
 ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
 ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (QT units at once; 2048: 14 ms slower at 128k)
 ROUTE_WARPS = 8
+ROUTE_SCORE_TILE = 64  # candidates of one score tile of the route kernel (half that above D 128)
 # The topk cap of a route tile (128k topk 64 on the H200, routing alone: 44.6 ms with these three against 53.6 ms
 # with 16 pivots and 16-wide tiles for every pass; 2 or 8 pivots, or 64-wide pivot tiles: 68-69 ms)
 ROUTE_PIVOTS = 4  # pivots per pass of the search for the topk-th largest mp of each unit's list
 ROUTE_PIVOT_BUDGET = 2048  # elements of the search's [QT, pivots, entries] tile
 ROUTE_LIST_BUDGET = 1024  # elements of the [QT, entries] tiles of the ties and compaction passes
 ATTN_WARPS = 4
+# Routing without a score scratch (router kv_head): the five passes compute the scores again from a copy of each
+# request's summaries in candidate order (gather_summaries), made once per call where it takes at most
+# SUMMARY_COPY_BYTES (128k topk 64 on the H200, routing alone: see docs/PERFORMANCE.md); else the scores are stored.
+ROUTE_RECOMPUTE = 1
+ROUTE_RECOMPUTE_WARPS = 4
+ROUTE_COPY_TMA = 1  # the passes load the copy by TMA (Hopper and later), else by pointers
+SUMMARY_COPY_BYTES = 16 << 20
 ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
 ATTN_KEYS = 64  # keys of one union tile of the attention kernel, a power of two (BLOCK_U; 128 spills at D 128: slower on the H200)
 # Union block ids loaded at once: the loop over them loads K/V at addresses it computes. Tiles of one block take
@@ -213,16 +221,144 @@ def tile_layout_host(cu_seqlens_q, seq_lens, qt: int) -> list:
 # routing
 
 
+@triton.jit(do_not_specialize=["max_tokens", "HKV", "cs_req"])
+def _gather_summaries_kernel(summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens, cs_ptr, cs_req, HKV,
+                             D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, CB: tl.constexpr):
+    """Grid ``(n, cdiv(max_cand, CB))``: program (i, b) copies the summaries of request i's complete blocks
+    ``b CB .. b CB + CB - 1`` (every KV head, read through the page table) to rows ``i cs_req + c`` of the copy
+    ``[n cs_req, Hkv D]``; rows of blocks not complete are left as they are."""
+    i = tl.program_id(0)
+    c = tl.program_id(1) * CB + tl.arange(0, CB)
+    offs_d = tl.arange(0, D)
+    length = tl.maximum(tl.minimum(tl.load(seq_lens_ptr + i).to(tl.int32), max_tokens), 0)
+    cm = c < length // BS
+    page, _ = block_page(bt_ptr + i.to(tl.int64) * sbt_n, c, PS, BS, mask=cm)
+    src = summ_ptr + summary_index(page, c, PS, BS)[:, None] * ss_b + offs_d[None, :]
+    dst = cs_ptr + (i.to(tl.int64) * cs_req + c)[:, None] * (HKV * D) + offs_d[None, :]
+    for h in range(HKV):
+        tl.store(dst + h * D, tl.load(src + h * ss_h, mask=cm[:, None]), mask=cm[:, None])
+
+
+def recompute_routing(params: DashParams, n: int, max_cand: int, hkv: int, d: int, itemsize: int,
+                      route_heads: Optional[int] = None) -> bool:
+    """Whether a call routes without a score scratch (``_route_recompute``): router ``kv_head``, no indexer, and a
+    summary copy of at most ``SUMMARY_COPY_BYTES``."""
+    return (bool(ROUTE_RECOMPUTE) and params.router != "shared" and route_heads is None
+            and n * max_cand * hkv * d * itemsize <= SUMMARY_COPY_BYTES)
+
+
+def gather_summaries(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, params: DashParams,
+                     scratch: "PrefillScratch") -> None:
+    """Copy each request's summaries in candidate order into ``scratch.summary_copy [n, max_cand, Hkv, D]`` (one
+    launch), once per call before its route launches; nothing where the scratch has no copy."""
+    copy = scratch.summary_copy
+    if copy is None:
+        return
+    summ = cache.summaries
+    n, max_cand, hkv, d = copy.shape
+    cb = 32
+    _gather_summaries_kernel[(n, triton.cdiv(max_cand, cb))](
+        summ, summ.stride(0), summ.stride(1), block_table, block_table.stride(0), seq_lens,
+        block_table.shape[1] * cache.page_size, copy, max_cand, hkv, D=d, BS=params.block_size, PS=cache.page_size,
+        CB=cb, num_warps=4)
+
+
+@triton.jit
+def _copy_scores(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d,
+                 D: tl.constexpr, HKV: tl.constexpr, BLOCK_N: tl.constexpr, CS_TMA: tl.constexpr):
+    """``([M, BLOCK_N] fp32 scores, candidates [BLOCK_N])`` of query rows ``qs [M, D]`` against candidates ``c0 ..
+    c0 + BLOCK_N - 1`` of the summary copy (``gather_summaries``: candidate c of KV head h at row ``cs_row0 + c``,
+    column ``h D``), ``-inf`` past ``ncand`` and on rows not ``row_ok``. CS_TMA: a box of ``cs_desc``, else
+    pointer loads (both at addresses of the loop index only, so the loads pipeline)."""
+    c = c0 + tl.arange(0, BLOCK_N)
+    if CS_TMA:
+        summ = cs_desc.load([(cs_row0 + c0).to(tl.int32), h * D])
+    else:
+        summ = tl.load(cs_ptr + (cs_row0 + c)[:, None] * (HKV * D) + h * D + offs_d[None, :],
+                       mask=(c < ncand)[:, None], other=0.0)
+    x = tl.dot(qs, tl.trans(summ)) * x_scale
+    return tl.where(row_ok[:, None] & (c < ncand)[None, :], x, float("-inf")), c
+
+
+@triton.jit
+def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x_scale, ncand, req, slot0,
+                     cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, mp_ptr, smp_n, smp_h, ck_ptr,
+                     sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
+                     topk, inv_sigma, QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                     PS: tl.constexpr, BLOCK_N: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
+                     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, TL: tl.constexpr, CS_TMA: tl.constexpr,
+                     HKV: tl.constexpr):
+    """Route a tile's ``QT`` units (token, KV head h) with no score scratch: each of five passes over the
+    candidates (row maxima, the three Halley steps, mp with its lists) computes the scores again from the
+    summary copy (``_copy_scores``); the same entmax arithmetic as ``route_tile`` (``_halley_sums``,
+    ``halley_step``, ``append_positive``), then its cap and compaction (``select_kept``)."""
+    M: tl.constexpr = QT * G_PAD
+    offs_d = tl.arange(0, D)
+    heads = h * G + g_m
+    q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
+    cs_row0 = req.to(tl.int64) * cs_req
+    m = tl.full([M], float("-inf"), tl.float32)
+    for c0 in range(0, ncand, BLOCK_N):
+        x, _c = _copy_scores(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV, BLOCK_N,
+                             CS_TMA)
+        m = tl.maximum(m, tl.max(x, axis=1))
+    m = tl.where(row_ok & (ncand > 0), m, 0.0)
+    lo = m - 1.0
+    hi = m
+    tau = (lo + hi) * 0.5
+    for _ in tl.static_range(3):
+        ssq = tl.zeros([M], tl.float32)
+        sdf = tl.zeros([M], tl.float32)
+        cnt = tl.zeros([M], tl.float32)
+        for c0 in range(0, ncand, BLOCK_N):
+            x, _c = _copy_scores(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
+                                 BLOCK_N, CS_TMA)
+            t_ssq, t_sdf, t_cnt = _halley_sums(x, tau[:, None])
+            ssq += t_ssq
+            sdf += t_sdf
+            cnt += t_cnt
+        tau, lo, hi = halley_step(ssq, sdf, cnt, tau, lo, hi)
+
+    slot_u = slot0 + tl.arange(0, QT)
+    ncand_u = tl.where(unit_ok, ncand, 0)
+    mp_unit = slot_u * smp_n + h * smp_h
+    g_f = G * 1.0
+    npos = tl.zeros([QT], tl.int32)
+    key_min = tl.full([QT], 0x7F800000, tl.int32)
+    key_max = tl.zeros([QT], tl.int32)
+    for c0 in range(0, ncand, BLOCK_N):
+        x, c = _copy_scores(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV, BLOCK_N,
+                            CS_TMA)
+        diff = tl.where(x > tau[:, None], x - tau[:, None], 0.0)
+        if G_PAD == 1:  # rows are units (the reshape and sum below miscompiled here: wrong selections, H200, triton 3.6)
+            mp = diff * diff / g_f
+        else:
+            mp = tl.sum(tl.reshape(diff * diff, [QT, G_PAD, BLOCK_N]), axis=1) / g_f
+        cok = c[None, :] < ncand_u[:, None]
+        npos_before = npos
+        npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
+        append_positive(mp, c, cok, mp_ptr, ck_ptr, mp_unit, npos_before)
+    tl.debug_barrier()  # the lists are read back by other threads of this program
+    select_kept(mp_ptr, mp_unit, ncand_u, tl.max(ncand_u, axis=0), npos, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
+                sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + h * ssel_h, sel_cap,
+                count_ptr, slot_u * scnt_n + h, topk, inv_sigma, npos, key_min, key_max, ck_ptr,
+                QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=False,
+                X_IN_REGS=False, TC=BLOCK_N, LIST=True, TL=TL)
+
+
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G", "HKV", "topk", "sel_cap"])
 def _prefill_route_kernel(
     q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
     sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
-    sf, x_scale, G, HKV, topk, inv_sigma,
+    sf, x_scale, G, HKV, topk, inv_sigma, cs_ptr, cs_desc, cs_req,
     QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, TL: tl.constexpr,
+    RECOMPUTE: tl.constexpr = False, CS_TMA: tl.constexpr = False, HKV_C: tl.constexpr = 1,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -245,6 +381,14 @@ def _prefill_route_kernel(
         u_m, g_m, pos_m, tok_m, in_m, unit_ok = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD)
         row_ok = in_m & ok
         slot0 = w.to(tl.int64) * QT
+        if RECOMPUTE:
+            tl.static_assert(not SHARED, "the summary copy serves one KV head's rows")
+            _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, hp, G, sf, x_scale, ncand, req, slot0,
+                             cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, mp_ptr, smp_n, smp_h, ck_ptr,
+                             sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
+                             topk, inv_sigma, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL,
+                             CS_TMA, HKV_C)
+            return
         bt_row = bt_ptr + req.to(tl.int64) * sbt_n
         x_tok = x_ptr + (slot0 + u_m) * sx_n
         mx = tl.full([M], float("-inf"), tl.float32)
@@ -520,7 +664,8 @@ class PrefillScratch:
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position).
-    ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped.
+    ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
+    (``add_summary_copy``: at most ``SUMMARY_COPY_BYTES``, outside the wave budget), and the scores are not written.
 
     The two union tables are written and read by the attention launch only, after the wave's route launch
     is done with the scores: they are views of the scores' storage (both when ``Hq >= 2 Hkv``, else
@@ -540,6 +685,8 @@ class PrefillScratch:
     union_blk: torch.Tensor
     union_bias: torch.Tensor
     union_prior: torch.Tensor
+    summary_copy: Optional[torch.Tensor] = None  # [n, max_cand, Hkv, D] (recompute_routing), its TMA descriptor
+    summary_desc: Optional[TensorDescriptor] = None
 
     @staticmethod
     def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams) -> int:
@@ -548,6 +695,14 @@ class PrefillScratch:
         per_slot = 4 * ((hq + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
         own_prior = hq < 2 * hkv  # union_prior does not fit beside union_bias in the scores
         return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt)
+
+    def add_summary_copy(self, n: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+        """Allocate ``summary_copy`` (and, where TMA serves, a descriptor of the route kernel's score tiles)."""
+        self.summary_copy = torch.empty(n, self.max_cand, hkv, d, dtype=dtype, device=self.scores.device)
+        if ROUTE_COPY_TMA and _tma_supported(self.scores.device):
+            flat = self.summary_copy.view(n * self.max_cand, hkv * d)
+            box = [_route_block_n(d, self.max_cand), d]
+            self.summary_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box)
 
     @classmethod
     def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
@@ -619,11 +774,13 @@ def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_he
     """The most routing scratch (bytes) ``paged_dash_prefill_triton`` allocates for up to ``num_tokens`` new
     tokens in up to ``max_requests`` requests, with block tables of up to ``max_context`` tokens (``max_pages *
     page_size``): ``NT`` tiles (the tile tables' bound) of the widest table's scratch, or the byte budget (one
-    tile where a tile is larger) if less. ``params`` as the kernels run them (router ``shared`` with an indexer)."""
+    tile where a tile is larger) if less, plus ``SUMMARY_COPY_BYTES`` where the summary copy may be made
+    (``recompute_routing``). ``params`` as the kernels run them (router ``shared`` with an indexer)."""
     qt, _, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, route_heads)
     budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
     nt = num_tokens // qt + 2 * min(max_requests, num_tokens)
-    return min(nt * per_tile, max(budget, per_tile))
+    copy = SUMMARY_COPY_BYTES if (ROUTE_RECOMPUTE and params.router != "shared" and route_heads is None) else 0
+    return min(nt * per_tile, max(budget, per_tile)) + copy
 
 
 def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: Optional[int] = None) -> int:
@@ -669,13 +826,18 @@ def check_prefill_args(q, k, v, cache, block_table, cu_seqlens_q, seq_lens, slot
                          f"{tuple(out.shape)} {out.dtype}")
 
 
+def _route_block_n(d: int, max_cand: int) -> int:
+    """Candidates of one score tile of the route kernel."""
+    return max(16, min(ROUTE_SCORE_TILE if d <= 128 else ROUTE_SCORE_TILE // 2, _pow2(max_cand)))
+
+
 def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams) -> dict:
     g = hq // hkv
     shared = params.router == "shared"
     nh_pad = _pow2(hq) if shared else _pow2(g)
     return dict(
         QT=qt, G_PAD=_pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_N=max(16, min(64 if d <= 128 else 32, _pow2(max_cand))),
+        BLOCK_N=_route_block_n(d, max_cand),
         TC=max(16, min(_pow2(max_cand), ROUTE_TILE_BUDGET // (qt * nh_pad))),
         TS=max(1, min(_pow2(max_cand), ROUTE_PIVOT_BUDGET // (ROUTE_PIVOTS * qt))),
         TL=max(1, min(_pow2(max_cand), ROUTE_LIST_BUDGET // qt)),
@@ -693,6 +855,8 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     shared = params.router == "shared"
     s, summ, bt = scratch, cache.summaries, block_table
     sq, ssum, ssc, smp, ssel = q.stride(), summ.stride(), s.scores.stride(), s.mp.stride(), s.sel_idx.stride()
+    copy = s.summary_copy
+    recompute = copy is not None
     _prefill_route_kernel[(tiles, 1 if shared else hkv)](
         q, sq[0], sq[1], summ, ssum[0], ssum[1], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
@@ -701,8 +865,10 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         s.sel_idx, s.sel_blk, s.sel_bias, ssel[0], ssel[1], s.sel_idx.shape[2],
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
-        1.0 / params.sigma, PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
-        num_warps=ROUTE_WARPS,
+        1.0 / params.sigma, copy if recompute else summ, s.summary_desc if s.summary_desc is not None else summ,
+        plan.max_cand, PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
+        RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
+        num_warps=ROUTE_RECOMPUTE_WARPS if recompute else ROUTE_WARPS,
     )
 
 
@@ -783,6 +949,25 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     )
 
 
+def plan_and_scratch(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     seq_lens: torch.Tensor, params: DashParams, scratch_bytes: Optional[int] = None,
+                     route_heads: Optional[int] = None, recompute: Optional[bool] = None) -> tuple:
+    """The plan and the routing scratch of one call (what a workspace keeps), with the summary copy where routing
+    computes the scores again in each pass (``recompute``; None: where ``recompute_routing`` says so). Fill the
+    copy with ``gather_summaries`` before the route launches of each call."""
+    hq, d, hkv, summ = q.shape[1], q.shape[2], cache.num_kv_heads, cache.summaries
+    n = seq_lens.shape[0]
+    plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes,
+                             route_heads=route_heads)
+    hs = hq if route_heads is None else max(hq, route_heads)
+    scratch = PrefillScratch.allocate(plan.wave, plan.qt, hs, hkv, plan.max_cand, params, q.device)
+    if recompute is None:
+        recompute = recompute_routing(params, n, plan.max_cand, hkv, d, summ.element_size(), route_heads)
+    if recompute:
+        scratch.add_summary_copy(n, hkv, d, summ.dtype)
+    return plan, scratch
+
+
 def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                               cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               seq_lens: torch.Tensor, slot_mapping: Optional[torch.Tensor], head_cls: torch.Tensor,
@@ -825,17 +1010,15 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
         rq, rcache, hs = iq, cache.indexer_view(), max(hq, route_heads)
 
     def make() -> tuple:
-        plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes,
-                                 route_heads=route_heads)
-        return plan, PrefillScratch.allocate(plan.wave, plan.qt, hs, cache.num_kv_heads, plan.max_cand, params,
-                                             q.device)
+        return plan_and_scratch(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes, route_heads)
 
     if workspace is None:
         plan, scratch = make()
     else:  # everything the plan and the scratch are made from, besides the length tensors' values
         key = (q.device, t, hq, d, hs, cache.num_kv_heads, cache.page_size, tuple(block_table.shape), params,
-               scratch_bytes, route_heads)
+               scratch_bytes, route_heads, cache.summaries.dtype)
         plan, scratch = workspace.take(key, (cu_seqlens_q, seq_lens), make)
+    gather_summaries(cache, block_table, seq_lens, params, scratch)  # this call's summaries (each layer has its own)
     for tile0 in range(0, plan.num_tiles, plan.wave):
         tiles = min(plan.wave, plan.num_tiles - tile0)
         route_wave(rq, rcache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)

@@ -21,6 +21,7 @@ from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
 PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf,
+                   "_gather_summaries_kernel": pf,
                    "_tile_tables_kernel": pf, "_kv_rows_kernel": kv_write}
 kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 

@@ -182,12 +182,13 @@ def oracle_rows(case: PrefillCase, i: int) -> torch.Tensor:
 # --- the kernels' stages, one wave covering every tile ----------------------------------------------
 
 
-def plan_and_scratch(case: PrefillCase, scratch_bytes: Optional[int] = None):
+def plan_and_scratch(case: PrefillCase, scratch_bytes: Optional[int] = None, recompute: Optional[bool] = None):
+    """The plan and scratch of one call; recompute: route without a score scratch (from the summary copy, made
+    here as the op makes it), None: where the op would (``pf.recompute_routing``)."""
     p = case.params
-    plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
-                                scratch_bytes=scratch_bytes if scratch_bytes is not None else 1 << 40)
-    scratch = pf.PrefillScratch.allocate(plan.wave, plan.qt, case.q.shape[1], case.cache.num_kv_heads, plan.max_cand,
-                                         p, case.q.device)
+    plan, scratch = pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
+                                        scratch_bytes if scratch_bytes is not None else 1 << 40, recompute=recompute)
+    pf.gather_summaries(case.cache, case.block_table, case.seq_lens, p, scratch)
     return plan, scratch
 
 

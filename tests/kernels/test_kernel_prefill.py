@@ -11,6 +11,7 @@ oracle on a bounded fraction of rows. Shapes are small: the interpreter runs eve
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import pytest
@@ -171,13 +172,17 @@ REQS = st.lists(st.tuples(st.integers(0, 140), st.integers(0, 50)).map(lambda t:
        topk=st.one_of(st.none(), st.integers(1, 6)), est=st.booleans(), sigma=st.sampled_from([1.0, 1e6]),
        sf=st.sampled_from([0.7, 2.0, 4.0]), local_blocks=st.integers(1, 2), ppb=st.integers(1, 3),
        layout=st.sampled_from(["sglang", "vllm"]), group=st.sampled_from([1, 2, 3]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
-def test_routing_matches_oracle(seed, reqs, router, topk, est, sigma, sf, local_blocks, ppb, layout, group, dtype):
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), stored=st.booleans())
+def test_routing_matches_oracle(seed, reqs, router, topk, est, sigma, sf, local_blocks, ppb, layout, group, dtype,
+                                stored):
+    """stored: the scores in the scratch (every router) rather than computed again from the summary copy in
+    each pass (router kv_head, where the op routes that way)."""
     p = DashParams(block_size=16, topk=topk, local=16 * local_blocks, scaling_factor=sf, estimate_diagonal=est,
                    sigma=sigma, router=router)
     case = make_prefill_case(seed, reqs, hq=2 * group, hkv=2, bs=16, pages_per_block=ppb, layout=layout,
                              dtype=dtype, params=p, shared_prefix_pages=1).to(DEV)
-    plan, scratch = plan_and_scratch(case)
+    plan, scratch = plan_and_scratch(case, recompute=False if stored else None)
+    assert (scratch.summary_copy is not None) == (router == "kv_head" and not stored)
     pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
     check_routing(case, plan, scratch)
 
@@ -188,15 +193,17 @@ def test_routing_wide_rows_and_caps(monkeypatch):
     # 16-wide score tiles over 44 candidates; 4-wide tiles for the cap's pivot search and 8-wide tiles for
     # its ties and compaction, over lists of up to 44 positive mp (20+ with topk 3)
     monkeypatch.setattr(pf, "ROUTE_TILE_BUDGET", 256)
+    monkeypatch.setattr(pf, "ROUTE_SCORE_TILE", 16)  # the passes that compute the scores again: 16 a tile too
     monkeypatch.setattr(pf, "ROUTE_PIVOT_BUDGET", 4 * 16 * pf.ROUTE_PIVOTS)
     monkeypatch.setattr(pf, "ROUTE_LIST_BUDGET", 8 * 16)
     # estimate_diagonal (sigma 1: the default 1e6 flattens the prior): the priors also depend on the geometric
     # mean of the kept mp, which the ties pass sums over the list tiles (exact ties at the threshold are the cap
     # tests' job: test_kernel_cap_lists)
-    for topk, est in ((None, False), (3, False), (30, False), (3, True), (30, True)):
+    for (topk, est), recompute in itertools.product(
+            ((None, False), (3, False), (30, False), (3, True), (30, True)), (False, True)):
         p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0)
         case = make_prefill_case(21, [(16 * 45 + 5, 20), (40, 40)], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
-        plan, scratch = plan_and_scratch(case)
+        plan, scratch = plan_and_scratch(case, recompute=recompute)
         # the cap reads each unit's list in groups of 4: what lies past its end must not count
         scratch.mp.fill_(float("nan"))
         scratch.mp_cand.fill_(1 << 30)
@@ -448,9 +455,15 @@ def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk,
         t, width = case.q.shape[0], case.block_table.shape[1] * case.cache.page_size
         plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, budget)
         got = _allocated(pf.PrefillScratch.allocate(plan.wave, plan.qt, hq, hkv, plan.max_cand, p, case.q.device))
+        # the summary copy of routing without a score scratch: bounded apart, outside the wave budget
+        d, itemsize = case.q.shape[2], case.cache.summaries.element_size()
+        recompute = pf.recompute_routing(p, len(reqs), plan.max_cand, hkv, d, itemsize)
+        assert recompute == (router == "kv_head")
+        copy = pf.SUMMARY_COPY_BYTES if router == "kv_head" else 0
+        assert len(reqs) * plan.max_cand * hkv * d * itemsize <= copy or not recompute
 
         def bound(requests, context):
-            return pf.scratch_bound(t, requests, context, hq, hkv, p, scratch_bytes=budget)
+            return pf.scratch_bound(t, requests, context, hq, hkv, p, scratch_bytes=budget) - copy
 
         if budget is None:
             assert got == bound(len(reqs), width)
