@@ -18,10 +18,9 @@ def prefill_host():
 
 
 def test_launches_of_one_wave(prefill_host):
-    """A 2k prompt is one wave: the tile tables, the summary copy, one route, one attention and the zero tail; the
-    new K/V add a write launch and a summary launch."""
-    base = {"_tile_tables_kernel": 1, "_gather_summaries_kernel": 1, "_prefill_route_kernel": 1,
-            "_prefill_attn_kernel": 1, "_zero_tail_kernel": 1}
+    """A 2k prompt is one wave: the tile tables, one route, one attention and the zero tail; the new K/V add a
+    write launch and a summary launch."""
+    base = {"_tile_tables_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1, "_zero_tail_kernel": 1}
     assert prefill_host.host_counts(prefill_host.make_call(2048, write=False)).launches == base
     counts = prefill_host.host_counts(prefill_host.make_call(2048, write=True))
     assert counts.launches == dict(base, _kv_rows_kernel=2)
@@ -36,14 +35,13 @@ def test_waves_add_a_route_and_an_attention_launch_each(prefill_host):
     counts = prefill_host.host_counts(prefill_host.make_call(32768, write=False)).launches
     waves = counts["_prefill_route_kernel"]
     assert waves > 1 and counts["_prefill_attn_kernel"] == waves
-    assert counts["_tile_tables_kernel"] == counts["_gather_summaries_kernel"] == counts["_zero_tail_kernel"] == 1
+    assert counts["_tile_tables_kernel"] == counts["_zero_tail_kernel"] == 1
     assert pf._prefill_route_kernel is route and torch.empty is empty  # restored after counting
 
 
 def test_a_shared_workspace_leaves_the_plan_to_the_first_call(prefill_host):
     """Calls after the first with one ``PrefillWorkspace`` (the later layers of a step): no tile tables launch and
-    no scratch allocation; the summary copy (each layer's summaries), route, attention and zero-tail launches
-    remain."""
+    no scratch allocation; the route, attention and zero-tail launches remain."""
     from dash_core.workspace import PrefillWorkspace
 
     ws = PrefillWorkspace()
@@ -51,12 +49,23 @@ def test_a_shared_workspace_leaves_the_plan_to_the_first_call(prefill_host):
     first = prefill_host.host_counts(call)
     later = prefill_host.host_counts(call)
     assert first.launches["_tile_tables_kernel"] == 1 and first.allocations > 0
-    assert later.launches == {"_gather_summaries_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1,
-                              "_zero_tail_kernel": 1}
+    assert later.launches == {"_prefill_route_kernel": 1, "_prefill_attn_kernel": 1, "_zero_tail_kernel": 1}
     assert later.allocations == 0 and ws.builds == 1
 
 
 def test_script_prints_counts_and_time(prefill_host, capsys):
     assert prefill_host.main(["--tokens", "1024", "--iters", "20"]) == 0
     out = capsys.readouterr().out
-    assert "5 launches" in out and "Python per call" in out
+    assert "4 launches" in out and "Python per call" in out
+
+
+def test_long_tables_add_the_summary_copy(prefill_host):
+    """Block tables of ``RECOMPUTE_MIN_CAND`` blocks or more (router kv_head): one more launch per call, the copy of
+    the summaries the route launches compute their scores from (small heads keep the CPU tensors small)."""
+    from dash_core.kernels import prefill as pf
+
+    tokens = pf.RECOMPUTE_MIN_CAND * 64
+    counts = prefill_host.host_counts(prefill_host.make_call(tokens, write=False, hq=1, hkv=1, d=64)).launches
+    assert counts["_gather_summaries_kernel"] == 1 and counts["_prefill_route_kernel"] >= 1
+    short = prefill_host.host_counts(prefill_host.make_call(tokens // 2, write=False, hq=1, hkv=1, d=64)).launches
+    assert "_gather_summaries_kernel" not in short

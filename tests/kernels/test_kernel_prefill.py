@@ -181,7 +181,7 @@ def test_routing_matches_oracle(seed, reqs, router, topk, est, sigma, sf, local_
                    sigma=sigma, router=router)
     case = make_prefill_case(seed, reqs, hq=2 * group, hkv=2, bs=16, pages_per_block=ppb, layout=layout,
                              dtype=dtype, params=p, shared_prefix_pages=1).to(DEV)
-    plan, scratch = plan_and_scratch(case, recompute=False if stored else None)
+    plan, scratch = plan_and_scratch(case, recompute=router == "kv_head" and not stored)
     assert (scratch.summary_copy is not None) == (router == "kv_head" and not stored)
     pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
     check_routing(case, plan, scratch)
@@ -444,11 +444,13 @@ def _allocated(scratch: pf.PrefillScratch) -> int:
     (8, 2, "shared", 3, None),
     (8, 2, "kv_head", 2, 300_000),  # the byte budget binds: a wave of fewer tiles
 ])
-def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk, budget):
+@pytest.mark.parametrize("min_cand", [1, 1 << 20])  # tables long enough for the summary copy, or never
+def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk, budget, min_cand, monkeypatch):
     """``scratch_bound`` (``workspace.prefill_scratch_bytes``, what the vLLM adapter reserves while vLLM profiles
     memory) against the scratch a call allocates: equal for ``max_requests`` requests on the widest block table
     where the budget does not bind, the budget where it binds; never below a call with fewer requests or a
     narrower table; never smaller for a wider one."""
+    monkeypatch.setattr(pf, "RECOMPUTE_MIN_CAND", min_cand)
     p = DashParams(block_size=16, topk=topk, scaling_factor=1.0, router=router)
     for reqs in ([(150, 150), (40, 7), (90, 33)], [(300, 190)]):
         case = make_prefill_case(3, reqs, hq=hq, hkv=hkv, bs=16, params=p).to(DEV)
@@ -458,8 +460,8 @@ def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk,
         # the summary copy of routing without a score scratch: bounded apart, outside the wave budget
         d, itemsize = case.q.shape[2], case.cache.summaries.element_size()
         recompute = pf.recompute_routing(p, len(reqs), plan.max_cand, hkv, d, itemsize)
-        assert recompute == (router == "kv_head")
-        copy = pf.SUMMARY_COPY_BYTES if router == "kv_head" else 0
+        assert recompute == (router == "kv_head" and plan.max_cand >= min_cand)
+        copy = pf.SUMMARY_COPY_BYTES if recompute else 0
         assert len(reqs) * plan.max_cand * hkv * d * itemsize <= copy or not recompute
 
         def bound(requests, context):
