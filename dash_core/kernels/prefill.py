@@ -20,7 +20,10 @@ waves of ``W``: never a ``[tokens x blocks]`` matrix for the whole prompt. Each 
   tokens against every candidate summary (``tl.dot``, read through the page table) into the scratch,
   then ``routing.route_tile`` with the tile's tokens as units: the one routing routine of decode (here
   writing each unit's positive ``mp`` as a list, which the ``topk`` cap and the compaction read instead
-  of every candidate).
+  of every candidate). With router ``kv_head`` on long block tables (``recompute_routing``) no score is
+  stored: each of the five passes computes the scores again from a copy of the request's summaries in
+  candidate order (``gather_summaries``, one launch per call), with ``route_tile``'s arithmetic
+  (``_route_recompute``).
 - ``_prefill_attn_kernel``, grid ``(W, Hkv)``: the union of the tile's selected blocks (built in
   parallel passes: a per-candidate table of each token's log prior, then a scan that compacts the
   candidates some token kept, with every token's prior, by union position), then attention of the
