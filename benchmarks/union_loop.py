@@ -10,6 +10,8 @@ This script measures what an explicitly written loop gains over the Triton one (
 ``docs/PERFORMANCE.md``, "The union loop alone"):
 
 - ``triton``: the loop as the prefill kernel writes it (TMA loads, ``tl.dot``, 3 pipeline stages);
+- ``triton-t``: the same loop transposed (keys as the MMAs' M, the tile's rows as N), also on tiles of 16 or 32 rows
+  (``--rows``: 4 or 8 tokens, the only variant run there);
 - ``gluon``: the same loop in Gluon with TMA into a ring of shared-memory slots and mbarriers, synchronous
   warpgroup MMAs; ``--per 2``: two blocks (128 keys) an iteration;
 - ``gluon-no-reload``: as ``gluon``, loading only the first blocks and reusing them (wrong values, not checked):
@@ -54,8 +56,12 @@ NO_RELOAD = "gluon-no-reload"  # timing only: its values are wrong by design
 
 @triton.jit
 def _union_triton(q_ptr, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, HKV,
-                  ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, G: tl.constexpr):
-    """Grid ``(tiles, Hkv)``: rows of tile w, KV head h over its union (the prefill kernel's loop)."""
+                  ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, G: tl.constexpr,
+                  TRANSPOSED: tl.constexpr = False):
+    """Grid ``(tiles, Hkv)``: rows of tile w, KV head h over its union (the prefill kernel's loop).
+    TRANSPOSED (``triton-t``): keys are the MMAs' M and the tile's rows their N (``S^T = K Q^T``, ``O^T += V^T
+    P^T``), so that a tile of fewer than 64 rows (``ROWS`` 16 or 32: 4 or 8 tokens) still runs on warpgroup MMAs;
+    the softmax then reduces over the keys (axis 0)."""
     w = tl.program_id(0)
     h = tl.program_id(1)
     unit = w * HKV + h
@@ -67,56 +73,36 @@ def _union_triton(q_ptr, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
     prow = prior_ptr + unit.to(tl.int64) * NU * QT + rows // G
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
+    AX: tl.constexpr = 0 if TRANSPOSED else 1  # the keys' axis of a logits tile
+    if TRANSPOSED:
+        q_t = tl.trans(q)  # [D, ROWS]
+        acc = tl.zeros([D, ROWS], tl.float32)
+    else:
+        acc = tl.zeros([ROWS, D], tl.float32)
     for j in range(nu):
         blk = tl.load(ublk + j)
         kt = k_desc.load([blk * BS, h * D])
-        qk = tl.dot(q, tl.trans(kt)) * qk_scale + tl.load(prow + j * QT)[:, None]
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        prior = tl.load(prow + j * QT)
+        if TRANSPOSED:
+            qk = tl.dot(kt, q_t) * qk_scale + prior[None, :]  # [BS, ROWS]
+        else:
+            qk = tl.dot(q, tl.trans(kt)) * qk_scale + prior[:, None]
+        m_new = tl.maximum(m_i, tl.max(qk, axis=AX))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = tl.exp2(qk - tl.expand_dims(m_use, AX))
+        l_i = l_i * alpha + tl.sum(p, axis=AX)
         vt = v_desc.load([blk * BS, h * D])
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        if TRANSPOSED:
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(vt), p.to(vt.dtype))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + (unit * ROWS + rows)[:, None].to(tl.int64) * D + offs_d[None, :], o)
-
-
-@triton.jit
-def _union_triton_t(q_ptr, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, HKV,
-                    ROWS: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, QT: tl.constexpr, G: tl.constexpr):
-    """``_union_triton`` transposed: keys are the MMAs' M and the tile's rows their N (``S^T = K Q^T``,
-    ``O^T += V^T P^T``), so that a tile of fewer than 64 rows (``ROWS`` 16 or 32: 4 or 8 tokens) still runs on
-    warpgroup MMAs; the softmax reduces over the keys (axis 0)."""
-    w = tl.program_id(0)
-    h = tl.program_id(1)
-    unit = w * HKV + h
-    rows = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + (unit * ROWS + rows)[:, None].to(tl.int64) * D + offs_d[None, :])
-    q_t = tl.trans(q)  # [D, ROWS]
-    nu = tl.load(nu_ptr + unit)
-    ublk = ublk_ptr + unit.to(tl.int64) * NU
-    prow = prior_ptr + unit.to(tl.int64) * NU * QT + rows // G
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([D, ROWS], tl.float32)
-    for j in range(nu):
-        blk = tl.load(ublk + j)
-        kt = k_desc.load([blk * BS, h * D])
-        qk = tl.dot(kt, q_t) * qk_scale + tl.load(prow + j * QT)[None, :]  # [BS, ROWS]
-        m_new = tl.maximum(m_i, tl.max(qk, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(qk - m_use[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        vt = v_desc.load([blk * BS, h * D])
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(vt), p.to(vt.dtype))
-        m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[None, :]
-    tl.store(o_ptr + (unit * ROWS + rows)[None, :].to(tl.int64) * D + offs_d[:, None], o)
+    l_i = tl.where(l_i > 0, l_i, 1.0)
+    if TRANSPOSED:
+        tl.store(o_ptr + (unit * ROWS + rows)[None, :].to(tl.int64) * D + offs_d[:, None], acc / l_i[None, :])
+    else:
+        tl.store(o_ptr + (unit * ROWS + rows)[:, None].to(tl.int64) * D + offs_d[None, :], acc / l_i[:, None])
 
 
 @gluon.jit
@@ -366,8 +352,8 @@ def launchers(work: dict, stages: int, per: int):
                             num_warps=4, num_stages=3)
 
     def tri_t():
-        _union_triton_t[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=rows, D=D, BS=BS, QT=rows // G, G=G,
-                              num_warps=4, num_stages=3)
+        _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=rows, D=D, BS=BS, QT=rows // G, G=G,
+                            TRANSPOSED=True, num_warps=4, num_stages=3)
 
     if rows != ROWS:
         return o, {"triton-t": tri_t}
@@ -402,8 +388,9 @@ def compile_only(stages: int, per: int) -> int:
             **common, **{k: "constexpr" for k in cons}}
     srcs = {"triton": (ASTSource(_union_triton, tsig, cons), dict(num_warps=4, num_stages=3))}
     for rows in (16, 32, 64):
-        tc = dict(cons, ROWS=rows, QT=rows // G)
-        srcs[f"triton-t{rows}"] = (ASTSource(_union_triton_t, tsig, tc), dict(num_warps=4, num_stages=3))
+        tc = dict(cons, ROWS=rows, QT=rows // G, TRANSPOSED=True)
+        srcs[f"triton-t{rows}"] = (ASTSource(_union_triton, dict(tsig, TRANSPOSED="constexpr"), tc),
+                                   dict(num_warps=4, num_stages=3))
     for overlap in (False, True):
         gc = dict(cons, STAGES=stages, OVERLAP=overlap, PER=per)
         gsig = {"q_desc": f"tensordesc<bf16[{ROWS}, {D}],{lay!r}>", "k_desc": f"tensordesc<bf16[{BS}, {D}],{lay!r}>",
