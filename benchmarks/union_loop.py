@@ -366,8 +366,8 @@ def launchers(work: dict, stages: int, per: int):
         _union_mma2[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, STAGES=stages,
                           num_warps=4)
 
-    return o, {"triton": tri, "triton-t": tri_t, "gluon": glu(False), "gluon-overlap": glu(True), NO_RELOAD: glu(False, False),
-               "gluon-mma2": mma2}
+    return o, {"triton": tri, "triton-t": tri_t, "gluon": glu(False), "gluon-overlap": glu(True),
+               NO_RELOAD: glu(False, False), "gluon-mma2": mma2}
 
 
 def compile_only(stages: int, per: int) -> int:

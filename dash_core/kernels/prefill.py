@@ -54,7 +54,7 @@ from ..params import DashParams
 from ..workspace import PrefillWorkspace, check_workspace
 from .common import block_page, interpreting, summary_index, summary_scores
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
-from .routing import _halley_sums, append_positive, halley_step, mp_key_range, route_tile, select_kept
+from .routing import halley_sums, append_positive, halley_step, mp_key_range, route_tile, select_kept
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +244,11 @@ def _gather_summaries_kernel(summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, 
         tl.store(dst + h * D, tl.load(src + h * ss_h, mask=cm[:, None]), mask=cm[:, None])
 
 
+def _copy_source(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
+    """What a summary copy is made from (addresses; read on the host, no sync)."""
+    return cache.summaries.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr()
+
+
 def recompute_routing(params: DashParams, n: int, max_cand: int, hkv: int, d: int, itemsize: int,
                       route_heads: Optional[int] = None) -> bool:
     """Whether a call routes without a score scratch (``_route_recompute``): router ``kv_head``, no indexer, block
@@ -266,6 +271,7 @@ def gather_summaries(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: t
         return
     summ = cache.summaries
     n, max_cand, hkv, d = copy.shape
+    scratch.copied_from = _copy_source(cache, block_table, seq_lens)
     cb = 32
     _gather_summaries_kernel[(n, triton.cdiv(max_cand, cb))](
         summ, summ.stride(0), summ.stride(1), block_table, block_table.stride(0), seq_lens,
@@ -274,7 +280,7 @@ def gather_summaries(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: t
 
 
 @triton.jit
-def _copy_scores(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d,
+def _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d,
                  D: tl.constexpr, HKV: tl.constexpr, BLOCK_N: tl.constexpr, CS_TMA: tl.constexpr):
     """``([M, BLOCK_N] fp32 scores, candidates [BLOCK_N])`` of query rows ``qs [M, D]`` against candidates ``c0 ..
     c0 + BLOCK_N - 1`` of the summary copy (``gather_summaries``: candidate c of KV head h at row ``cs_row0 + c``,
@@ -300,7 +306,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
                      HKV: tl.constexpr):
     """Route a tile's ``QT`` units (token, KV head h) with no score scratch: each of five passes over the
     candidates (row maxima, the three Halley steps, mp with its lists) computes the scores again from the
-    summary copy (``_copy_scores``); the same entmax arithmetic as ``route_tile`` (``_halley_sums``,
+    summary copy (``_scores_from_copy``); the same entmax arithmetic as ``route_tile`` (``halley_sums``,
     ``halley_step``, ``append_positive``), then its cap and compaction (``select_kept``)."""
     M: tl.constexpr = QT * G_PAD
     offs_d = tl.arange(0, D)
@@ -311,7 +317,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     cs_row0 = req.to(tl.int64) * cs_req
     m = tl.full([M], float("-inf"), tl.float32)
     for c0 in range(0, ncand, BLOCK_N):
-        x, _c = _copy_scores(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV, BLOCK_N,
+        x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV, BLOCK_N,
                              CS_TMA)
         m = tl.maximum(m, tl.max(x, axis=1))
     m = tl.where(row_ok & (ncand > 0), m, 0.0)
@@ -323,9 +329,9 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
         sdf = tl.zeros([M], tl.float32)
         cnt = tl.zeros([M], tl.float32)
         for c0 in range(0, ncand, BLOCK_N):
-            x, _c = _copy_scores(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
+            x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
                                  BLOCK_N, CS_TMA)
-            t_ssq, t_sdf, t_cnt = _halley_sums(x, tau[:, None])
+            t_ssq, t_sdf, t_cnt = halley_sums(x, tau[:, None])
             ssq += t_ssq
             sdf += t_sdf
             cnt += t_cnt
@@ -339,10 +345,10 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     key_min = tl.full([QT], 0x7F800000, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
     for c0 in range(0, ncand, BLOCK_N):
-        x, c = _copy_scores(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV, BLOCK_N,
+        x, c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV, BLOCK_N,
                             CS_TMA)
         diff = tl.where(x > tau[:, None], x - tau[:, None], 0.0)
-        if G_PAD == 1:  # rows are units (the reshape and sum below miscompiled here: wrong selections, H200, triton 3.6)
+        if G_PAD == 1:  # rows are units (the reshape below gave wrong selections compiled: H200, triton 3.6)
             mp = diff * diff / g_f
         else:
             mp = tl.sum(tl.reshape(diff * diff, [QT, G_PAD, BLOCK_N]), axis=1) / g_f
@@ -379,6 +385,9 @@ def _prefill_route_kernel(
     h) of G rows (``kv_head``) or token of ``Hq`` rows (``shared``, all KV heads scored by this
     program), writing each unit's positive ``mp`` as a list (``mp`` and its candidates in ``ck``, shaped and
     strided like mp), the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``.
+    RECOMPUTE (``kv_head``): no score is stored; ``_route_recompute`` computes them in each pass from the summary
+    copy (``cs_ptr``, rows of request r from ``r cs_req``; ``cs_desc`` its TMA descriptor where CS_TMA; ``HKV_C``
+    is ``HKV`` as a constexpr, the copy's row length in heads). Otherwise the three are unused placeholders.
     """
     w = tl.program_id(0)
     hp = tl.program_id(1)
@@ -697,6 +706,7 @@ class PrefillScratch:
     union_prior: torch.Tensor
     summary_copy: Optional[torch.Tensor] = None  # [n, max_cand, Hkv, D] (recompute_routing), its TMA descriptor
     summary_desc: Optional[TensorDescriptor] = None
+    copied_from: Optional[tuple] = None  # what gather_summaries last copied (route_wave checks it)
 
     @staticmethod
     def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams) -> int:
@@ -867,6 +877,9 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     sq, ssum, ssc, smp, ssel = q.stride(), summ.stride(), s.scores.stride(), s.mp.stride(), s.sel_idx.stride()
     copy = s.summary_copy
     recompute = copy is not None
+    if recompute and s.copied_from != _copy_source(cache, block_table, seq_lens):
+        raise RuntimeError("the summary copy is not this call's: gather_summaries(cache, block_table, seq_lens, "
+                           "params, scratch) before the route launches")
     _prefill_route_kernel[(tiles, 1 if shared else hkv)](
         q, sq[0], sq[1], summ, ssum[0], ssum[1], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
@@ -876,7 +889,8 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         s.sel_count, s.sel_count.stride(0),
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
         1.0 / params.sigma, copy if recompute else summ, s.summary_desc if s.summary_desc is not None else summ,
-        plan.max_cand, PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
+        copy.shape[1] if recompute else 0, PS=cache.page_size,
+        **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
         num_warps=ROUTE_RECOMPUTE_WARPS if recompute else ROUTE_WARPS,
     )

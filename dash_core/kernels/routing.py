@@ -52,7 +52,7 @@ RADIX_MIN_KEYS = tl.constexpr(32 * SELECT_WARPS)
 
 
 @triton.jit
-def _halley_sums(x, tau):
+def halley_sums(x, tau):
     """Per row of a score tile (its last axis the candidates): sum of ``(x - tau)^2``, of ``x - tau`` and the
     count, over the entries strictly above ``tau`` (shaped like ``x`` with a last axis of 1)."""
     above = x > tau
@@ -332,7 +332,7 @@ def route_tile(
     tau = (lo + hi) * 0.5
     for _ in tl.static_range(3):
         if X_IN_REGS:
-            ssq, sdf, cnt = _halley_sums(x_all, tau[:, :, None])
+            ssq, sdf, cnt = halley_sums(x_all, tau[:, :, None])
         else:
             ssq = tl.zeros([QT, NH_PAD], tl.float32)
             sdf = tl.zeros([QT, NH_PAD], tl.float32)
@@ -340,7 +340,7 @@ def route_tile(
             for c0 in range(0, nmax, TC):
                 c = c0 + offs_c
                 x = _load_scores(x_rows, c, row_ok, ncand, ncand4)
-                t_ssq, t_sdf, t_cnt = _halley_sums(x, tau[:, :, None])
+                t_ssq, t_sdf, t_cnt = halley_sums(x, tau[:, :, None])
                 ssq += t_ssq
                 sdf += t_sdf
                 cnt += t_cnt

@@ -212,6 +212,29 @@ def test_routing_wide_rows_and_caps(monkeypatch):
         check_routing(case, plan, scratch)
 
 
+@pytest.mark.parametrize("group", [1, 3])  # G 1 (rows are units), G 3 (a padded row per token)
+@pytest.mark.parametrize("topk,est", [(None, False), (3, True)])
+@pytest.mark.parametrize("tma", [1, 0])  # the copy loaded by TMA boxes, or by pointers
+def test_routing_from_the_summary_copy(group, topk, est, tma, monkeypatch):
+    """Routing that computes its scores again in every pass, from the summary copy: several 16-candidate tiles
+    per pass, pages of two blocks, a local window of two blocks, a padded request, and a copy full of NaN before
+    the gather (rows it does not write are read by the last tile of a pass and must count for nothing)."""
+    monkeypatch.setattr(pf, "ROUTE_SCORE_TILE", 16)
+    monkeypatch.setattr(pf, "ROUTE_COPY_TMA", tma)
+    p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0, local=32)
+    case = make_prefill_case(7, [(16 * 40 + 5, 12), (0, 0), (16 * 20 + 3, 9)], hq=2 * group, hkv=2, bs=16,
+                             pages_per_block=2, params=p, q_scale=1.5).to(DEV)
+    plan, scratch = pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
+                                        recompute=True)
+    assert (scratch.summary_desc is not None) == bool(tma)
+    scratch.summary_copy.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="gather_summaries"):  # the copy is not this call's yet
+        pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, 1)
+    pf.gather_summaries(case.cache, case.block_table, case.seq_lens, p, scratch)
+    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    check_routing(case, plan, scratch)
+
+
 # --- stage 3: attention given the oracle's selection ---------------------------------------------
 
 
@@ -455,14 +478,16 @@ def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk,
     for reqs in ([(150, 150), (40, 7), (90, 33)], [(300, 190)]):
         case = make_prefill_case(3, reqs, hq=hq, hkv=hkv, bs=16, params=p).to(DEV)
         t, width = case.q.shape[0], case.block_table.shape[1] * case.cache.page_size
-        plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, budget)
-        got = _allocated(pf.PrefillScratch.allocate(plan.wave, plan.qt, hq, hkv, plan.max_cand, p, case.q.device))
-        # the summary copy of routing without a score scratch: bounded apart, outside the wave budget
-        d, itemsize = case.q.shape[2], case.cache.summaries.element_size()
-        recompute = pf.recompute_routing(p, len(reqs), plan.max_cand, hkv, d, itemsize)
+        plan, scratch = pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, budget)
+        total = _allocated(scratch)  # the routing scratch and the summary copy, as the op allocates them
+        # the summary copy of routing without a score scratch: bounded apart (SUMMARY_COPY_BYTES), outside the budget
+        recompute = scratch.summary_copy is not None
         assert recompute == (router == "kv_head" and plan.max_cand >= min_cand)
+        made = scratch.summary_copy.untyped_storage().nbytes() if recompute else 0
         copy = pf.SUMMARY_COPY_BYTES if recompute else 0
-        assert len(reqs) * plan.max_cand * hkv * d * itemsize <= copy or not recompute
+        assert 0 < made <= copy or not recompute
+        assert total <= pf.scratch_bound(t, len(reqs), width, hq, hkv, p, scratch_bytes=budget) or budget is not None
+        got = total - made
 
         def bound(requests, context):
             return pf.scratch_bound(t, requests, context, hq, hkv, p, scratch_bytes=budget) - copy
@@ -511,11 +536,13 @@ def test_the_profile_reservation_holds_the_largest_until_released():
     assert not ws._RESERVED
 
 
-def test_workspace_shared_by_the_layers_of_a_batch():
+@pytest.mark.parametrize("min_cand", [1, 1 << 20])  # routing from each layer's summary copy, or stored scores
+def test_workspace_shared_by_the_layers_of_a_batch(min_cand, monkeypatch):
     """Layers of one batch (different caches and queries, the same length tensors) sharing a workspace: the
     first call makes the plan and scratch, the second reuses them (in three waves, over the first layer's
-    leftover scratch) and both outputs equal calls without a workspace exactly. A new length tensor or another
-    token count makes them again."""
+    leftover scratch; the summary copy made again from its own cache) and both outputs equal calls without a
+    workspace exactly. A new length tensor or another token count makes them again."""
+    monkeypatch.setattr(pf, "RECOMPUTE_MIN_CAND", min_cand)
     p = DashParams(block_size=16, scaling_factor=2.0, topk=3)
     reqs = [(70, 40), (0, 0), (33, 33), (50, 7)]
     layers = [make_prefill_case(60 + i, reqs, params=p).to(DEV) for i in range(2)]

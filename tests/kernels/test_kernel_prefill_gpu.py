@@ -290,8 +290,12 @@ MATRIX = [  # (dtype, Hq, Hkv, D, bs, page_size, DashParams kwargs)
 ]
 
 
-@pytest.mark.parametrize("case", range(len(MATRIX)))
-def test_configuration_matrix(case):
+@pytest.mark.parametrize("case,min_cand", [(c, None) for c in range(len(MATRIX))] + [(0, 1), (2, 1)])
+def test_configuration_matrix(case, min_cand, monkeypatch):
+    """min_cand 1: routing from the summary copy on these short tables too (G 1, whose group mean once
+    miscompiled there, and D 256)."""
+    if min_cand is not None:
+        monkeypatch.setattr(pf, "RECOMPUTE_MIN_CAND", min_cand)
     dtype, hq, hkv, d, bs, ps, pk = MATRIX[case]
     p = DashParams(block_size=bs, **pk)
     totals, news = [6000, 1500, 257], [2500, 1500, 100]
