@@ -205,6 +205,9 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
                              f"{self.params.block_size} tokens the DASH buffers were sized for (max_model_len)")
         nd, npf, ndt, npt = split_decodes_and_prefills(m, decode_threshold=self.reorder_batch_threshold)
         width = min(self.max_blocks, m.block_table_tensor.shape[1])
+        # vLLM's tables are as wide as max_model_len; the prefill's candidates, routing scratch and routing path
+        # follow its table's width, so it gets only the pages of the step's longest sequence (a host bound)
+        prefill_width = max(1, min(width, -(-m.max_seq_len // self.params.block_size)))
         gb = self.graph_buffers
         positions = None
         if gb.positions is not None:  # page mode: the engine's positions (derived where a runner gives none)
@@ -221,7 +224,7 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
             num_prefill_tokens=npt, max_seq_len=m.max_seq_len, slot_mapping=m.slot_mapping,
             decode_seq_lens=gb.seq_lens[:nd], decode_block_table=gb.block_table[:nd],
             prefill_query_start_loc=qsl - qsl[:1], prefill_seq_lens=m.seq_lens[nd: nd + npf],
-            prefill_block_table=m.block_table_tensor[nd: nd + npf, :width], decode_buffers=gb.kernel,
+            prefill_block_table=m.block_table_tensor[nd: nd + npf, :prefill_width], decode_buffers=gb.kernel,
             decode_positions=None if positions is None else gb.positions[:nd],
             prefill_positions=None if positions is None else positions[ndt: ndt + npt])
 

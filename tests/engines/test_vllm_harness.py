@@ -106,10 +106,13 @@ def test_mixed_batch_matches_oracle(vllm_config, name, layout):
     # Earlier steps: the histories (request 2's in two chunks; request 3 has none of its own).
     _run_step(layer, builder, kv, table, data, [(0, 0, 36), (1, 0, 47), (2, 0, 24)])
     _run_step(layer, builder, kv, table, data, [(2, 24, 40)])
-    # This step, ordered as vLLM orders it: decodes, then extends and prefills.
+    # This step, ordered as vLLM orders it: decodes, then extends and prefills; the table as wide as vLLM makes it
+    # (max_model_len), the prefill's only as wide as the step's longest sequence.
     step = [(i, length - new, length) for i, (length, new) in enumerate(REQUESTS)]
-    md, out = _run_step(layer, builder, kv, table, data, step)
+    wide = torch.cat([table, torch.zeros(len(REQUESTS), 5, dtype=table.dtype)], 1)
+    md, out = _run_step(layer, builder, kv, wide, data, step)
     assert (md.num_decodes, md.num_prefills) == (2, 3)
+    assert md.prefill_block_table.shape[1] == table.shape[1] == -(-max(n for n, _ in REQUESTS) // BS)
 
     row, far_from_dense = 0, 0.0
     for i, (length, new) in enumerate(REQUESTS):
