@@ -281,7 +281,7 @@ def gather_summaries(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: t
 
 @triton.jit
 def _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d,
-                 D: tl.constexpr, HKV: tl.constexpr, BLOCK_N: tl.constexpr, CS_TMA: tl.constexpr):
+                      D: tl.constexpr, HKV: tl.constexpr, BLOCK_N: tl.constexpr, CS_TMA: tl.constexpr):
     """``([M, BLOCK_N] fp32 scores, candidates [BLOCK_N])`` of query rows ``qs [M, D]`` against candidates ``c0 ..
     c0 + BLOCK_N - 1`` of the summary copy (``gather_summaries``: candidate c of KV head h at row ``cs_row0 + c``,
     column ``h D``), ``-inf`` past ``ncand`` and on rows not ``row_ok``. CS_TMA: a box of ``cs_desc``, else
@@ -317,8 +317,8 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     cs_row0 = req.to(tl.int64) * cs_req
     m = tl.full([M], float("-inf"), tl.float32)
     for c0 in range(0, ncand, BLOCK_N):
-        x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV, BLOCK_N,
-                             CS_TMA)
+        x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
+                                  BLOCK_N, CS_TMA)
         m = tl.maximum(m, tl.max(x, axis=1))
     m = tl.where(row_ok & (ncand > 0), m, 0.0)
     lo = m - 1.0
@@ -330,7 +330,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
         cnt = tl.zeros([M], tl.float32)
         for c0 in range(0, ncand, BLOCK_N):
             x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
-                                 BLOCK_N, CS_TMA)
+                                      BLOCK_N, CS_TMA)
             t_ssq, t_sdf, t_cnt = halley_sums(x, tau[:, None])
             ssq += t_ssq
             sdf += t_sdf
@@ -345,8 +345,8 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     key_min = tl.full([QT], 0x7F800000, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
     for c0 in range(0, ncand, BLOCK_N):
-        x, c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV, BLOCK_N,
-                            CS_TMA)
+        x, c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
+                                 BLOCK_N, CS_TMA)
         diff = tl.where(x > tau[:, None], x - tau[:, None], 0.0)
         if G_PAD == 1:  # rows are units (the reshape below gave wrong selections compiled: H200, triton 3.6)
             mp = diff * diff / g_f
@@ -357,8 +357,9 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
         npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
         append_positive(mp, c, cok, mp_ptr, ck_ptr, mp_unit, npos_before)
     tl.debug_barrier()  # the lists are read back by other threads of this program
-    select_kept(mp_ptr, mp_unit, ncand_u, tl.max(ncand_u, axis=0), npos, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
-                sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + h * ssel_h, sel_cap,
+    select_kept(mp_ptr, mp_unit, ncand_u, tl.max(ncand_u, axis=0), npos, bt_ptr,
+                req.to(tl.int64) * sbt_n + 0 * slot_u, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
+                slot_u * ssel_n + h * ssel_h, sel_cap,
                 count_ptr, slot_u * scnt_n + h, topk, inv_sigma, npos, key_min, key_max, ck_ptr,
                 QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=False,
                 X_IN_REGS=False, TC=BLOCK_N, LIST=True, TL=TL)
@@ -796,10 +797,10 @@ def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_he
     page_size``): ``NT`` tiles (the tile tables' bound) of the widest table's scratch, or the byte budget (one
     tile where a tile is larger) if less, plus ``SUMMARY_COPY_BYTES`` where the summary copy may be made
     (``recompute_routing``). ``params`` as the kernels run them (router ``shared`` with an indexer)."""
-    qt, _, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, route_heads)
+    qt, max_cand, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, route_heads)
     budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
     nt = num_tokens // qt + 2 * min(max_requests, num_tokens)
-    copy = SUMMARY_COPY_BYTES if _may_recompute(params, max(1, max_context // params.block_size), route_heads) else 0
+    copy = SUMMARY_COPY_BYTES if _may_recompute(params, max_cand, route_heads) else 0
     return min(nt * per_tile, max(budget, per_tile)) + copy
 
 
