@@ -198,7 +198,7 @@ def selection_stats(pr: Prompt, params) -> dict:
     return dict(kv_fraction=attended / causal, useful_flops=useful_flops, executed_flops=executed,
                 routed_per_token=routed / (pr.n * hsel), tile_reuse=routed / max(union, 1), qt=plan.qt,
                 waves=-(-plan.num_tiles // plan.wave), scratch_mb=pf.PrefillScratch.bytes_per_tile(
-                    plan.qt, pr.hq, pr.hkv, plan.max_cand, params) * plan.wave / 2**20)
+                    plan.qt, pr.hq, pr.hkv, plan.max_cand, params, plan.recompute) * plan.wave / 2**20)
 
 
 def peak_mb(fn, cuda) -> float:

@@ -44,6 +44,7 @@ def write_token(
         offs_d = tl.arange(0, D)
         page = slot // PS
         row = slot % PS
+        k_new = tl.zeros([D], kc_ptr.dtype.element_ty)  # unused unless OWN_ROW (a placeholder for the call below)
         if WRITE | OWN_ROW:
             k_new = tl.load(k_ptr + t * sk_t + h * sk_h + offs_d).to(kc_ptr.dtype.element_ty)
         if WRITE:
@@ -52,12 +53,8 @@ def write_token(
             tl.store(vc_ptr + page * svc_p + row * svc_r + h * svc_h + offs_d, v_new.to(vc_ptr.dtype.element_ty))
         if SUMMARIZE:
             if slot % BS == BS - 1:
-                if OWN_ROW:
-                    summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale,
-                                    k_new, D=D, BS=BS, PS=PS, OWN_ROW=True)
-                else:
-                    summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale,
-                                    None, D=D, BS=BS, PS=PS, OWN_ROW=False)
+                summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale,
+                                k_new, D=D, BS=BS, PS=PS, OWN_ROW=OWN_ROW)
 
 
 @triton.jit

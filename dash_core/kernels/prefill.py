@@ -79,6 +79,8 @@ ATTN_WARPS = 4
 ROUTE_RECOMPUTE = 1
 RECOMPUTE_MIN_CAND = 1024
 ROUTE_RECOMPUTE_WARPS = 4
+ROUTE_RECOMPUTE_MAXNREG = 168  # its register cap (0: none): 3 programs a multiprocessor, not 2 (ptxas takes 255)
+ROUTE_RECOMPUTE_STAGES = 3  # pipeline stages of its score passes' summary loads
 ROUTE_COPY_TMA = 1  # the passes load the copy by TMA (Hopper and later), else by pointers
 SUMMARY_COPY_BYTES = 16 << 20
 ATTN_STAGES = 3  # K/V of the union loop two tiles ahead (2: 155 against 137 ms at 128k topk 64 on the H200)
@@ -280,6 +282,15 @@ def gather_summaries(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: t
 
 
 @triton.jit
+def _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d):
+    """``sf * q`` of the rows (token ``tok_m``, query head ``heads``), rounded to the query dtype (SPEC.md section 4);
+    zero rows where not ``row_ok``."""
+    q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=row_ok[:, None],
+                other=0.0)
+    return (q.to(tl.float32) * sf).to(q.dtype)
+
+
+@triton.jit
 def _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d,
                       D: tl.constexpr, HKV: tl.constexpr, BLOCK_N: tl.constexpr, CS_TMA: tl.constexpr):
     """``([M, BLOCK_N] fp32 scores, candidates [BLOCK_N])`` of query rows ``qs [M, D]`` against candidates ``c0 ..
@@ -310,10 +321,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     ``halley_step``, ``append_positive``), then its cap and compaction (``select_kept``)."""
     M: tl.constexpr = QT * G_PAD
     offs_d = tl.arange(0, D)
-    heads = h * G + g_m
-    q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=row_ok[:, None],
-                other=0.0)
-    qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
+    qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, h * G + g_m, row_ok, sf, offs_d)
     cs_row0 = req.to(tl.int64) * cs_req
     m = tl.full([M], float("-inf"), tl.float32)
     for c0 in range(0, ncand, BLOCK_N):
@@ -408,62 +416,60 @@ def _prefill_route_kernel(
                              sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                              topk, inv_sigma, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL,
                              CS_TMA, HKV_C)
-            return
-        bt_row = bt_ptr + req.to(tl.int64) * sbt_n
-        x_tok = x_ptr + (slot0 + u_m) * sx_n
-        mx = tl.full([M], float("-inf"), tl.float32)
-        if SHARED:
-            h_lo = 0
-            h_hi = HKV
-        else:
-            h_lo = hp
-            h_hi = hp + 1
-        for h in range(h_lo, h_hi):
-            heads = h * G + g_m
-            q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
-            x_rows = x_tok + heads.to(tl.int64) * sx_h
+        else:  # the stored scores
+            bt_row = bt_ptr + req.to(tl.int64) * sbt_n
+            x_tok = x_ptr + (slot0 + u_m) * sx_n
             mx = tl.full([M], float("-inf"), tl.float32)
-            for c0 in range(0, ncand, BLOCK_N):
-                c = c0 + offs_n
-                cm = c < ncand
-                x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-                tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
-                mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-        tl.debug_barrier()  # the scores are read back by other threads of this program
+            if SHARED:
+                h_lo = 0
+                h_hi = HKV
+            else:
+                h_lo = hp
+                h_hi = hp + 1
+            for h in range(h_lo, h_hi):
+                heads = h * G + g_m
+                qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d)
+                x_rows = x_tok + heads.to(tl.int64) * sx_h
+                mx = tl.full([M], float("-inf"), tl.float32)
+                for c0 in range(0, ncand, BLOCK_N):
+                    c = c0 + offs_n
+                    cm = c < ncand
+                    x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
+                    tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
+                    mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
+            tl.debug_barrier()  # the scores are read back by other threads of this program
 
-        ncand_u = tl.where(unit_ok, ncand, 0)
-        slot_u = slot0 + tl.arange(0, QT)
-        nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
-        if SHARED:
-            nrows = nrows * HKV
-            # row maxima over all Hq heads: one pass over the stored scores
-            offs_r = tl.arange(0, NH_PAD)
-            offs_c = tl.arange(0, TC)
-            rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
-            m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
-            for c0 in range(0, ncand, TC):
-                c = c0 + offs_c
-                okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
-                m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
-            x_unit = slot_u * sx_n
-            hs = 0
-        else:
-            m = tl.reshape(mx, [QT, G_PAD])
-            x_unit = slot_u * sx_n + hp * G * sx_h
-            hs = hp
-        r_ok = tl.arange(0, NH_PAD) < nrows
-        m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
-        route_tile(
-            x_ptr, x_unit, sx_h, nrows, ncand_u, m,
-            mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
-            sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
-            count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
-            QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-            ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
-            LIST=True, TL=TL,
-        )
+            ncand_u = tl.where(unit_ok, ncand, 0)
+            slot_u = slot0 + tl.arange(0, QT)
+            nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
+            if SHARED:
+                nrows = nrows * HKV
+                # row maxima over all Hq heads: one pass over the stored scores
+                offs_r = tl.arange(0, NH_PAD)
+                offs_c = tl.arange(0, TC)
+                rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
+                m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
+                for c0 in range(0, ncand, TC):
+                    c = c0 + offs_c
+                    okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
+                    m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
+                x_unit = slot_u * sx_n
+                hs = 0
+            else:
+                m = tl.reshape(mx, [QT, G_PAD])
+                x_unit = slot_u * sx_n + hp * G * sx_h
+                hs = hp
+            r_ok = tl.arange(0, NH_PAD) < nrows
+            m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
+            route_tile(
+                x_ptr, x_unit, sx_h, nrows, ncand_u, m,
+                mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
+                sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
+                count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
+                QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+                ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
+                LIST=True, TL=TL,
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -479,7 +485,7 @@ def _prefill_attn_kernel(
     k_desc, v_desc,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
-    UCH: tl.constexpr, SCALAR_BASE: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
+    UCH: tl.constexpr, ONE_BLOCK: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -592,7 +598,7 @@ def _prefill_attn_kernel(
         NSUB2: tl.constexpr = max(BS // BLOCK_U, 1)
         offs_k = tl.arange(0, BLOCK_U)
         offs_ch = tl.arange(0, UCH)
-        ONE_BLOCK: tl.constexpr = (PER == 1) and SCALAR_BASE  # a tile is one block: one base address, no mask
+        tl.static_assert(PER == 1 or not ONE_BLOCK, "ONE_BLOCK: a union tile within one block")
         tl.static_assert(ONE_BLOCK or not TMA, "TMA loads whole tiles of one block")
         if not TMA:
             k_off = offs_k[:, None] * sk_r + offs_d[None, :]
@@ -689,7 +695,8 @@ class PrefillScratch:
 
     The two union tables are written and read by the attention launch only, after the wave's route launch
     is done with the scores: they are views of the scores' storage (both when ``Hq >= 2 Hkv``, else
-    ``union_bias`` only), which keeps them out of the byte budget.
+    ``union_bias`` only), which keeps them out of the byte budget. Where routing stores no score
+    (``recompute``), that storage is no larger than the two tables: ``[slots, min(Hq, 2 Hkv), row]``.
     """
 
     qt: int
@@ -710,11 +717,19 @@ class PrefillScratch:
     copied_from: Optional[tuple] = None  # what gather_summaries last copied (route_wave checks it)
 
     @staticmethod
-    def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams) -> int:
+    def _score_rows(hq: int, hkv: int, recompute: bool) -> int:
+        """Rows per slot of the scores' storage: ``Hq`` score rows, or (``recompute``) no more than the union tables
+        take."""
+        return min(hq, 2 * hkv) if recompute else hq
+
+    @staticmethod
+    def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
+                       recompute: bool = False) -> int:
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
-        per_slot = 4 * ((hq + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
-        own_prior = hq < 2 * hkv  # union_prior does not fit beside union_bias in the scores
+        rows = PrefillScratch._score_rows(hq, hkv, recompute)
+        per_slot = 4 * ((rows + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
+        own_prior = rows < 2 * hkv  # union_prior does not fit beside union_bias in the scores
         return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt)
 
     def add_summary_copy(self, n: int, hkv: int, d: int, dtype: torch.dtype) -> None:
@@ -727,15 +742,18 @@ class PrefillScratch:
 
     @classmethod
     def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
-                 device) -> "PrefillScratch":
+                 device, recompute: bool = False) -> "PrefillScratch":
+        """recompute: routing stores no score (``_route_recompute``): the scores' storage holds the union tables only
+        (the summary copy is added by ``add_summary_copy``)."""
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         slots = tiles * qt
         f32, i32 = torch.float32, torch.int32
-        scores = torch.empty(slots, hq, _row(max_cand), dtype=f32, device=device)
+        rows = cls._score_rows(hq, hkv, recompute)
+        scores = torch.empty(slots, rows, _row(max_cand), dtype=f32, device=device)
         table = tiles * hkv * qt * max_cand  # elements of one union table
         flat = scores.view(-1)
-        prior = (flat[table:2 * table] if hq >= 2 * hkv else torch.empty(table, dtype=f32, device=device))
+        prior = (flat[table:2 * table] if rows >= 2 * hkv else torch.empty(table, dtype=f32, device=device))
         return cls(
             qt, tiles, max_cand,
             scores=scores,
@@ -761,25 +779,31 @@ class PrefillPlan:
     max_cand: int
     tile_req: torch.Tensor
     tile_off: torch.Tensor
+    recompute: bool = False  # routing stores no score (recompute_routing): a smaller scratch per tile
 
     @classmethod
     def build(cls, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
               seq_lens: torch.Tensor, params: DashParams, scratch_bytes: Optional[int] = None,
-              route_heads: Optional[int] = None) -> "PrefillPlan":
+              route_heads: Optional[int] = None, recompute: Optional[bool] = None) -> "PrefillPlan":
         """route_heads: the indexer's ``Hi`` when it routes (one group of Hi score rows per token): the
         tile then also keeps ``QT * pow2(Hi)`` within ``ATTN_ROWS`` (registers, shared memory), and the
-        scratch holds ``max(Hq, Hi)`` score rows per token."""
-        t, hq, _ = q.shape
+        scratch holds ``max(Hq, Hi)`` score rows per token. recompute: route without a score scratch
+        (None: where ``recompute_routing`` says so); the waves are sized for that path's scratch."""
+        t, hq, d = q.shape
         hkv = cache.num_kv_heads
-        qt, max_cand, per_tile = _tile_geometry(hq, hkv, block_table.shape[1] * cache.page_size, params,
-                                                route_heads)
+        table_tokens = block_table.shape[1] * cache.page_size
+        if recompute is None:
+            max_cand = _tile_geometry(hq, hkv, table_tokens, params, route_heads)[1]
+            recompute = recompute_routing(params, seq_lens.shape[0], max_cand, hkv, d,
+                                          cache.summaries.element_size(), route_heads)
+        qt, max_cand, per_tile = _tile_geometry(hq, hkv, table_tokens, params, route_heads, recompute)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
         wave = wave_tiles(nt, per_tile, hkv, q.device, scratch_bytes)
-        return cls(qt, nt, wave, max_cand, tile_req, tile_off)
+        return cls(qt, nt, wave, max_cand, tile_req, tile_off, recompute)
 
 
 def _tile_geometry(hq: int, hkv: int, table_tokens: int, params: DashParams,
-                   route_heads: Optional[int] = None) -> tuple:
+                   route_heads: Optional[int] = None, recompute: bool = False) -> tuple:
     """``(QT, candidates per token at most, bytes of one tile's routing scratch)`` for block tables of
     ``table_tokens`` tokens (``PrefillPlan.build``)."""
     max_cand = max(1, table_tokens // params.block_size)
@@ -787,7 +811,7 @@ def _tile_geometry(hq: int, hkv: int, table_tokens: int, params: DashParams,
     if route_heads is not None:
         qt = min(qt, tile_tokens(route_heads, 1, params.block_size))
     score_rows = hq if route_heads is None else max(hq, route_heads)
-    return qt, max_cand, PrefillScratch.bytes_per_tile(qt, score_rows, hkv, max_cand, params)
+    return qt, max_cand, PrefillScratch.bytes_per_tile(qt, score_rows, hkv, max_cand, params, recompute)
 
 
 def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_heads: int, num_kv_heads: int,
@@ -795,13 +819,20 @@ def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_he
     """The most routing scratch (bytes) ``paged_dash_prefill_triton`` allocates for up to ``num_tokens`` new
     tokens in up to ``max_requests`` requests, with block tables of up to ``max_context`` tokens (``max_pages *
     page_size``): ``NT`` tiles (the tile tables' bound) of the widest table's scratch, or the byte budget (one
-    tile where a tile is larger) if less, plus ``SUMMARY_COPY_BYTES`` where the summary copy may be made
-    (``recompute_routing``). ``params`` as the kernels run them (router ``shared`` with an indexer)."""
+    tile where a tile is larger) if less; where routing may store no score (``recompute_routing``), the larger of
+    that and the same for that path's smaller tiles plus ``SUMMARY_COPY_BYTES``. ``params`` as the kernels run
+    them (router ``shared`` with an indexer)."""
     qt, max_cand, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, route_heads)
     budget = SCRATCH_BYTES if scratch_bytes is None else scratch_bytes
     nt = num_tokens // qt + 2 * min(max_requests, num_tokens)
-    copy = SUMMARY_COPY_BYTES if _may_recompute(params, max_cand, route_heads) else 0
-    return min(nt * per_tile, max(budget, per_tile)) + copy
+
+    def waves(tile_bytes: int) -> int:
+        return min(nt * tile_bytes, max(budget, tile_bytes))
+
+    if not _may_recompute(params, max_cand, route_heads):
+        return waves(per_tile)
+    recompute_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, route_heads, True)[2]
+    return max(waves(per_tile), waves(recompute_tile) + SUMMARY_COPY_BYTES)
 
 
 def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, scratch_bytes: Optional[int] = None) -> int:
@@ -894,6 +925,8 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
         num_warps=ROUTE_RECOMPUTE_WARPS if recompute else ROUTE_WARPS,
+        num_stages=ROUTE_RECOMPUTE_STAGES if recompute else 3,
+        **({"maxnreg": ROUTE_RECOMPUTE_MAXNREG} if recompute and ROUTE_RECOMPUTE_MAXNREG else {}),
     )
 
 
@@ -953,7 +986,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     s = scratch
     g_pad = _pow2(g)
     block_u = ATTN_KEYS if d <= 128 else min(bs, 32)
-    one_block = block_u < 2 * bs and bool(ATTN_SCALAR_BASE)  # the kernel's ONE_BLOCK: no tl.gather of block ids
+    one_block = block_u < 2 * bs and bool(ATTN_SCALAR_BASE)  # a tile within one block: one base address, no gather
     kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs else None
     sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, sbi, so = s.union_prior.stride(), s.union_blk.stride(), s.union_bias.stride(), out.stride()
@@ -969,7 +1002,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
         UCH=UNION_CHUNK if one_block else max(UNION_CHUNK_GATHER, block_u // bs),
-        SCALAR_BASE=bool(ATTN_SCALAR_BASE), TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]),
+        ONE_BLOCK=one_block, TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]),
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
 
@@ -980,16 +1013,13 @@ def plan_and_scratch(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Te
     """The plan and the routing scratch of one call (what a workspace keeps), with the summary copy where routing
     computes the scores again in each pass (``recompute``; None: where ``recompute_routing`` says so). Fill the
     copy with ``gather_summaries`` before the route launches of each call."""
-    hq, d, hkv, summ = q.shape[1], q.shape[2], cache.num_kv_heads, cache.summaries
-    n = seq_lens.shape[0]
+    hq, d, hkv = q.shape[1], q.shape[2], cache.num_kv_heads
     plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, scratch_bytes,
-                             route_heads=route_heads)
+                             route_heads=route_heads, recompute=recompute)
     hs = hq if route_heads is None else max(hq, route_heads)
-    scratch = PrefillScratch.allocate(plan.wave, plan.qt, hs, hkv, plan.max_cand, params, q.device)
-    if recompute is None:
-        recompute = recompute_routing(params, n, plan.max_cand, hkv, d, summ.element_size(), route_heads)
-    if recompute:
-        scratch.add_summary_copy(n, hkv, d, summ.dtype)
+    scratch = PrefillScratch.allocate(plan.wave, plan.qt, hs, hkv, plan.max_cand, params, q.device, plan.recompute)
+    if plan.recompute:
+        scratch.add_summary_copy(seq_lens.shape[0], hkv, d, cache.summaries.dtype)
     return plan, scratch
 
 

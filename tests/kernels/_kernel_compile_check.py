@@ -47,7 +47,7 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+            opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
             sig, attrs = {}, {}
             names = self.fn.arg_names
             nospec = set(getattr(self.fn, "do_not_specialize", ()))  # names or indices

@@ -482,24 +482,28 @@ def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk,
         total = _allocated(scratch)  # the routing scratch and the summary copy, as the op allocates them
         # the summary copy of routing without a score scratch: bounded apart (SUMMARY_COPY_BYTES), outside the budget
         recompute = scratch.summary_copy is not None
-        assert recompute == (router == "kv_head" and plan.max_cand >= min_cand)
+        assert recompute == plan.recompute == (router == "kv_head" and plan.max_cand >= min_cand)
         made = scratch.summary_copy.untyped_storage().nbytes() if recompute else 0
         copy = pf.SUMMARY_COPY_BYTES if recompute else 0
         assert 0 < made <= copy or not recompute
-        assert total <= pf.scratch_bound(t, len(reqs), width, hq, hkv, p, scratch_bytes=budget) or budget is not None
-        got = total - made
+        # the same call routing from stored scores: larger tiles, no copy
+        stored = _allocated(pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
+                                                budget, recompute=False)[1])
+        assert total - made <= stored and (total - made < stored or not recompute or hq < 2 * hkv)
+        full = pf.scratch_bound(t, len(reqs), width, hq, hkv, p, scratch_bytes=budget)
+        assert total <= full and stored <= full
+        if budget is None:  # the larger of the two paths, the copy at its bound
+            assert full == max(stored, total - made + copy)
+        else:  # the budget (or the one tile a wave holds at least) where it binds
+            assert full <= max(budget, stored) + copy
 
         def bound(requests, context):
-            return pf.scratch_bound(t, requests, context, hq, hkv, p, scratch_bytes=budget) - copy
+            return pf.scratch_bound(t, requests, context, hq, hkv, p, scratch_bytes=budget)
 
-        if budget is None:
-            assert got == bound(len(reqs), width)
-        else:  # the budget (or the one tile a wave holds at least) where it binds
-            assert got <= bound(len(reqs), width) <= max(budget, got)
-        assert got <= bound(3, width) and got <= bound(len(reqs), 2 * width)
+        assert full <= bound(3, width) and full <= bound(len(reqs), 2 * width)
         for context in (width // 2, width - 16):
-            assert bound(len(reqs), context) <= bound(len(reqs), width)
-            assert bound(len(reqs), context) < got or budget is not None
+            assert bound(len(reqs), context) <= full
+            assert bound(len(reqs), context) < full or budget is not None
     assert prefill_scratch_bytes(t, 3, width, hq, hkv, p) == pf.scratch_bound(t, 3, width, hq, hkv, p)
 
 
@@ -550,8 +554,9 @@ def test_workspace_shared_by_the_layers_of_a_batch(min_cand, monkeypatch):
         assert torch.equal(case.cu, layers[0].cu) and torch.equal(case.seq_lens, layers[0].seq_lens)
     plan = pf.PrefillPlan.build(layers[0].q, layers[0].cache, layers[0].block_table, layers[0].cu,
                                 layers[0].seq_lens, p)
-    budget = -(-plan.num_tiles // 3) * pf.PrefillScratch.bytes_per_tile(plan.qt, layers[0].q.shape[1],
-                                                                        layers[0].cache.num_kv_heads, plan.max_cand, p)
+    assert plan.recompute == (min_cand == 1)
+    budget = -(-plan.num_tiles // 3) * pf.PrefillScratch.bytes_per_tile(
+        plan.qt, layers[0].q.shape[1], layers[0].cache.num_kv_heads, plan.max_cand, p, plan.recompute)
     alone = [prefill(case, scratch_bytes=budget) for case in layers]
     ws = PrefillWorkspace()
     lens = (layers[0].cu, layers[0].seq_lens)
@@ -640,17 +645,29 @@ def test_validation_errors_before_any_write():
     assert torch.equal(case.cache.k_pages, before)
 
 
-@pytest.mark.parametrize("hq,hkv,router", [(8, 2, "kv_head"), (4, 4, "kv_head"), (8, 2, "shared"), (4, 4, "shared")])
-def test_scratch_bytes_are_the_allocation(hq, hkv, router):
+@pytest.mark.parametrize("hq,hkv,router,recompute", [
+    (8, 2, "kv_head", False), (4, 4, "kv_head", False), (8, 2, "shared", False), (4, 4, "shared", False),
+    (8, 2, "kv_head", True), (4, 4, "kv_head", True), (32, 8, "kv_head", True),
+])
+def test_scratch_bytes_are_the_allocation(hq, hkv, router, recompute):
     """``bytes_per_tile`` (the wave budget's unit) is what ``allocate`` takes: the union tables that live
-    in the scores' storage are not counted, those that do not are; the two tables never overlap."""
+    in the scores' storage are not counted, those that do not are; the two tables never overlap and lie
+    within that storage where it is large enough. Without stored scores (``recompute``) the storage holds no
+    more than the two tables."""
     p = DashParams(block_size=16, topk=4, router=router)
     qt, tiles, max_cand = 4, 3, 10
-    s = pf.PrefillScratch.allocate(tiles, qt, hq, hkv, max_cand, p, "cpu")
-    assert _allocated(s) == tiles * pf.PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, p)
-    assert s.union_bias.untyped_storage().data_ptr() == s.scores.untyped_storage().data_ptr()
-    lo = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in (s.union_bias, s.union_prior))
-    assert lo[0][1] <= lo[1][0]
+    s = pf.PrefillScratch.allocate(tiles, qt, hq, hkv, max_cand, p, "cpu", recompute)
+    assert _allocated(s) == tiles * pf.PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, p, recompute)
+    storage = s.scores.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    spans = {name: (t.data_ptr(), t.data_ptr() + 4 * t.numel())
+             for name, t in (("bias", s.union_bias), ("prior", s.union_prior))}
+    assert spans["bias"][0] == start and spans["bias"][1] <= end
+    assert spans["bias"][1] <= spans["prior"][0] or spans["prior"][1] <= spans["bias"][0]
+    inside = s.union_prior.untyped_storage().data_ptr() == start
+    assert inside == (hq >= 2 * hkv) and (spans["prior"][1] <= end or not inside)
+    if recompute:  # no more than the two tables' rows (padded to 16 entries)
+        assert storage.nbytes() == tiles * qt * min(hq, 2 * hkv) * 16 * 4
 
 
 def test_waves_fill_whole_rounds():
