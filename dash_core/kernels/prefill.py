@@ -11,8 +11,8 @@ candidates (blocks ``0 .. cur - local_blocks``) and their local window. ``QT * G
 Tiles are numbered request by request (``tile_tables``); a request adds at most one partial tile at
 each end.
 
-Waves. Routing needs, per token, the scores of every candidate (``[Hq, max_cand]`` fp32), its ``mp`` and
-its selection. That scratch is allocated for ``W`` tiles only (``W`` from a byte budget, default
+Waves. Routing needs, per token, the scores of every candidate (``[Hq, max_cand]`` fp32, unless it computes
+them again in each pass: below), its ``mp`` and its selection. That scratch is allocated for ``W`` tiles only (``W`` from a byte budget, default
 ``SCRATCH_BYTES``, in whole rounds of resident programs: ``wave_tiles``), and the tiles are processed in
 waves of ``W``: never a ``[tokens x blocks]`` matrix for the whole prompt. Each wave is two launches:
 
