@@ -44,7 +44,7 @@ def write_token(
         offs_d = tl.arange(0, D)
         page = slot // PS
         row = slot % PS
-        k_new = tl.zeros([D], kc_ptr.dtype.element_ty)  # unused unless OWN_ROW (a placeholder for the call below)
+        k_new = tl.zeros([D], kc_ptr.dtype.element_ty)  # loaded where WRITE or OWN_ROW; the summary reads it if OWN_ROW
         if WRITE | OWN_ROW:
             k_new = tl.load(k_ptr + t * sk_t + h * sk_h + offs_d).to(kc_ptr.dtype.element_ty)
         if WRITE:

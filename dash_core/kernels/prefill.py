@@ -12,9 +12,10 @@ Tiles are numbered request by request (``tile_tables``); a request adds at most 
 each end.
 
 Waves. Routing needs, per token, the scores of every candidate (``[Hq, max_cand]`` fp32, unless it computes
-them again in each pass: below), its ``mp`` and its selection. That scratch is allocated for ``W`` tiles only (``W`` from a byte budget, default
-``SCRATCH_BYTES``, in whole rounds of resident programs: ``wave_tiles``), and the tiles are processed in
-waves of ``W``: never a ``[tokens x blocks]`` matrix for the whole prompt. Each wave is two launches:
+them again in each pass: below), its ``mp`` and its selection. That scratch is allocated for ``W`` tiles only
+(``W`` from a byte budget, default ``SCRATCH_BYTES``, in whole rounds of resident programs: ``wave_tiles``),
+and the tiles are processed in waves of ``W``: never a ``[tokens x blocks]`` matrix for the whole prompt. Each
+wave is two launches:
 
 - ``_prefill_route_kernel``, grid ``(W, Hkv)`` (``(W, 1)`` for router ``shared``): scores of the tile's
   tokens against every candidate summary (``tl.dot``, read through the page table) into the scratch,
@@ -65,6 +66,7 @@ RESIDENT_CTAS = 2
 ATTN_ROWS = 64  # query rows of one tile (tokens x padded GQA group)
 ROUTE_TILE_BUDGET = 4096  # elements of route_tile's largest register tile (QT units at once; 2048: 14 ms slower at 128k)
 ROUTE_WARPS = 8
+ROUTE_STAGES = 3  # pipeline stages of its score loops
 ROUTE_SCORE_TILE = 64  # candidates of one score tile of the route kernel (half that above D 128)
 # The topk cap of a route tile (128k topk 64 on the H200, routing alone: 44.6 ms with these three against 53.6 ms
 # with 16 pivots and 16-wide tiles for every pass; 2 or 8 pivots, or 64-wide pivot tiles: 68-69 ms)
@@ -75,7 +77,8 @@ ATTN_WARPS = 4
 # Routing without a score scratch (router kv_head): the five passes compute the scores again from a copy of each
 # request's summaries in candidate order (gather_summaries), made once per call where block tables hold at least
 # RECOMPUTE_MIN_CAND blocks and the copy takes at most SUMMARY_COPY_BYTES; else the scores are stored. On the H200
-# (docs/PERFORMANCE.md, run 10) routing at 128k took 38.0 against 41.8 ms (topk 64), and at 32k 2.58 against 2.43.
+# (docs/PERFORMANCE.md, run 10) routing at 128k took 38.0 against 41.8 ms (topk 64), and at 32k 2.58 against 2.43;
+# with the register cap below, 33.3 ms at 128k (run 11).
 ROUTE_RECOMPUTE = 1
 RECOMPUTE_MIN_CAND = 1024
 ROUTE_RECOMPUTE_WARPS = 4
@@ -696,7 +699,7 @@ class PrefillScratch:
     The two union tables are written and read by the attention launch only, after the wave's route launch
     is done with the scores: they are views of the scores' storage (both when ``Hq >= 2 Hkv``, else
     ``union_bias`` only), which keeps them out of the byte budget. Where routing stores no score
-    (``recompute``), that storage is no larger than the two tables: ``[slots, min(Hq, 2 Hkv), row]``.
+    (``recompute``), that storage is only as large as the two tables need: ``[slots, min(Hq, 2 Hkv), row]``.
     """
 
     qt: int
@@ -793,8 +796,7 @@ class PrefillPlan:
         hkv = cache.num_kv_heads
         table_tokens = block_table.shape[1] * cache.page_size
         if recompute is None:
-            max_cand = _tile_geometry(hq, hkv, table_tokens, params, route_heads)[1]
-            recompute = recompute_routing(params, seq_lens.shape[0], max_cand, hkv, d,
+            recompute = recompute_routing(params, seq_lens.shape[0], _max_cand(table_tokens, params), hkv, d,
                                           cache.summaries.element_size(), route_heads)
         qt, max_cand, per_tile = _tile_geometry(hq, hkv, table_tokens, params, route_heads, recompute)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
@@ -802,11 +804,16 @@ class PrefillPlan:
         return cls(qt, nt, wave, max_cand, tile_req, tile_off, recompute)
 
 
+def _max_cand(table_tokens: int, params: DashParams) -> int:
+    """Candidates per token at most, for block tables of ``table_tokens`` tokens."""
+    return max(1, table_tokens // params.block_size)
+
+
 def _tile_geometry(hq: int, hkv: int, table_tokens: int, params: DashParams,
                    route_heads: Optional[int] = None, recompute: bool = False) -> tuple:
     """``(QT, candidates per token at most, bytes of one tile's routing scratch)`` for block tables of
     ``table_tokens`` tokens (``PrefillPlan.build``)."""
-    max_cand = max(1, table_tokens // params.block_size)
+    max_cand = _max_cand(table_tokens, params)
     qt = tile_tokens(hq, hkv, params.block_size)
     if route_heads is not None:
         qt = min(qt, tile_tokens(route_heads, 1, params.block_size))
@@ -912,6 +919,9 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     if recompute and s.copied_from != _copy_source(cache, block_table, seq_lens):
         raise RuntimeError("the summary copy is not this call's: gather_summaries(cache, block_table, seq_lens, "
                            "params, scratch) before the route launches")
+    if not recompute and s.scores.shape[1] < hq:
+        raise RuntimeError(f"this scratch has room for {s.scores.shape[1]} score rows per token, not {hq}: it was "
+                           "allocated to route from a summary copy (add_summary_copy), which it does not hold")
     _prefill_route_kernel[(tiles, 1 if shared else hkv)](
         q, sq[0], sq[1], summ, ssum[0], ssum[1], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
@@ -925,7 +935,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
         num_warps=ROUTE_RECOMPUTE_WARPS if recompute else ROUTE_WARPS,
-        num_stages=ROUTE_RECOMPUTE_STAGES if recompute else 3,
+        num_stages=ROUTE_RECOMPUTE_STAGES if recompute else ROUTE_STAGES,
         **({"maxnreg": ROUTE_RECOMPUTE_MAXNREG} if recompute and ROUTE_RECOMPUTE_MAXNREG else {}),
     )
 

@@ -198,7 +198,8 @@ def select_kept(
             kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
             lo_k = tl.where(need, radix_kth(keys, kvalid, tl.sum(lo_k, axis=0) * 0 + topk), lo_k)
             hi_k = lo_k + 1
-        # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k.
+        # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k
+        # (until a pivot splits them exactly: below).
         while tl.max(hi_k - lo_k, axis=0) > 1:
             span = (hi_k - lo_k).to(tl.int64)
             piv = lo_k[:, None] + (span[:, None] * (offs_p[None, :] + 1) // (NPIV + 1)).to(tl.int32)
@@ -215,6 +216,13 @@ def select_kept(
             new_hi = tl.min(tl.where(enough, hi_k[:, None], piv), axis=1)
             lo_k = tl.where(need, tl.maximum(lo_k, new_lo), lo_k)
             hi_k = tl.where(need, tl.minimum(hi_k, new_hi), hi_k)
+            # A pivot with exactly topk keys at or above it (pivots of a unit that needs the cap are > 0): those
+            # keys are the topk largest, all above every other. Stop there: the threshold one below it keeps them
+            # and no tie (the ties pass below finds topk keys above it).
+            exact = tl.max(tl.where(ge == topk, piv, 0), axis=1)
+            stop = need & (exact > 0)
+            lo_k = tl.where(stop, exact - 1, lo_k)
+            hi_k = tl.where(stop, exact, hi_k)
         thr = tl.where(need, lo_k, 0)
 
     # How many ties at the threshold are kept; geometric mean of the kept mp (estimate_diagonal).

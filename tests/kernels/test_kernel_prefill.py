@@ -227,6 +227,10 @@ def test_routing_from_the_summary_copy(group, topk, est, tma, monkeypatch):
     plan, scratch = pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
                                         recompute=True)
     assert (scratch.summary_desc is not None) == bool(tma)
+    if case.q.shape[1] > 4:  # a scratch sized for the copy (rows for the union tables only) but without it
+        bare = pf.PrefillScratch.allocate(plan.wave, plan.qt, case.q.shape[1], 2, plan.max_cand, p, DEV, True)
+        with pytest.raises(RuntimeError, match="score rows"):
+            pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, bare, 0, 1)
     scratch.summary_copy.fill_(float("nan"))
     with pytest.raises(RuntimeError, match="gather_summaries"):  # the copy is not this call's yet
         pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, 1)
@@ -445,7 +449,7 @@ def test_extends_match_oracle_on_most_rows():
         if n == 0:  # two tiles per wave
             plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p)
             per_tile = pf.PrefillScratch.bytes_per_tile(plan.qt, case.q.shape[1], case.cache.num_kv_heads,
-                                                        plan.max_cand, p)
+                                                        plan.max_cand, p, plan.recompute)
             again = prefill(case, scratch_bytes=2 * per_tile, write=False)
             assert torch.equal(again, out)
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
@@ -505,6 +509,26 @@ def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk,
             assert bound(len(reqs), context) <= full
             assert bound(len(reqs), context) < full or budget is not None
     assert prefill_scratch_bytes(t, 3, width, hq, hkv, p) == pf.scratch_bound(t, 3, width, hq, hkv, p)
+
+
+def test_scratch_bound_where_the_copy_fits_fewer_requests(monkeypatch):
+    """The summary copy may fit for one request and not for three (``SUMMARY_COPY_BYTES``): one call then routes from
+    the copy (smaller tiles plus the copy), the other from stored scores; the bound for three requests covers both."""
+    monkeypatch.setattr(pf, "RECOMPUTE_MIN_CAND", 1)
+    p = DashParams(block_size=16, topk=2, scaling_factor=1.0)
+    cases = [make_prefill_case(3, reqs, hq=8, hkv=2, bs=16, params=p).to(DEV)
+             for reqs in ([(150, 150)], [(150, 150), (40, 7), (90, 33)])]
+    width = cases[0].block_table.shape[1] * cases[0].cache.page_size
+    assert all(c.block_table.shape[1] * c.cache.page_size == width for c in cases)
+    summ = cases[0].cache.summaries
+    one_copy = pf._max_cand(width, p) * 2 * summ.shape[-1] * summ.element_size()  # [1, max_cand, Hkv, D]
+    monkeypatch.setattr(pf, "SUMMARY_COPY_BYTES", one_copy)
+    made = [pf.plan_and_scratch(c.q, c.cache, c.block_table, c.cu, c.seq_lens, p)[1] for c in cases]
+    assert made[0].summary_copy is not None and made[1].summary_copy is None
+    t = max(c.q.shape[0] for c in cases)
+    bound = pf.scratch_bound(t, 3, width, 8, 2, p)
+    assert all(_allocated(s) <= bound for s in made)
+    assert bound == _allocated(made[1])  # here the stored path's scratch is the larger: the bound is tight
 
 
 def test_scratch_bound_of_an_indexer():
