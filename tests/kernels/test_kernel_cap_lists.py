@@ -123,6 +123,33 @@ def test_select_kept_threshold_matches_sort(lists, topk):
             assert torch.equal(mp_d[u, :pos.numel()], rows[u, pos])
 
 
+@pytest.mark.parametrize("topk", [1, 7, 64])
+def test_select_kept_stops_at_an_exact_split(topk):
+    """Rows whose topk largest mp are distinct and above a run of ties (the search stops at a pivot with exactly
+    topk keys at or above it: nothing of the ties below may be kept), beside rows with one key fewer above the
+    ties (the threshold falls in the ties: the lowest candidates among them are kept) and with the ties above."""
+    nmax = 300
+    g = torch.Generator().manual_seed(5 + topk)
+    rows = torch.zeros(8, nmax, dtype=torch.float32)
+    for u in range(8):
+        above = topk - (u % 3 == 1)  # u % 3: exact split, one key short of it, no key above the ties
+        above = 0 if u % 3 == 2 else above
+        perm = torch.randperm(nmax, generator=g)
+        rows[u, perm[:above]] = 1.0 + torch.rand(above, generator=g) * (1 + u)  # distinct with probability ~1
+        rows[u, perm[above:above + 100]] = 0.5 / (1 + u)  # the ties
+        rows[u, perm[above + 100:above + 150]] = torch.rand(50, generator=g) * 0.1 / (1 + u)  # below the ties
+    ncand = torch.full((8,), nmax, dtype=torch.int32)
+    sel_idx = torch.full((8, topk), -1, dtype=torch.int32)
+    dev = [x.to(DEV) for x in (rows.clone(), ncand, torch.full((8, nmax), -1, dtype=torch.int32),
+                               torch.arange(nmax, dtype=torch.int32), sel_idx, sel_idx.clone(),
+                               torch.zeros(8, topk), torch.full((8,), -1, dtype=torch.int32))]
+    _cap_kernel[(1,)](*dev, nmax, topk, QT=8, TS=16, NPIV=4, LIST=True, TL=32)
+    sel_d, count_d = dev[4].cpu(), dev[7].cpu()
+    for u in range(8):
+        want = _expected(rows[u], topk)
+        assert sel_d[u, :int(count_d[u])].tolist() == want, f"row {u}, topk {topk}"
+
+
 @pytest.mark.parametrize("router,topk", [("kv_head", 3), ("shared", 5), ("kv_head", None)])
 def test_prefill_route_lists_keep_the_oracle_blocks(router, topk):
     """The prefill route kernel (which caps and compact from the lists of positive mp): the oracle's
