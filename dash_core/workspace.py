@@ -38,9 +38,9 @@ def prefill_scratch_bytes(num_tokens: int, max_requests: int, max_context: int, 
     """The most routing scratch, in bytes, one CUDA ``paged_dash_prefill`` call (and so a workspace) holds for up
     to ``num_tokens`` new tokens of up to ``max_requests`` requests whose block tables cover up to
     ``max_context`` tokens (page-table width times page size): at most the byte budget
-    ``dash_core.kernels.prefill.SCRATCH_BYTES`` (896 MiB), or one query tile's scratch where that is larger, plus
-    ``SUMMARY_COPY_BYTES`` (16 MiB) where tables are long enough for routing to recompute its scores from a copy
-    of the summaries (router ``kv_head``, no indexer).
+    ``dash_core.kernels.prefill.SCRATCH_BYTES`` (896 MiB), or one query tile's scratch where that is larger. Where
+    tables are long enough for routing to recompute its scores from a copy of the summaries (router ``kv_head``, no
+    indexer), the larger of that and the same for that path's smaller tiles plus ``SUMMARY_COPY_BYTES`` (16 MiB).
     indexer_heads: the indexer's query heads when it routes (the selection is then shared by the KV heads).
     Engines that size their KV cache from a profiled peak add it (the vLLM adapter does).
     """

@@ -367,8 +367,7 @@ def _kernel_active_counts(qf, cache, bt, b, n, hkv, hc, p):
     blocks plus the local window, as the published kernels count them."""
     cu = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * n
     seq = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
-    plan = pf.PrefillPlan.build(qf, cache, bt, cu, seq, p, scratch_bytes=1 << 40, recompute=False)
-    scratch = pf.PrefillScratch.allocate(plan.wave, plan.qt, qf.shape[1], hkv, plan.max_cand, p, DEVICE)
+    plan, scratch = pf.plan_and_scratch(qf, cache, bt, cu, seq, p, 1 << 40, recompute=False)
     scratch.sel_count.zero_()
     pf.route_wave(qf, cache, bt, cu, seq, p, plan, scratch, 0, plan.num_tiles)
     counts = scratch.sel_count.cpu()
