@@ -95,7 +95,8 @@ UNION_CHUNK = 32
 UNION_CHUNK_GATHER = 16
 ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
 ATTN_TMA = 1  # union tiles of one block loaded by TMA (Hopper and later; pointer loads otherwise)
-UNION_TILE = 2048  # elements of the attention kernel's [QT, TU] union-building tiles
+UNION_TILE = 4096  # elements of the attention kernel's [QT, TU] union-building tiles (2048: 1 ms slower at 128k)
+UNION_LIST_TILE = 2048  # elements of its [QT, TJ] tiles of the tokens' lists (4096 spills uncapped at D 128)
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E_HOST)
@@ -236,7 +237,8 @@ def _gather_summaries_kernel(summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, 
                              D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, CB: tl.constexpr):
     """Grid ``(n, cdiv(max_cand, CB))``: program (i, b) copies the summaries of request i's complete blocks
     ``b CB .. b CB + CB - 1`` (every KV head, read through the page table) to rows ``i cs_req + c`` of the copy
-    ``[n cs_req, Hkv D]``; rows of blocks not complete are left as they are."""
+    ``[n cs_req, Hkv D]``; rows of blocks not complete are zeroed (the route passes add ``-inf`` to their scores,
+    which must be finite)."""
     i = tl.program_id(0)
     c = tl.program_id(1) * CB + tl.arange(0, CB)
     offs_d = tl.arange(0, D)
@@ -246,7 +248,7 @@ def _gather_summaries_kernel(summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, 
     src = summ_ptr + summary_index(page, c, PS, BS)[:, None] * ss_b + offs_d[None, :]
     dst = cs_ptr + (i.to(tl.int64) * cs_req + c)[:, None] * (HKV * D) + offs_d[None, :]
     for h in range(HKV):
-        tl.store(dst + h * D, tl.load(src + h * ss_h, mask=cm[:, None]), mask=cm[:, None])
+        tl.store(dst + h * D, tl.load(src + h * ss_h, mask=cm[:, None], other=0.0), mask=(c < cs_req)[:, None])
 
 
 def _copy_source(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
@@ -294,20 +296,21 @@ def _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d):
 
 
 @triton.jit
-def _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d,
+def _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d,
                       D: tl.constexpr, HKV: tl.constexpr, BLOCK_N: tl.constexpr, CS_TMA: tl.constexpr):
     """``([M, BLOCK_N] fp32 scores, candidates [BLOCK_N])`` of query rows ``qs [M, D]`` against candidates ``c0 ..
     c0 + BLOCK_N - 1`` of the summary copy (``gather_summaries``: candidate c of KV head h at row ``cs_row0 + c``,
-    column ``h D``), ``-inf`` past ``ncand`` and on rows not ``row_ok``. CS_TMA: a box of ``cs_desc``, else
-    pointer loads (both at addresses of the loop index only, so the loads pipeline)."""
+    column ``h D``), ``-inf`` past ``ncand`` (one FMA an entry: the scale plus 0 or ``-inf``; rows are the
+    caller's to mask). CS_TMA: a box of ``cs_desc``, else pointer loads (both at addresses of the loop index
+    only, so the loads pipeline)."""
     c = c0 + tl.arange(0, BLOCK_N)
     if CS_TMA:
         summ = cs_desc.load([(cs_row0 + c0).to(tl.int32), h * D])
     else:
         summ = tl.load(cs_ptr + (cs_row0 + c)[:, None] * (HKV * D) + h * D + offs_d[None, :],
                        mask=(c < ncand)[:, None], other=0.0)
-    x = tl.dot(qs, tl.trans(summ)) * x_scale
-    return tl.where(row_ok[:, None] & (c < ncand)[None, :], x, float("-inf")), c
+    past = tl.where(c < ncand, 0.0, float("-inf"))
+    return tl.dot(qs, tl.trans(summ)) * x_scale + past[None, :], c
 
 
 @triton.jit
@@ -321,32 +324,35 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     """Route a tile's ``QT`` units (token, KV head h) with no score scratch: each of five passes over the
     candidates (row maxima, the three Halley steps, mp with its lists) computes the scores again from the
     summary copy (``_scores_from_copy``); the same entmax arithmetic as ``route_tile`` (``halley_sums``,
-    ``halley_step``, ``append_positive``), then its cap and compaction (``select_kept``)."""
+    ``halley_step``, ``append_positive``), then its cap and compaction (``select_kept``). Rows not ``row_ok``
+    (zero queries) are left out by their maxima (0) and a threshold of ``+inf`` in the sums and the mp."""
     M: tl.constexpr = QT * G_PAD
     offs_d = tl.arange(0, D)
     qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, h * G + g_m, row_ok, sf, offs_d)
     cs_row0 = req.to(tl.int64) * cs_req
     m = tl.full([M], float("-inf"), tl.float32)
     for c0 in range(0, ncand, BLOCK_N):
-        x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
+        x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d, D, HKV,
                                   BLOCK_N, CS_TMA)
         m = tl.maximum(m, tl.max(x, axis=1))
     m = tl.where(row_ok & (ncand > 0), m, 0.0)
     lo = m - 1.0
     hi = m
     tau = (lo + hi) * 0.5
+    tau_r = tl.where(row_ok, tau, float("inf"))  # the threshold the sums use: nothing above it on rows not ok
     for _ in tl.static_range(3):
         ssq = tl.zeros([M], tl.float32)
         sdf = tl.zeros([M], tl.float32)
         cnt = tl.zeros([M], tl.float32)
         for c0 in range(0, ncand, BLOCK_N):
-            x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
+            x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d, D, HKV,
                                       BLOCK_N, CS_TMA)
-            t_ssq, t_sdf, t_cnt = halley_sums(x, tau[:, None])
+            t_ssq, t_sdf, t_cnt = halley_sums(x, tau_r[:, None])
             ssq += t_ssq
             sdf += t_sdf
             cnt += t_cnt
         tau, lo, hi = halley_step(ssq, sdf, cnt, tau, lo, hi)
+        tau_r = tl.where(row_ok, tau, float("inf"))
 
     slot_u = slot0 + tl.arange(0, QT)
     ncand_u = tl.where(unit_ok, ncand, 0)
@@ -356,9 +362,9 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     key_min = tl.full([QT], 0x7F800000, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
     for c0 in range(0, ncand, BLOCK_N):
-        x, c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, row_ok, x_scale, offs_d, D, HKV,
+        x, c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d, D, HKV,
                                  BLOCK_N, CS_TMA)
-        diff = tl.where(x > tau[:, None], x - tau[:, None], 0.0)
+        diff = tl.where(x > tau_r[:, None], x - tau_r[:, None], 0.0)
         if G_PAD == 1:  # rows are units (the reshape below gave wrong selections compiled: H200, triton 3.6)
             mp = diff * diff / g_f
         else:
@@ -479,6 +485,21 @@ def _prefill_route_kernel(
 # attention
 
 
+@triton.jit
+def _max_or_zero(m):
+    """Running row maxima, 0 where still ``-inf`` (a row with no finite logit yet: its exponentials are 0)."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _raise_max(m_i, l_i, acc, top):
+    """``(m_i, l_i, acc)`` of the online softmax (base 2) before a tile whose row maxima are ``top``: the running
+    maxima raised to them, the sums and the accumulator rescaled to match."""
+    m_new = tl.maximum(m_i, top)
+    alpha = tl.exp2(m_i - _max_or_zero(m_new))
+    return m_new, l_i * alpha, acc * alpha[:, None]
+
+
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G"])
 def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
@@ -583,15 +604,12 @@ def _prefill_attn_kernel(
                          mask=t_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(kt)) * qk_scale
             qk = tl.where(tpos[None, :] <= pos_m[:, None], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i, l_i, acc = _raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
+            p = tl.exp2(qk - _max_or_zero(m_i)[:, None])
+            l_i += tl.sum(p, axis=1)
             vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
                          mask=t_ok[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+            acc += tl.dot(p.to(vt.dtype), vt)
 
         # 2b. the union blocks (complete, before the local window): PER consecutive union blocks per tile
         # (or NSUB2 tiles per block), in chunks of UCH blocks whose ids are loaded once per chunk and
@@ -632,26 +650,27 @@ def _prefill_attn_kernel(
                     kt = tl.reshape(k_desc.load(box), [BLOCK_U, D])
                 else:
                     kt = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-                qk = tl.dot(q, tl.trans(kt)) * qk_scale
-                for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block (-inf: not selected)
-                    jb = c0 + (it // NSUB2) * PER + b
-                    if ONE_BLOCK:
-                        qk = qk + tl.load(uprior_row + jb * QT + u_m)[:, None]
-                    else:
+                qk = tl.dot(q, tl.trans(kt))
+                if ONE_BLOCK:  # each row's log prior for the tile's block (-inf: not selected), one for all its keys:
+                    # the row maxima of the raw products give the tile's, and one FMA per entry its exponent
+                    bias = tl.load(uprior_row + (c0 + it // NSUB2) * QT + u_m)
+                    m_i, l_i, acc = _raise_max(m_i, l_i, acc, tl.max(qk, axis=1) * qk_scale + bias)
+                    p = tl.exp2(qk * qk_scale + (bias - _max_or_zero(m_i))[:, None])
+                else:
+                    qk = qk * qk_scale
+                    for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block
+                        jb = c0 + (it // NSUB2) * PER + b
                         bias = tl.load(uprior_row + jb * QT + u_m, mask=jb < nu, other=float("-inf"))
                         in_b = (offs_k // (BLOCK_U // PER)) == b
                         qk = tl.where(in_b[None, :], qk + bias[:, None], qk)
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_use)
-                p = tl.exp2(qk - m_use[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
+                    m_i, l_i, acc = _raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
+                    p = tl.exp2(qk - _max_or_zero(m_i)[:, None])
+                l_i += tl.sum(p, axis=1)
                 if TMA:
                     vt = tl.reshape(v_desc.load(box), [BLOCK_U, D])
                 else:
                     vt = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-                m_i = m_new
+                acc += tl.dot(p.to(vt.dtype), vt)
 
         good = l_i > 0
         o = acc / tl.where(good, l_i, 1.0)[:, None]
@@ -1010,7 +1029,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
-        TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_TILE // plan.qt)),
+        TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_LIST_TILE // plan.qt)),
         UCH=UNION_CHUNK if one_block else max(UNION_CHUNK_GATHER, block_u // bs),
         ONE_BLOCK=one_block, TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]),
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
