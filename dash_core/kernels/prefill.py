@@ -237,8 +237,9 @@ def _gather_summaries_kernel(summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, 
                              D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, CB: tl.constexpr):
     """Grid ``(n, cdiv(max_cand, CB))``: program (i, b) copies the summaries of request i's complete blocks
     ``b CB .. b CB + CB - 1`` (every KV head, read through the page table) to rows ``i cs_req + c`` of the copy
-    ``[n cs_req, Hkv D]``; rows of blocks not complete are zeroed (the route passes add ``-inf`` to their scores,
-    which must be finite)."""
+    ``[n cs_req, Hkv D]``; rows of blocks not complete are zeroed: a route pass's last TMA box reads rows past a
+    tile's candidates (these, or the next request's summaries) and adds ``-inf`` to their scores, which must be
+    finite to give ``-inf``."""
     i = tl.program_id(0)
     c = tl.program_id(1) * CB + tl.arange(0, CB)
     offs_d = tl.arange(0, D)
@@ -325,7 +326,8 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     candidates (row maxima, the three Halley steps, mp with its lists) computes the scores again from the
     summary copy (``_scores_from_copy``); the same entmax arithmetic as ``route_tile`` (``halley_sums``,
     ``halley_step``, ``append_positive``), then its cap and compaction (``select_kept``). Rows not ``row_ok``
-    (zero queries) are left out by their maxima (0) and a threshold of ``+inf`` in the sums and the mp."""
+    (zero queries) are left out of the sums and the mp by a threshold of ``+inf``; their maxima are set to 0 so that
+    their steps stay finite."""
     M: tl.constexpr = QT * G_PAD
     offs_d = tl.arange(0, D)
     qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, h * G + g_m, row_ok, sf, offs_d)

@@ -218,8 +218,8 @@ def test_routing_wide_rows_and_caps(monkeypatch):
 def test_routing_from_the_summary_copy(group, topk, est, tma, monkeypatch):
     """Routing that computes its scores again in every pass, from the summary copy: several 16-candidate tiles
     per pass, pages of two blocks, a local window of two blocks, a padded request, and a copy full of NaN before
-    the gather (which zeroes the rows past each request's complete blocks: the last tile of a pass reads them, and
-    adds ``-inf`` to their scores)."""
+    the gather (which zeroes the rows past each request's complete blocks: the last TMA box of a pass reads them,
+    and adds ``-inf`` to their scores)."""
     monkeypatch.setattr(pf, "ROUTE_SCORE_TILE", 16)
     monkeypatch.setattr(pf, "ROUTE_COPY_TMA", tma)
     p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0, local=32)
@@ -238,7 +238,8 @@ def test_routing_from_the_summary_copy(group, topk, est, tma, monkeypatch):
     pf.gather_summaries(case.cache, case.block_table, case.seq_lens, p, scratch)
     copy = scratch.summary_copy.float().cpu()
     for i, length in enumerate(case.seq_lens.tolist()):
-        assert not copy[i, :length // 16].isnan().any() and not copy[i, length // 16:].any()
+        done = length // p.block_size
+        assert not copy[i, :done].isnan().any() and not copy[i, done:].any()
     pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
     check_routing(case, plan, scratch)
 
