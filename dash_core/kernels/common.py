@@ -68,6 +68,29 @@ def summary_scores(qs, bt_row_ptr, summ_ptr, ss_b, h, ss_h, blk, mask, x_scale, 
 
 
 @triton.jit
+def scaled_query(q, sf):
+    """``sf * q`` rounded to the query dtype (SPEC.md section 4), the routing scores' query rows."""
+    return (q.to(tl.float32) * sf).to(q.dtype)
+
+
+@triton.jit
+def max_or_zero(m):
+    """Running row maxima of an online softmax, 0 where still ``-inf`` (a row with no finite logit yet: its
+    exponentials are 0)."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def raise_max(m_i, l_i, acc, top):
+    """``(m_i, l_i, acc)`` of the online softmax (base 2) before a tile whose row maxima are ``top``: the running
+    maxima raised to them, the sums and the accumulator rescaled to match. The tile's exponentials are then
+    ``exp2(logit - max_or_zero(m_i))``."""
+    m_new = tl.maximum(m_i, top)
+    alpha = tl.exp2(m_i - max_or_zero(m_new))
+    return m_new, l_i * alpha, acc * alpha[:, None]
+
+
+@triton.jit
 def load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD: tl.constexpr, D: tl.constexpr):
     """The query rows of KV head ``h``'s group in decode row ``i``: ``q [G_PAD, D]`` (zero past ``G``), their head
     ids ``heads [G_PAD]``, the mask ``g_ok`` and ``offs_d``."""

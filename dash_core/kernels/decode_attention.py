@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query
+from .common import LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query, max_or_zero, raise_max
 
 
 @triton.jit
@@ -84,12 +84,10 @@ def _decode_attn_split_kernel(
                          mask=t_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias
             qk = tl.where(t_ok[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+            m_i, l_i, acc = raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
+            p = tl.exp2(qk - max_or_zero(m_i)[:, None])
+            l_i += tl.sum(p, axis=1)
+            acc += tl.dot(p.to(vt.dtype), vt)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))

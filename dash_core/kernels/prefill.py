@@ -53,7 +53,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..layout import PagedKVCache
 from ..params import DashParams
 from ..workspace import PrefillWorkspace, check_workspace
-from .common import block_page, interpreting, summary_index, summary_scores
+from .common import block_page, interpreting, max_or_zero, raise_max, scaled_query, summary_index, summary_scores
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
 from .routing import halley_sums, append_positive, halley_step, mp_key_range, route_tile, select_kept
 
@@ -293,7 +293,7 @@ def _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d):
     zero rows where not ``row_ok``."""
     q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)
-    return (q.to(tl.float32) * sf).to(q.dtype)
+    return scaled_query(q, sf)
 
 
 @triton.jit
@@ -487,21 +487,6 @@ def _prefill_route_kernel(
 # attention
 
 
-@triton.jit
-def _max_or_zero(m):
-    """Running row maxima, 0 where still ``-inf`` (a row with no finite logit yet: its exponentials are 0)."""
-    return tl.where(m == float("-inf"), 0.0, m)
-
-
-@triton.jit
-def _raise_max(m_i, l_i, acc, top):
-    """``(m_i, l_i, acc)`` of the online softmax (base 2) before a tile whose row maxima are ``top``: the running
-    maxima raised to them, the sums and the accumulator rescaled to match."""
-    m_new = tl.maximum(m_i, top)
-    alpha = tl.exp2(m_i - _max_or_zero(m_new))
-    return m_new, l_i * alpha, acc * alpha[:, None]
-
-
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G"])
 def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
@@ -606,8 +591,8 @@ def _prefill_attn_kernel(
                          mask=t_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(kt)) * qk_scale
             qk = tl.where(tpos[None, :] <= pos_m[:, None], qk, float("-inf"))
-            m_i, l_i, acc = _raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
-            p = tl.exp2(qk - _max_or_zero(m_i)[:, None])
+            m_i, l_i, acc = raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
+            p = tl.exp2(qk - max_or_zero(m_i)[:, None])
             l_i += tl.sum(p, axis=1)
             vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
                          mask=t_ok[:, None], other=0.0)
@@ -656,8 +641,8 @@ def _prefill_attn_kernel(
                 if ONE_BLOCK:  # each row's log prior for the tile's block (-inf: not selected), one for all its keys:
                     # the row maxima of the raw products give the tile's, and one FMA per entry its exponent
                     bias = tl.load(uprior_row + (c0 + it // NSUB2) * QT + u_m)
-                    m_i, l_i, acc = _raise_max(m_i, l_i, acc, tl.max(qk, axis=1) * qk_scale + bias)
-                    p = tl.exp2(qk * qk_scale + (bias - _max_or_zero(m_i))[:, None])
+                    m_i, l_i, acc = raise_max(m_i, l_i, acc, tl.max(qk, axis=1) * qk_scale + bias)
+                    p = tl.exp2(qk * qk_scale + (bias - max_or_zero(m_i))[:, None])
                 else:
                     qk = qk * qk_scale
                     for b in tl.static_range(PER):  # each row's log prior for the tile's b-th block
@@ -665,8 +650,8 @@ def _prefill_attn_kernel(
                         bias = tl.load(uprior_row + jb * QT + u_m, mask=jb < nu, other=float("-inf"))
                         in_b = (offs_k // (BLOCK_U // PER)) == b
                         qk = tl.where(in_b[None, :], qk + bias[:, None], qk)
-                    m_i, l_i, acc = _raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
-                    p = tl.exp2(qk - _max_or_zero(m_i)[:, None])
+                    m_i, l_i, acc = raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
+                    p = tl.exp2(qk - max_or_zero(m_i)[:, None])
                 l_i += tl.sum(p, axis=1)
                 if TMA:
                     vt = tl.reshape(v_desc.load(box), [BLOCK_U, D])

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import reference
-from .common import decode_bounds, load_group_query, summary_scores
+from .common import decode_bounds, load_group_query, scaled_query, summary_scores
 from .kv_write import write_token
 
 PRIOR_EPS = 1e-20  # SPEC.md section 5
@@ -429,7 +429,7 @@ def _decode_scores_kernel(
     c_end = tl.minimum(ncand, c_start + per)
     offs_n = tl.arange(0, BLOCK_N)
     q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
-    qs = (q.to(tl.float32) * sf).to(q.dtype)  # sf * q rounded to the query dtype (SPEC.md section 4)
+    qs = scaled_query(q, sf)
     bt_row = bt_ptr + i.to(tl.int64) * sbt_n
     x_rows = x_ptr + i.to(tl.int64) * sx_n + heads[:, None].to(tl.int64) * sx_h
     mx = tl.full([G_PAD], float("-inf"), tl.float32)

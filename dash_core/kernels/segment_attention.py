@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E_F as LOG2E, interpreting  # LN2 is a tl.constexpr: kernels may read it
+from .common import LN2, LOG2E_F as LOG2E, interpreting, max_or_zero, raise_max  # LN2: a tl.constexpr
 
 
 @triton.jit
@@ -70,15 +70,13 @@ def _segment_attn_kernel(
             else:
                 qk = tl.dot(q, tl.trans(kt))
             qk = tl.where(tm[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i, l_i, acc = raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
+            p = tl.exp2(qk - max_or_zero(m_i)[:, None])
+            l_i += tl.sum(p, axis=1)
             if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(p, vt.to(tl.float32), input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+                acc += tl.dot(p.to(vt.dtype), vt)
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, (m_i + tl.log2(tl.where(nonempty, l_i, 1.0))) * LN2, float("-inf"))
