@@ -1,4 +1,5 @@
-"""Index math shared by the DASH Triton kernels (one place for paging and decode bounds).
+"""What the DASH Triton kernels share: the index math of paging and decode bounds, the routing scores' query rows,
+and the online softmax's rescale (one place for each).
 
 A request's block ``b`` (tokens ``b*bs .. b*bs + bs - 1``) lives in page
 ``block_table[req, b // (ps // bs)]`` at rows ``(b % (ps // bs)) * bs ..``; its summary is at index
