@@ -85,7 +85,7 @@ def max_or_zero(m):
 def raise_max(m_i, l_i, acc, top):
     """``(m_i, l_i, acc)`` of the online softmax (base 2) before a tile whose row maxima are ``top``: the running
     maxima raised to them, the sums and the accumulator rescaled to match. The tile's exponentials are then
-    ``exp2(logit - max_or_zero(m_i))``."""
+    ``exp2(logit - max_or_zero(m))`` with ``m`` the returned maxima."""
     m_new = tl.maximum(m_i, top)
     alpha = tl.exp2(m_i - max_or_zero(m_new))
     return m_new, l_i * alpha, acc * alpha[:, None]

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E_F as LOG2E, interpreting, max_or_zero, raise_max  # LN2: a tl.constexpr
+# LN2 is a tl.constexpr: kernels may read it
+from .common import LN2, LOG2E_F as LOG2E, interpreting, max_or_zero, raise_max
 
 
 @triton.jit
