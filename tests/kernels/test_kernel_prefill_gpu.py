@@ -354,7 +354,7 @@ def test_golden_through_paged_prefill(path, split):
         o = ops.paged_dash_prefill(qf[rows], kf[rows], vf[rows], cache, bt, cu, seq, slots[:, lo:hi].reshape(-1),
                                    hc, p)
         out[:, lo:hi] = o.view(b, hi - lo, hq, d)
-    active = _kernel_active_counts(qf, cache, bt, b, n, hkv, hc, p)  # [B, Hkv, N]
+    active = _kernel_active_counts(qf, cache, bt, b, n, hkv, p)  # [B, Hkv, N]
     agree = active == g["active"]
     assert 1 - agree.float().mean().item() <= 0.03
     err = (out.permute(0, 2, 1, 3).float().cpu() - g["out"]).abs().amax(-1)  # [B, Hq, N]
@@ -362,7 +362,7 @@ def test_golden_through_paged_prefill(path, split):
     assert err[rows_ok].max().item() <= 3e-2
 
 
-def _kernel_active_counts(qf, cache, bt, b, n, hkv, hc, p):
+def _kernel_active_counts(qf, cache, bt, b, n, hkv, p):
     """Active blocks per (request, KV head, position) from the prefill routing kernel: kept routed
     blocks plus the local window, as the published kernels count them."""
     cu = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * n
