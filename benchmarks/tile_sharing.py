@@ -15,7 +15,8 @@ scoring are the same for every tiling) for:
 - ``tiles QT/2``, ``tiles QT/4``: smaller tiles, each loading its own union;
 - ``two tiers T``: blocks that at least ``T`` of a tile's ``QT`` tokens routed to run at the full tile,
   the others only for the quarter tiles (``QT/4`` tokens) with a token that routed to them; ``two tiers T
-  full``: the part of that work done at the full tile (the rest runs on quarter tiles, smaller MMAs).
+  halves``: the same with half tiles (``QT/2`` tokens) for the others; ``two tiers T full``: the part of
+  that work done at the full tile (the rest runs on the smaller tiles, smaller MMAs).
 
 It also prints, per (token, KV head), how many candidates lie within 1 of some query head's maximum score
 (the *band*: every other score is below every threshold the entmax's Halley steps try, so a router could read
@@ -56,11 +57,13 @@ def tiling_work(kept: torch.Tensor, thresholds=THRESHOLDS) -> dict:
     for parts in (2, 4):
         sub = kept.view(units, parts, qt // parts, nblk).any(2)
         out[f"tiles {qt // parts}"] = int(sub.sum()) * (qt // parts)
-    quarters = kept.view(units, 4, qt // 4, nblk).any(2).sum(1)  # quarter tiles per block
     for t in thresholds:
         popular = cnt >= t
-        out[f"two tiers {t}"] = int(popular.sum()) * qt + int((quarters * (~popular & (cnt > 0))).sum()) * (qt // 4)
-        out[f"two tiers {t} full"] = int(popular.sum()) * qt  # of which at the full tile (the rest: quarter tiles)
+        for parts, name in ((4, ""), (2, " halves")):
+            subs = kept.view(units, parts, qt // parts, nblk).any(2).sum(1)  # sub-tiles per block
+            rest = int((subs * (~popular & (cnt > 0))).sum()) * (qt // parts)
+            out[f"two tiers {t}{name}"] = int(popular.sum()) * qt + rest
+        out[f"two tiers {t} full"] = int(popular.sum()) * qt  # of which at the full tile (the rest: sub-tiles)
     return out
 
 

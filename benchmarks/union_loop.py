@@ -2,16 +2,18 @@
 
 The prefill attention kernel (``dash_core.kernels.prefill``) runs a tile of 64 query rows (16 tokens x 4 query
 heads of one KV head) over the union of the blocks its tokens routed to, each block a 64-key tile with a per-token
-log prior (``-inf``: the token did not route there). At 128k tokens, topk 64, this loop is most of the attention's
-77 ms, at about 425 TFLOPS where FlashInfer's dense prefill runs near 600. Triton 3.6 waits for each warpgroup
+log prior (``-inf``: the token did not route there). At 128k tokens, topk 64, this loop is most of the attention
+(63.8 of about 71 ms), while FlashInfer's dense prefill runs near 600 TFLOPS. Triton 3.6 waits for each warpgroup
 MMA right after issuing it, so a warpgroup's softmax never overlaps its own MMAs.
 
 This script measures what an explicitly written loop gains over the Triton one (results and their reading:
 ``docs/PERFORMANCE.md``, "The union loop alone"):
 
-- ``triton``: the loop as the prefill kernel writes it (TMA loads, ``tl.dot``, 3 pipeline stages);
+- ``triton``: the loop as the prefill kernel writes it (TMA loads, ``tl.dot``, 3 pipeline stages); with ``--rows``
+  16 or 32 (4 or 8 tokens) and ``--warps`` 1 or 2, a tile a warp or two on warp-level MMAs (``mma.sync``): the
+  rate of small tiles that run as programs of their own (``--tstages``: their pipeline stages);
 - ``triton-t``: the same loop transposed (keys as the MMAs' M, the tile's rows as N), also on tiles of 16 or 32 rows
-  (``--rows``: 4 or 8 tokens, the only variant run there);
+  (``--rows``: 4 or 8 tokens; with ``triton`` the only variants run there);
 - ``gluon``: the same loop in Gluon with TMA into a ring of shared-memory slots and mbarriers, synchronous
   warpgroup MMAs; ``--per 2``: two blocks (128 keys) an iteration;
 - ``gluon-no-reload``: as ``gluon``, loading only the first blocks and reusing them (wrong values, not checked):
@@ -333,9 +335,9 @@ def _smem_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
 
-def launchers(work: dict, stages: int, per: int):
-    """``{variant: call}`` writing ``o [tiles Hkv rows, D]`` fp32 (tiles of other than ``ROWS`` rows: ``triton-t``
-    only)."""
+def launchers(work: dict, stages: int, per: int, warps: int = 4, tstages: int = 3):
+    """``{variant: call}`` writing ``o [tiles Hkv rows, D]`` fp32 (tiles of other than ``ROWS`` rows: the Triton
+    variants only). ``warps`` and ``tstages``: the ``triton`` variant's warps and pipeline stages."""
     hkv, union, rows = work["hkv"], work["union"], work["rows"]
     units = work["nu"].numel()
     grid = (units // hkv, hkv)
@@ -348,15 +350,15 @@ def launchers(work: dict, stages: int, per: int):
     args = (work["ublk"], work["nu"], work["prior"], o, scale, union, hkv)
 
     def tri():
-        _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G,
-                            num_warps=4, num_stages=3)
+        _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=rows, D=D, BS=BS, QT=rows // G, G=G,
+                            num_warps=warps, num_stages=tstages)
 
     def tri_t():
         _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=rows, D=D, BS=BS, QT=rows // G, G=G,
                             TRANSPOSED=True, num_warps=4, num_stages=3)
 
     if rows != ROWS:
-        return o, {"triton-t": tri_t}
+        return o, {"triton": tri, "triton-t": tri_t}
 
     def glu(overlap, reload=True):
         return lambda: _union_gluon[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G,
@@ -391,6 +393,9 @@ def compile_only(stages: int, per: int) -> int:
         tc = dict(cons, ROWS=rows, QT=rows // G, TRANSPOSED=True)
         srcs[f"triton-t{rows}"] = (ASTSource(_union_triton, dict(tsig, TRANSPOSED="constexpr"), tc),
                                    dict(num_warps=4, num_stages=3))
+    for rows, warps, st in ((16, 1, 2), (16, 1, 3), (32, 2, 2), (32, 2, 3)):  # small tiles, a warp (or two) each
+        srcs[f"triton{rows}-w{warps}-s{st}"] = (ASTSource(_union_triton, tsig, dict(cons, ROWS=rows, QT=rows // G)),
+                                                dict(num_warps=warps, num_stages=st))
     for overlap in (False, True):
         gc = dict(cons, STAGES=stages, OVERLAP=overlap, PER=per)
         gsig = {"q_desc": f"tensordesc<bf16[{ROWS}, {D}],{lay!r}>", "k_desc": f"tensordesc<bf16[{BS}, {D}],{lay!r}>",
@@ -425,7 +430,10 @@ def main(argv=None) -> int:
     ap.add_argument("--per", type=int, default=1, choices=(1, 2), help="union blocks per Gluon iteration")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rows", type=int, default=ROWS, choices=(16, 32, 64),
-                    help="rows of a tile (16 or 32: the transposed Triton loop alone)")
+                    help="rows of a tile (16 or 32: the Triton loops alone)")
+    ap.add_argument("--warps", type=int, default=4, help="warps of the triton variant (1: a warp per tile)")
+    ap.add_argument("--tstages", type=int, default=3, help="pipeline stages of the triton variant")
+    ap.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
     ap.add_argument("--compile-only", action="store_true")
     a = ap.parse_args(argv)
     if a.compile_only:
@@ -435,7 +443,9 @@ def main(argv=None) -> int:
         return 2
     from decode import time_calls
     work = make_work(a.tiles, a.hkv, a.union, a.pages, rows=a.rows)
-    o, calls = launchers(work, a.stages, a.per)
+    o, calls = launchers(work, a.stages, a.per, a.warps, a.tstages)
+    if a.variants:
+        calls = {k: v for k, v in calls.items() if k in a.variants.split(",")}
     if torch.cuda.get_device_capability()[0] != 9:
         print("not a Hopper GPU: the Gluon variants (warpgroup MMAs, sm_90 TMA) are left out", flush=True)
         calls = {k: calls[k] for k in ("triton", "triton-t") if k in calls}

@@ -17,7 +17,7 @@ def tile_sharing():
 
 def test_tiling_work_counts_block_rows(tile_sharing):
     """One unit, 16 tokens, 4 blocks: block 0 routed by every token, block 1 by token 0, block 2 by
-    tokens 0 and 15 (two quarters), block 3 by none."""
+    tokens 0 and 15 (two quarters, two halves), block 3 by none."""
     kept = torch.zeros(1, 16, 4, dtype=torch.bool)
     kept[0, :, 0] = True
     kept[0, 0, 1] = True
@@ -25,6 +25,7 @@ def test_tiling_work_counts_block_rows(tile_sharing):
     w = tile_sharing.tiling_work(kept, thresholds=(2, 4))
     assert w == {"useful": 19, "tile 16": 3 * 16, "tiles 8": (2 + 1 + 2) * 8, "tiles 4": (4 + 1 + 2) * 4,
                  "two tiers 2": 2 * 16 + 1 * 4, "two tiers 4": 1 * 16 + (1 + 2) * 4,
+                 "two tiers 2 halves": 2 * 16 + 1 * 8, "two tiers 4 halves": 1 * 16 + (1 + 2) * 8,
                  "two tiers 2 full": 2 * 16, "two tiers 4 full": 1 * 16}
 
 
@@ -37,9 +38,10 @@ def test_script_on_a_short_prompt(tile_sharing, capsys):
     band = {ln.split()[0]: float(ln.split()[1]) for ln in lines[cut + 1:]}
     assert 0 < band["support"] <= band["band"] <= band["candidates"]
     tiers = [f"two tiers {t}" for t in (2, 4, 6, 8)]
-    assert set(ratio) == {"tile 16", "tiles 8", "tiles 4", *tiers, *(f"{k} full" for k in tiers)}
+    parts = [f"{k} {s}" for k in tiers for s in ("full", "halves")]
+    assert set(ratio) == {"tile 16", "tiles 8", "tiles 4", *tiers, *parts}
     assert all(v >= 1.0 for k, v in ratio.items() if not k.endswith("full"))
-    assert all(0 <= ratio[f"{k} full"] <= ratio[k] for k in tiers)
+    assert all(0 <= ratio[f"{k} full"] <= min(ratio[k], ratio[f"{k} halves"]) for k in tiers)
     assert ratio["tiles 4"] <= ratio["tiles 8"] <= ratio["tile 16"]
 
 

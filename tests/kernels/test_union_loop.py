@@ -75,16 +75,18 @@ def test_variants_match_the_reference(ul, per):
         assert err < 2e-2, (name, err)  # bf16 probabilities in the PV product, fp32 accumulation
 
 
+@pytest.mark.parametrize("name", ["triton", "triton-t"])
 @pytest.mark.parametrize("rows", [16, 32, 64])
-def test_transposed_loop_matches_the_reference(ul, rows):
-    """``triton-t`` (keys as the MMAs' M, the tile's rows as N) on tiles of 4, 8 and 16 tokens."""
+def test_small_tiles_match_the_reference(ul, rows, name):
+    """Tiles of 4, 8 and 16 tokens: ``triton`` with a warp per 16 rows, and ``triton-t`` (keys as the MMAs' M,
+    the tile's rows as N)."""
     work = ul.make_work(tiles=3, hkv=2, union=7, pages=16, device=KERNEL_DEVICE, rows=rows)
-    o, calls = ul.launchers(work, stages=3, per=1)
+    o, calls = ul.launchers(work, stages=3, per=1, warps=rows // 16, tstages=2)
     units = work["nu"].numel()
     ref = ul.reference(work, range(units))
     assert ref.abs().max() > 0.1
     o.fill_(float("nan"))
-    calls["triton-t"]()
+    calls[name]()
     err = float((o.view(units, rows, ul.D) - ref).abs().max())
     assert err < 2e-2, err
 
@@ -99,6 +101,6 @@ def test_gluon_variants_compile_for_sm90(per):
         pytest.skip("triton's bundled ptxas is missing")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     shared = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+): shared (\d+) B", r.stdout, re.M)}
-    assert set(shared) == {"triton", "triton-t16", "triton-t32", "triton-t64", "gluon", "gluon-overlap",
-                           "gluon-mma2"}, r.stdout
+    assert set(shared) == {"triton", "triton-t16", "triton-t32", "triton-t64", "triton16-w1-s2", "triton16-w1-s3",
+                           "triton32-w2-s2", "triton32-w2-s3", "gluon", "gluon-overlap", "gluon-mma2"}, r.stdout
     assert max(shared.values()) <= 227 * 1024, shared
