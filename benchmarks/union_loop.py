@@ -7,11 +7,12 @@ log prior (``-inf``: the token did not route there). At 128k tokens, topk 64, th
 MMA right after issuing it, so a warpgroup's softmax never overlaps its own MMAs.
 
 This script measures what an explicitly written loop gains over the Triton one (results and their reading:
-``docs/PERFORMANCE.md``, "The union loop alone"):
+``docs/PERFORMANCE.md``, "The union loop alone", and for the small tiles "How much tiling wastes"):
 
 - ``triton``: the loop as the prefill kernel writes it (TMA loads, ``tl.dot``, 3 pipeline stages); with ``--rows``
   16 or 32 (4 or 8 tokens) and ``--warps`` 1 or 2, a tile a warp or two on warp-level MMAs (``mma.sync``): the
-  rate of small tiles that run as programs of their own (``--tstages``: their pipeline stages);
+  rate of small tiles that run as programs of their own (``--tstages``: Triton's ``num_stages``; Triton 3.6 gives
+  those programs one K/V slot at 2 and at 3);
 - ``triton-t``: the same loop transposed (keys as the MMAs' M, the tile's rows as N), also on tiles of 16 or 32 rows
   (``--rows``: 4 or 8 tokens; with ``triton`` the only variants run there);
 - ``gluon``: the same loop in Gluon with TMA into a ring of shared-memory slots and mbarriers, synchronous
@@ -20,8 +21,9 @@ This script measures what an explicitly written loop gains over the Triton one (
   the loop's rate without its K/V traffic;
 - ``gluon-overlap``: as ``gluon``, with the next block's QK MMA issued before this block's softmax and the PV MMA
   left in flight while the next softmax runs (the intra-warpgroup overlap of FlashAttention 3);
-- ``gluon-mma2``: as ``gluon`` on warp-level MMAs (``mma.sync``, 16 rows a warp), the rate a design whose warps
-  skip blocks on their own would run at.
+- ``gluon-mma2``: as ``gluon`` on warp-level MMAs (``mma.sync``, 16 rows a warp), its four warps sharing each
+  block: an upper bound for a design whose warps walk block lists of their own (they would also load their own
+  blocks).
 
 Every variant but ``gluon-no-reload`` is checked against a float32 PyTorch computation of the same loop before it
 is timed. Work: ``tiles x Hkv`` programs, each over ``--union`` random blocks (with repeats) of a paged cache of
@@ -337,7 +339,7 @@ def _smem_layout():
 
 def launchers(work: dict, stages: int, per: int, warps: int = 4, tstages: int = 3):
     """``{variant: call}`` writing ``o [tiles Hkv rows, D]`` fp32 (tiles of other than ``ROWS`` rows: the Triton
-    variants only). ``warps`` and ``tstages``: the ``triton`` variant's warps and pipeline stages."""
+    variants only). ``warps`` and ``tstages``: the ``triton`` variant's warps and ``num_stages``."""
     hkv, union, rows = work["hkv"], work["union"], work["rows"]
     units = work["nu"].numel()
     grid = (units // hkv, hkv)
@@ -432,7 +434,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=ROWS, choices=(16, 32, 64),
                     help="rows of a tile (16 or 32: the Triton loops alone)")
     ap.add_argument("--warps", type=int, default=4, help="warps of the triton variant (1: a warp per tile)")
-    ap.add_argument("--tstages", type=int, default=3, help="pipeline stages of the triton variant")
+    ap.add_argument("--tstages", type=int, default=3,
+                    help="num_stages of the triton variant (16- and 32-row programs get one K/V slot at 2 and 3)")
     ap.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
     ap.add_argument("--compile-only", action="store_true")
     a = ap.parse_args(argv)
@@ -445,7 +448,13 @@ def main(argv=None) -> int:
     work = make_work(a.tiles, a.hkv, a.union, a.pages, rows=a.rows)
     o, calls = launchers(work, a.stages, a.per, a.warps, a.tstages)
     if a.variants:
-        calls = {k: v for k, v in calls.items() if k in a.variants.split(",")}
+        want = a.variants.split(",")
+        unknown = [v for v in want if v not in calls]
+        if unknown:
+            print(f"--variants {','.join(unknown)}: not among {', '.join(calls)} (at --rows {a.rows})",
+                  file=sys.stderr)
+            return 2
+        calls = {k: v for k, v in calls.items() if k in want}
     if torch.cuda.get_device_capability()[0] != 9:
         print("not a Hopper GPU: the Gluon variants (warpgroup MMAs, sm_90 TMA) are left out", flush=True)
         calls = {k: calls[k] for k in ("triton", "triton-t") if k in calls}
