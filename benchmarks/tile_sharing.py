@@ -57,11 +57,11 @@ def tiling_work(kept: torch.Tensor, thresholds=THRESHOLDS) -> dict:
     for parts in (2, 4):
         sub = kept.view(units, parts, qt // parts, nblk).any(2)
         out[f"tiles {qt // parts}"] = int(sub.sum()) * (qt // parts)
+    subs = {parts: kept.view(units, parts, qt // parts, nblk).any(2).sum(1) for parts in (2, 4)}  # per block
     for t in thresholds:
         popular = cnt >= t
         for parts, name in ((4, ""), (2, " halves")):
-            subs = kept.view(units, parts, qt // parts, nblk).any(2).sum(1)  # sub-tiles per block
-            rest = int((subs * (~popular & (cnt > 0))).sum()) * (qt // parts)
+            rest = int((subs[parts] * (~popular & (cnt > 0))).sum()) * (qt // parts)
             out[f"two tiers {t}{name}"] = int(popular.sum()) * qt + rest
         out[f"two tiers {t} full"] = int(popular.sum()) * qt  # of which at the full tile (the rest: sub-tiles)
     return out
