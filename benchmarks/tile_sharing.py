@@ -54,10 +54,9 @@ def tiling_work(kept: torch.Tensor, thresholds=THRESHOLDS) -> dict:
     units, qt, nblk = kept.shape
     cnt = kept.sum(1)  # tokens of the tile per block
     out = {"useful": int(cnt.sum()), f"tile {qt}": int((cnt > 0).sum()) * qt}
-    for parts in (2, 4):
-        sub = kept.view(units, parts, qt // parts, nblk).any(2)
-        out[f"tiles {qt // parts}"] = int(sub.sum()) * (qt // parts)
     subs = {parts: kept.view(units, parts, qt // parts, nblk).any(2).sum(1) for parts in (2, 4)}  # per block
+    for parts, n in subs.items():
+        out[f"tiles {qt // parts}"] = int(n.sum()) * (qt // parts)
     for t in thresholds:
         popular = cnt >= t
         for parts, name in ((4, ""), (2, " halves")):

@@ -351,16 +351,13 @@ def launchers(work: dict, stages: int, per: int, warps: int = 4, tstages: int = 
     scale = LOG2E / math.sqrt(D)
     args = (work["ublk"], work["nu"], work["prior"], o, scale, union, hkv)
 
-    def tri():
-        _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=rows, D=D, BS=BS, QT=rows // G, G=G,
-                            num_warps=warps, num_stages=tstages)
+    def tri(transposed, nw, ns):
+        return lambda: _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=rows, D=D, BS=BS,
+                                           QT=rows // G, G=G, TRANSPOSED=transposed, num_warps=nw, num_stages=ns)
 
-    def tri_t():
-        _union_triton[grid](work["q"], tdesc["k"], tdesc["v"], *args, ROWS=rows, D=D, BS=BS, QT=rows // G, G=G,
-                            TRANSPOSED=True, num_warps=4, num_stages=3)
-
+    triton_calls = {"triton": tri(False, warps, tstages), "triton-t": tri(True, 4, 3)}
     if rows != ROWS:
-        return o, {"triton": tri, "triton-t": tri_t}
+        return o, triton_calls
 
     def glu(overlap, reload=True):
         return lambda: _union_gluon[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G,
@@ -370,7 +367,7 @@ def launchers(work: dict, stages: int, per: int, warps: int = 4, tstages: int = 
         _union_mma2[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, STAGES=stages,
                           num_warps=4)
 
-    return o, {"triton": tri, "triton-t": tri_t, "gluon": glu(False), "gluon-overlap": glu(True),
+    return o, {**triton_calls, "gluon": glu(False), "gluon-overlap": glu(True),
                NO_RELOAD: glu(False, False), "gluon-mma2": mma2}
 
 
