@@ -55,7 +55,8 @@ from ..params import DashParams
 from ..workspace import PrefillWorkspace, check_workspace
 from .common import block_page, interpreting, max_or_zero, raise_max, scaled_query, summary_index, summary_scores
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
-from .routing import halley_sums, append_positive, halley_step, mp_key_range, route_tile, select_kept
+from .routing import (append_positive, halley_step, halley_sums, mp_key_range, positive_part, route_tile,
+                      select_kept)
 
 logger = logging.getLogger(__name__)
 
@@ -310,13 +311,13 @@ def _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_
     else:
         summ = tl.load(cs_ptr + (cs_row0 + c)[:, None] * (HKV * D) + h * D + offs_d[None, :],
                        mask=(c < ncand)[:, None], other=0.0)
-    past = tl.where(c < ncand, 0.0, float("-inf"))
+    past = tl.where(tl.arange(0, BLOCK_N) < ncand - c0, 0.0, float("-inf"))  # c < ncand, one compare less an entry
     return tl.dot(qs, tl.trans(summ)) * x_scale + past[None, :], c
 
 
 @triton.jit
 def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x_scale, ncand, req, slot0,
-                     cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, mp_ptr, smp_n, smp_h, ck_ptr,
+                     cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
                      sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                      topk, inv_sigma, QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      PS: tl.constexpr, BLOCK_N: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
@@ -327,7 +328,10 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     summary copy (``_scores_from_copy``); the same entmax arithmetic as ``route_tile`` (``halley_sums``,
     ``halley_step``, ``append_positive``), then its cap and compaction (``select_kept``). Rows not ``row_ok``
     (zero queries) are left out of the sums and the mp by a threshold of ``+inf``; their maxima are set to 0 so that
-    their steps stay finite."""
+    their steps stay finite. The mp pass writes the sum of each unit's probabilities over its group (G times its mp)
+    by candidate into the scores' storage (unit u at ``x_ptr + slot u * sx_n + h * sx_h``; no score is stored on
+    this path), and a second pass reads them back to divide by G and build the lists: there the scan that numbers a
+    tile's positive entries runs on a plain layout, not on the MMA's (far fewer instructions; PERFORMANCE.md)."""
     M: tl.constexpr = QT * G_PAD
     offs_d = tl.arange(0, D)
     qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, h * G + g_m, row_ok, sf, offs_d)
@@ -359,19 +363,25 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     slot_u = slot0 + tl.arange(0, QT)
     ncand_u = tl.where(unit_ok, ncand, 0)
     mp_unit = slot_u * smp_n + h * smp_h
+    mp_dense = x_ptr + (slot_u * sx_n + h * sx_h)[:, None]
     g_f = G * 1.0
-    npos = tl.zeros([QT], tl.int32)
-    key_min = tl.full([QT], 0x7F800000, tl.int32)
-    key_max = tl.zeros([QT], tl.int32)
     for c0 in range(0, ncand, BLOCK_N):
         x, c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d, D, HKV,
                                  BLOCK_N, CS_TMA)
-        diff = tl.where(x > tau_r[:, None], x - tau_r[:, None], 0.0)
+        diff = positive_part(x - tau_r[:, None])
         if G_PAD == 1:  # rows are units (the reshape below gave wrong selections compiled: H200, triton 3.6)
-            mp = diff * diff / g_f
+            msum = diff * diff
         else:
-            mp = tl.sum(tl.reshape(diff * diff, [QT, G_PAD, BLOCK_N]), axis=1) / g_f
+            msum = tl.sum(tl.reshape(diff * diff, [QT, G_PAD, BLOCK_N]), axis=1)
+        tl.store(mp_dense + c[None, :], msum, mask=c[None, :] < ncand_u[:, None])
+    tl.debug_barrier()  # the mp are read back by other threads of this program
+    npos = tl.zeros([QT], tl.int32)
+    key_min = tl.full([QT], 0x7F800000, tl.int32)
+    key_max = tl.zeros([QT], tl.int32)
+    for c0 in range(0, ncand, TL):
+        c = c0 + tl.arange(0, TL)
         cok = c[None, :] < ncand_u[:, None]
+        mp = tl.load(mp_dense + c[None, :], mask=cok, other=0.0) / g_f  # the mean over the group, divided here
         npos_before = npos
         npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
         append_positive(mp, c, cok, mp_ptr, ck_ptr, mp_unit, npos_before)
@@ -407,7 +417,8 @@ def _prefill_route_kernel(
     strided like mp), the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``.
     RECOMPUTE (``kv_head``): no score is stored; ``_route_recompute`` computes them in each pass from the summary
     copy (``cs_ptr``, rows of request r from ``r cs_req``; ``cs_desc`` its TMA descriptor where CS_TMA; ``HKV_C``
-    is ``HKV`` as a constexpr, the copy's row length in heads). Otherwise the three are unused placeholders.
+    is ``HKV`` as a constexpr, the copy's row length in heads), and ``x`` holds each unit's mp by candidate (row
+    h of its slot) for the lists. Otherwise the three copy arguments are unused placeholders.
     """
     w = tl.program_id(0)
     hp = tl.program_id(1)
@@ -423,7 +434,7 @@ def _prefill_route_kernel(
         if RECOMPUTE:
             tl.static_assert(not SHARED, "the summary copy serves one KV head's rows")
             _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, hp, G, sf, x_scale, ncand, req, slot0,
-                             cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, mp_ptr, smp_n, smp_h, ck_ptr,
+                             cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
                              sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                              topk, inv_sigma, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL,
                              CS_TMA, HKV_C)
