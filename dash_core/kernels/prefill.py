@@ -374,7 +374,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
         else:
             msum = tl.sum(tl.reshape(diff * diff, [QT, G_PAD, BLOCK_N]), axis=1)
         tl.store(mp_dense + c[None, :], msum, mask=c[None, :] < ncand_u[:, None])
-    tl.debug_barrier()  # the mp are read back by other threads of this program
+    tl.debug_barrier()  # the group sums are read back by other threads of this program
     npos = tl.zeros([QT], tl.int32)
     key_min = tl.full([QT], 0x7F800000, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
@@ -417,8 +417,9 @@ def _prefill_route_kernel(
     strided like mp), the kept blocks ``sel_* [slot, Hsel, cap]`` and ``count [slot, Hsel]``.
     RECOMPUTE (``kv_head``): no score is stored; ``_route_recompute`` computes them in each pass from the summary
     copy (``cs_ptr``, rows of request r from ``r cs_req``; ``cs_desc`` its TMA descriptor where CS_TMA; ``HKV_C``
-    is ``HKV`` as a constexpr, the copy's row length in heads), and ``x`` holds each unit's mp by candidate (row
-    h of its slot) for the lists. Otherwise the three copy arguments are unused placeholders.
+    is ``HKV`` as a constexpr, the copy's row length in heads), and ``x`` holds each unit's sum of probabilities
+    over its group (G times its mp) by candidate, in row h of its slot, for the lists. Otherwise the three copy
+    arguments are unused placeholders.
     """
     w = tl.program_id(0)
     hp = tl.program_id(1)
@@ -711,12 +712,14 @@ class PrefillScratch:
     union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
-    (``add_summary_copy``: at most ``SUMMARY_COPY_BYTES``, outside the wave budget), and the scores are not written.
+    (``add_summary_copy``: at most ``SUMMARY_COPY_BYTES``, outside the wave budget), and no score is written: the
+    route launch keeps only each unit's group sums of probabilities there (row h of its slot, h < Hkv).
 
     The two union tables are written and read by the attention launch only, after the wave's route launch
     is done with the scores: they are views of the scores' storage (both when ``Hq >= 2 Hkv``, else
     ``union_bias`` only), which keeps them out of the byte budget. Where routing stores no score
-    (``recompute``), that storage is only as large as the two tables need: ``[slots, min(Hq, 2 Hkv), row]``.
+    (``recompute``), that storage is only as large as the two tables need: ``[slots, min(Hq, 2 Hkv), row]``, which
+    also holds the route launch's Hkv rows of group sums a slot (``min(Hq, 2 Hkv) >= Hkv``).
     """
 
     qt: int
@@ -739,7 +742,7 @@ class PrefillScratch:
     @staticmethod
     def _score_rows(hq: int, hkv: int, recompute: bool) -> int:
         """Rows per slot of the scores' storage: ``Hq`` score rows, or (``recompute``) no more than the union tables
-        take."""
+        take (at least the Hkv rows of group sums the route launch writes)."""
         return min(hq, 2 * hkv) if recompute else hq
 
     @staticmethod
@@ -763,8 +766,8 @@ class PrefillScratch:
     @classmethod
     def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
                  device, recompute: bool = False) -> "PrefillScratch":
-        """recompute: routing stores no score (``_route_recompute``): the scores' storage holds the union tables only
-        (the summary copy is added by ``add_summary_copy``)."""
+        """recompute: routing stores no score (``_route_recompute``): the scores' storage holds the union tables and,
+        while a wave routes, its group sums (the summary copy is added by ``add_summary_copy``)."""
         hsel = 1 if params.router == "shared" else hkv
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         slots = tiles * qt
@@ -939,6 +942,9 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     if not recompute and s.scores.shape[1] < hq:
         raise RuntimeError(f"this scratch has room for {s.scores.shape[1]} score rows per token, not {hq}: it was "
                            "allocated to route from a summary copy (add_summary_copy), which it does not hold")
+    if recompute and (s.scores.shape[1] < hkv or s.scores.shape[2] < plan.max_cand):
+        raise RuntimeError(f"this scratch's score storage is {tuple(s.scores.shape[1:])} a slot: routing from the "
+                           f"summary copy keeps group sums there, {hkv} rows of at least {plan.max_cand}")
     _prefill_route_kernel[(tiles, 1 if shared else hkv)](
         q, sq[0], sq[1], summ, ssum[0], ssum[1], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,

@@ -206,6 +206,7 @@ def test_routing_wide_rows_and_caps(monkeypatch):
         plan, scratch = plan_and_scratch(case, recompute=recompute)
         # the cap reads each unit's list in groups of 4: what lies past its end must not count
         scratch.mp.fill_(float("nan"))
+        scratch.scores.fill_(float("nan"))  # the stored scores' rows, or the group sums of the copy path
         scratch.mp_cand.fill_(1 << 30)
         pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
                       plan.num_tiles)
@@ -240,6 +241,10 @@ def test_routing_from_the_summary_copy(group, topk, est, tma, monkeypatch):
     for i, length in enumerate(case.seq_lens.tolist()):
         done = length // p.block_size
         assert not copy[i, :done].isnan().any() and not copy[i, done:].any()
+    narrow = dataclasses.replace(scratch, scores=scratch.scores[:, :1])  # no room for the second KV head's sums
+    with pytest.raises(RuntimeError, match="group sums"):
+        pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, narrow, 0, 1)
+    scratch.scores.fill_(float("nan"))  # the group sums' pass reads back only what the mp pass wrote
     pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
     check_routing(case, plan, scratch)
 
