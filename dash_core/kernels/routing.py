@@ -369,7 +369,7 @@ def route_tile(
     key_max = tl.zeros([QT], tl.int32)
     if X_IN_REGS:
         cok = offs_c[None, :] < ncand[:, None]
-        diff = tl.where(x_all > tau[:, :, None], x_all - tau[:, :, None], 0.0)
+        diff = positive_part(x_all - tau[:, :, None])
         mp_regs = tl.sum(diff * diff, axis=1) / nrows_f
         tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
         npos, key_min, key_max = mp_key_range(mp_regs, cok, npos, key_min, key_max)
@@ -378,7 +378,7 @@ def route_tile(
             c = c0 + offs_c
             cok = c[None, :] < ncand[:, None]
             x = _load_scores(x_rows, c, row_ok, ncand, ncand4)
-            diff = tl.where(x > tau[:, :, None], x - tau[:, :, None], 0.0)
+            diff = positive_part(x - tau[:, :, None])
             mp = tl.sum(diff * diff, axis=1) / nrows_f
             npos_before = npos
             npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
