@@ -96,7 +96,7 @@ UNION_CHUNK = 32
 UNION_CHUNK_GATHER = 16
 ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
 ATTN_TMA = 1  # union tiles of one block loaded by TMA (Hopper and later; pointer loads otherwise)
-UNION_TILE = 4096  # elements of the attention kernel's [QT, TU] union-building tiles (2048: 1 ms slower at 128k)
+UNION_TILE = 4096  # elements of the attention kernel's [TU, QT] union-building tiles (2048: 1 ms slower at 128k)
 UNION_LIST_TILE = 2048  # elements of its [QT, TJ] tiles of the tokens' lists (4096 spills uncapped at D 128)
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
@@ -504,7 +504,7 @@ def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
-    uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, sbi_u, o_ptr, so_t, so_h, qk_scale, G,
+    uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, o_ptr, so_t, so_h, qk_scale, G,
     k_desc, v_desc,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
@@ -514,11 +514,11 @@ def _prefill_attn_kernel(
     ``tile0 + w`` for KV head h.
 
     1. Union, in three parallel passes over the tile's region of the scratch: every candidate's row
-       ``ubias [w, h, u, c]`` set to ``-inf``; each token u's kept blocks (``sel_* [slot, Hsel, cap]``,
+       ``ubias [w, h, c, u]`` set to ``-inf``; each token u's kept blocks (``sel_* [slot, Hsel, cap]``,
        ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``) scattered there as log2 priors;
        the candidates some token kept compacted, in increasing order, into ``ublk [w, h, j]`` (physical
        block) with every token's log2 prior for it in ``uprior [w, h, j, u]`` (``-inf``: not kept by
-       token u), so that the attention loop reads them at addresses of ``j`` only. ``[QT, TU]`` and
+       token u), so that the attention loop reads them at addresses of ``j`` only. ``[TU, QT]`` and
        ``[QT, TJ]`` tiles.
     2. Local window blocks (log prior 0, causal per row) in ``[BLOCK_T, D]`` K/V tiles, then the union
        blocks in ``[BLOCK_U, D]`` tiles (``BLOCK_U // BS`` consecutive union blocks per tile, or
@@ -553,33 +553,32 @@ def _prefill_attn_kernel(
         offs_j = tl.arange(0, TJ)
         sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
         cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
-        ubias_tile = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h
-        ubias_u = ubias_tile + offs_u[:, None].to(tl.int64) * sbi_u
+        ubias_tile = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h  # [max_cand, QT] contiguous
         uprior_row = uprior_ptr + w.to(tl.int64) * spr_w + h * spr_h  # [max_cand, QT] contiguous
         ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
         for c0 in range(0, ncand, TU):
             c = c0 + offs_c
-            tl.store(ubias_u + c[None, :], tl.full([QT, TU], float("-inf"), tl.float32),
-                     mask=(c < ncand)[None, :])
+            tl.store(ubias_tile + c[:, None] * QT + offs_u[None, :], tl.full([TU, QT], float("-inf"), tl.float32),
+                     mask=(c < ncand)[:, None])
         tl.debug_barrier()  # the -inf rows are overwritten below by other threads
         for j0 in range(0, tl.max(cnt_u, axis=0), TJ):
             jj = j0 + offs_j
             have = jj[None, :] < cnt_u[:, None]
             idx = tl.load(sel_idx_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0)
             b = tl.load(sel_bias_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0.0)
-            tl.store(ubias_u + idx, b * _LOG2E, mask=have & (idx < ncand))
+            tl.store(ubias_tile + idx * QT + offs_u[:, None], b * _LOG2E, mask=have & (idx < ncand))
         tl.debug_barrier()
         nu = 0
         ppb_u: tl.constexpr = PS // BS
         for c0 in range(0, ncand, TU):
             c = c0 + offs_c
             cm = c < ncand
-            bt = tl.load(ubias_u + c[None, :], mask=cm[None, :], other=float("-inf"))
-            kept = tl.max(bt, axis=0) > float("-inf")
+            bt = tl.load(ubias_tile + c[:, None] * QT + offs_u[None, :], mask=cm[:, None], other=float("-inf"))
+            kept = tl.max(bt, axis=1) > float("-inf")  # [TU, QT] tiles: the union table's rows, as uprior's
             kept_i = kept.to(tl.int32)
             j = nu + tl.cumsum(kept_i, axis=0) - kept_i
             page = tl.load(bt_row + c // ppb_u, mask=kept, other=0)
-            tl.store(uprior_row + j[None, :] * QT + offs_u[:, None], bt, mask=kept[None, :])
+            tl.store(uprior_row + j[:, None] * QT + offs_u[None, :], bt, mask=kept[:, None])
             tl.store(ublk_row + j, page * ppb_u + c % ppb_u, mask=kept)
             nu += tl.sum(kept_i, axis=0)
         tl.debug_barrier()  # the union lists are read back by other threads
@@ -709,7 +708,7 @@ class PrefillScratch:
     unit's positive mp as a list, and their candidates (``row``: ``max_cand`` rounded up to 16, so that every
     row starts 64-byte aligned and the route kernel reads whole groups of 4); sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
-    union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, QT, max_cand]`` fp32 (by candidate) and
+    union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, max_cand, QT]`` fp32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
     (``add_summary_copy``: at most ``SUMMARY_COPY_BYTES``, outside the wave budget), and no score is written: the
@@ -787,7 +786,7 @@ class PrefillScratch:
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
             sel_count=torch.empty(slots, hsel, dtype=i32, device=device),
             union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
-            union_bias=flat[:table].view(tiles, hkv, qt, max_cand),
+            union_bias=flat[:table].view(tiles, hkv, max_cand, qt),
             union_prior=prior.view(tiles, hkv, max_cand, qt),
         )
 
@@ -1027,7 +1026,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
         t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1], s.sel_count, scnt[0], 0 if shared else scnt[1],
-        s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_bias, sbi[0], sbi[1], sbi[2],
+        s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_bias, sbi[0], sbi[1],
         out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g,
         *(kv_desc[:2] if kv_desc is not None else (kp, vp)),
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
