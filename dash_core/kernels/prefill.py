@@ -547,7 +547,7 @@ def _prefill_attn_kernel(
         slot0 = w.to(tl.int64) * QT
         p_max = p_hi - 1  # last position of the tile: keys after it may not be written yet
 
-        # 1. union of the tile's selections (units: its tokens), as a [QT, ncand] bias table
+        # 1. union of the tile's selections (units: its tokens), as an [ncand, QT] bias table
         offs_u = tl.arange(0, QT)
         offs_c = tl.arange(0, TU)
         offs_j = tl.arange(0, TJ)
