@@ -7,11 +7,12 @@
 #
 #   bash ci/gpu_profile_prefill.sh [SKIP] [ARGS...]   # ARGS go to benchmarks/prefill_profile.py
 #
-# SKIP (default 100): launches of either kernel skipped before the two profiled ones, i.e. 2 x the wave
-# index (128k, topk 64 runs 63 waves: 100 is a late one). Clocks are left alone (--clock-control none).
+# SKIP (default 60): launches of either kernel skipped before the two profiled ones, i.e. 2 x the wave
+# index (128k, topk 64 runs 42 waves of 198 tiles: 60 is a late one; a SKIP past the last launch profiles
+# nothing, and ncu then lists the other kernels only). Clocks are left alone (--clock-control none).
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"  # root (the working directory from here on), out, py
-skip=${1:-100}
+skip=${1:-60}
 [ $# -gt 0 ] && shift
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 [ -n "$ncu" ] || { echo "ncu not found"; exit 2; }
