@@ -322,7 +322,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
                      topk, inv_sigma, QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      PS: tl.constexpr, BLOCK_N: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
                      HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, TL: tl.constexpr, CS_TMA: tl.constexpr,
-                     HKV: tl.constexpr):
+                     HKV: tl.constexpr, STAGE_Q: tl.constexpr):
     """Route a tile's ``QT`` units (token, KV head h) with no score scratch: each of five passes over the
     candidates (row maxima, the three Halley steps, mp with its lists) computes the scores again from the
     summary copy (``_scores_from_copy``); the same entmax arithmetic as ``route_tile`` (``halley_sums``,
@@ -331,10 +331,20 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     their steps stay finite. The mp pass writes the sum of each unit's probabilities over its group (G times its mp)
     by candidate into the scores' storage (unit u at ``x_ptr + slot u * sx_n + h * sx_h``; no score is stored on
     this path), and a second pass reads them back to divide by G and build the lists: there the scan that numbers a
-    tile's positive entries runs on a plain layout, not on the MMA's (far fewer instructions; PERFORMANCE.md)."""
+    tile's positive entries runs on a plain layout, not on the MMA's (far fewer instructions; PERFORMANCE.md).
+    STAGE_Q: the scaled queries go through the units' mp rows (free until the lists are written) and are loaded
+    back, so that the MMAs read them from shared memory; computed in registers, Triton reloads them into registers
+    for every score tile (PERFORMANCE.md, run 28)."""
     M: tl.constexpr = QT * G_PAD
     offs_d = tl.arange(0, D)
     qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, h * G + g_m, row_ok, sf, offs_d)
+    if STAGE_Q:  # row (u, g) at element g * D of unit u's mp row, read as the query dtype
+        per: tl.constexpr = 32 // qs.dtype.primitive_bitwidth  # query elements an fp32 entry holds
+        q_rows = (mp_ptr.to(tl.pointer_type(qs.dtype), bitcast=True)
+                  + per * ((slot0 + tl.arange(0, M) // G_PAD) * smp_n + h * smp_h) + g_m * D)
+        tl.store(q_rows[:, None] + offs_d[None, :], qs)
+        tl.debug_barrier()  # loaded back by other threads of this program
+        qs = tl.load(q_rows[:, None] + offs_d[None, :])
     cs_row0 = req.to(tl.int64) * cs_req
     m = tl.full([M], float("-inf"), tl.float32)
     for c0 in range(0, ncand, BLOCK_N):
@@ -405,6 +415,7 @@ def _prefill_route_kernel(
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, TL: tl.constexpr,
     RECOMPUTE: tl.constexpr = False, CS_TMA: tl.constexpr = False, HKV_C: tl.constexpr = 1,
+    STAGE_Q: tl.constexpr = False,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -438,7 +449,7 @@ def _prefill_route_kernel(
                              cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
                              sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                              topk, inv_sigma, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL,
-                             CS_TMA, HKV_C)
+                             CS_TMA, HKV_C, STAGE_Q)
         else:  # the stored scores
             bt_row = bt_ptr + req.to(tl.int64) * sbt_n
             x_tok = x_ptr + (slot0 + u_m) * sx_n
@@ -706,7 +717,8 @@ class PrefillScratch:
 
     scores ``[slots, Hq, row]`` fp32; mp ``[slots, Hsel, row]`` fp32 and mp_cand like it in int32: each
     unit's positive mp as a list, and their candidates (``row``: ``max_cand`` rounded up to 16, so that every
-    row starts 64-byte aligned and the route kernel reads whole groups of 4); sel_idx / sel_blk
+    row starts 64-byte aligned and the route kernel reads whole groups of 4; routing from the summary copy first
+    stages each unit's scaled queries in its mp row where they fit, ``stages_queries``); sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, max_cand, QT]`` fp32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position).
@@ -923,6 +935,12 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
     )
 
 
+def stages_queries(g: int, q: torch.Tensor, scratch: PrefillScratch) -> bool:
+    """Whether the route kernel stages a program's scaled queries through its units' mp rows (``STAGE_Q`` of
+    ``_route_recompute``): where one unit's ``G`` padded query rows fit its mp row."""
+    return _pow2(g) * q.shape[2] * q.element_size() <= scratch.mp.shape[2] * scratch.mp.element_size()
+
+
 def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                seq_lens: torch.Tensor, params: DashParams, plan: PrefillPlan, scratch: PrefillScratch,
                tile0: int, tiles: int) -> None:
@@ -956,6 +974,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         copy.shape[1] if recompute else 0, PS=cache.page_size,
         **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
+        STAGE_Q=recompute and stages_queries(g, q, s),
         num_warps=ROUTE_RECOMPUTE_WARPS if recompute else ROUTE_WARPS,
         num_stages=ROUTE_RECOMPUTE_STAGES if recompute else ROUTE_STAGES,
         **({"maxnreg": ROUTE_RECOMPUTE_MAXNREG} if recompute and ROUTE_RECOMPUTE_MAXNREG else {}),
