@@ -213,12 +213,13 @@ def test_routing_wide_rows_and_caps(monkeypatch):
         check_routing(case, plan, scratch)
 
 
-# G 1 (rows are units), G 2 at D 32 (two rows a unit), G 3 (a padded row per token); the first two stage the
-# scaled queries through the units' mp rows (``stages_queries``), G 3 keeps them in registers
-@pytest.mark.parametrize("group,d", [(1, 64), (2, 32), (3, 64)])
+# G 1 (rows are units), G 2 (two rows a unit), G 3 (a padded row per token); the first two stage the scaled
+# queries through the units' mp rows (``stages_queries``: 64 candidates and more hold two rows of D 64), G 3 keeps
+# them in registers
+@pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("topk,est", [(None, False), (3, True)])
 @pytest.mark.parametrize("tma", [1, 0])  # the copy loaded by TMA boxes, or by pointers
-def test_routing_from_the_summary_copy(group, d, topk, est, tma, monkeypatch):
+def test_routing_from_the_summary_copy(group, topk, est, tma, monkeypatch):
     """Routing that computes its scores again in every pass, from the summary copy: several 16-candidate tiles
     per pass, pages of two blocks, a local window of two blocks, a padded request, and a copy full of NaN before
     the gather (which zeroes the rows past each request's complete blocks: the last TMA box of a pass reads them,
@@ -226,7 +227,7 @@ def test_routing_from_the_summary_copy(group, d, topk, est, tma, monkeypatch):
     monkeypatch.setattr(pf, "ROUTE_SCORE_TILE", 16)
     monkeypatch.setattr(pf, "ROUTE_COPY_TMA", tma)
     p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0, local=32)
-    case = make_prefill_case(7, [(16 * 40 + 5, 12), (0, 0), (16 * 20 + 3, 9)], hq=2 * group, hkv=2, d=d, bs=16,
+    case = make_prefill_case(7, [(16 * 64 + 5, 12), (0, 0), (16 * 20 + 3, 9)], hq=2 * group, hkv=2, bs=16,
                              pages_per_block=2, params=p, q_scale=1.5).to(DEV)
     plan, scratch = pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
                                         recompute=True)
