@@ -316,7 +316,7 @@ def _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_
 
 
 @triton.jit
-def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x_scale, ncand, req, slot0,
+def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, sf, x_scale, ncand, req, slot0,
                      cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
                      sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                      topk, inv_sigma, QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -341,7 +341,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, h, G, sf, x
     if STAGE_Q:  # row (u, g) at element g * D of unit u's mp row, read as the query dtype
         per: tl.constexpr = 32 // qs.dtype.primitive_bitwidth  # query elements an fp32 entry holds
         q_rows = (mp_ptr.to(tl.pointer_type(qs.dtype), bitcast=True)
-                  + per * ((slot0 + tl.arange(0, M) // G_PAD) * smp_n + h * smp_h) + g_m * D)
+                  + per * ((slot0 + u_m) * smp_n + h * smp_h) + g_m * D)
         tl.store(q_rows[:, None] + offs_d[None, :], qs)
         tl.debug_barrier()  # loaded back by other threads of this program
         qs = tl.load(q_rows[:, None] + offs_d[None, :])
@@ -445,7 +445,7 @@ def _prefill_route_kernel(
         slot0 = w.to(tl.int64) * QT
         if RECOMPUTE:
             tl.static_assert(not SHARED, "the summary copy serves one KV head's rows")
-            _route_recompute(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, unit_ok, hp, G, sf, x_scale, ncand, req, slot0,
+            _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, hp, G, sf, x_scale, ncand, req, slot0,
                              cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
                              sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                              topk, inv_sigma, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL,
