@@ -78,10 +78,10 @@ ATTN_WARPS = 4
 # Routing without a score scratch (router kv_head): the five passes compute the scores again from a copy of each
 # request's summaries in candidate order (gather_summaries), made once per call where block tables hold at least
 # RECOMPUTE_MIN_CAND blocks and the copy takes at most SUMMARY_COPY_BYTES; else the scores are stored. On the H200
-# (docs/PERFORMANCE.md, run 10) routing at 128k took 38.0 against 41.8 ms (topk 64), and at 32k 2.58 against 2.43;
-# with the register cap below, 33.3 ms at 128k (run 11).
+# (docs/PERFORMANCE.md, run 31, topk 64 with the write) from the copy against stored: 8.21 against 8.71 ms at 32k and
+# 2.07 against 2.26 at 16k (Hkv 8), 4.89 against 7.15 at 32k (Hkv 2); at 8k (128 blocks) 1.13 against 0.97 (Hkv 8).
 ROUTE_RECOMPUTE = 1
-RECOMPUTE_MIN_CAND = 1024
+RECOMPUTE_MIN_CAND = 256
 ROUTE_RECOMPUTE_WARPS = 4
 ROUTE_RECOMPUTE_MAXNREG = 168  # its register cap (0: none): 3 programs a multiprocessor, not 2 (ptxas takes 255)
 ROUTE_RECOMPUTE_STAGES = 3  # pipeline stages of its score passes' summary loads
