@@ -60,12 +60,19 @@ def test_script_prints_counts_and_time(prefill_host, capsys):
 
 
 def test_long_tables_add_the_summary_copy(prefill_host):
-    """Block tables of ``RECOMPUTE_MIN_CAND`` blocks or more (router kv_head): one more launch per call, the copy of
-    the summaries the route launches compute their scores from (small heads keep the CPU tensors small)."""
+    """Block tables of ``RECOMPUTE_MIN_CAND`` blocks or more (router kv_head), half as many for groups of
+    ``RECOMPUTE_WIDE_GROUP`` query heads or more: one more launch per call, the copy of the summaries the route
+    launches compute their scores from (small heads keep the CPU tensors small)."""
     from dash_core.kernels import prefill as pf
 
-    tokens = pf.RECOMPUTE_MIN_CAND * 64
-    counts = prefill_host.host_counts(prefill_host.make_call(tokens, write=False, hq=1, hkv=1, d=64)).launches
+    def launches(tokens: int, hq: int) -> dict:
+        call = prefill_host.make_call(tokens, write=False, hq=hq, hkv=1, d=64)  # block size 64
+        return prefill_host.host_counts(call).launches
+
+    tokens, wide = pf.RECOMPUTE_MIN_CAND * 64, pf.RECOMPUTE_WIDE_GROUP
+    counts = launches(tokens, 1)
     assert counts["_gather_summaries_kernel"] == 1 and counts["_prefill_route_kernel"] >= 1
-    short = prefill_host.host_counts(prefill_host.make_call(tokens // 2, write=False, hq=1, hkv=1, d=64)).launches
-    assert "_gather_summaries_kernel" not in short
+    assert "_gather_summaries_kernel" not in launches(tokens // 2, 1)
+    assert "_gather_summaries_kernel" not in launches(tokens // 2, wide - 1)
+    assert launches(tokens // 2, wide)["_gather_summaries_kernel"] == 1
+    assert "_gather_summaries_kernel" not in launches(tokens // 4, wide)

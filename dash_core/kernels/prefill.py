@@ -77,11 +77,13 @@ ROUTE_LIST_BUDGET = 1024  # elements of the [QT, entries] tiles of the ties and 
 ATTN_WARPS = 4
 # Routing without a score scratch (router kv_head): the five passes compute the scores again from a copy of each
 # request's summaries in candidate order (gather_summaries), made once per call where block tables hold at least
-# RECOMPUTE_MIN_CAND blocks and the copy takes at most SUMMARY_COPY_BYTES; else the scores are stored. On the H200
-# (docs/PERFORMANCE.md, run 31, topk 64 with the write) from the copy against stored: 8.21 against 8.71 ms at 32k and
-# 2.07 against 2.26 at 16k (Hkv 8), 4.89 against 7.15 at 32k (Hkv 2); at 8k (128 blocks) 1.13 against 0.97 (Hkv 8).
+# RECOMPUTE_MIN_CAND blocks (half that for groups of RECOMPUTE_WIDE_GROUP query heads or more) and the copy takes at
+# most SUMMARY_COPY_BYTES; else the scores are stored. On the H200 (docs/PERFORMANCE.md, run 31, topk 64 with the
+# write) from the copy against stored: 8.21 against 8.71 ms at 32k and 2.07 against 2.26 at 16k (Hkv 8), 4.89 against
+# 7.15 at 32k (Hkv 2); at 8k (128 blocks) 1.13 against 0.97 at Hkv 8 (G 4) but 0.70 against 0.84 at Hkv 2 (G 16).
 ROUTE_RECOMPUTE = 1
 RECOMPUTE_MIN_CAND = 256
+RECOMPUTE_WIDE_GROUP = 16
 ROUTE_RECOMPUTE_WARPS = 4
 ROUTE_RECOMPUTE_MAXNREG = 168  # its register cap (0: none): 3 programs a multiprocessor, not 2 (ptxas takes 255)
 ROUTE_RECOMPUTE_STAGES = 3  # pipeline stages of its score passes' summary loads
@@ -258,17 +260,24 @@ def _copy_source(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch
     return cache.summaries.data_ptr(), block_table.data_ptr(), seq_lens.data_ptr()
 
 
-def recompute_routing(params: DashParams, n: int, max_cand: int, hkv: int, d: int, itemsize: int,
+def recompute_routing(params: DashParams, n: int, max_cand: int, hq: int, hkv: int, d: int, itemsize: int,
                       route_heads: Optional[int] = None) -> bool:
     """Whether a call routes without a score scratch (``_route_recompute``): router ``kv_head``, no indexer, block
-    tables of at least ``RECOMPUTE_MIN_CAND`` blocks and a summary copy of at most ``SUMMARY_COPY_BYTES``."""
-    return (_may_recompute(params, max_cand, route_heads)
+    tables of at least ``recompute_min_cand`` blocks and a summary copy of at most ``SUMMARY_COPY_BYTES``."""
+    return (_may_recompute(params, max_cand, hq // hkv, route_heads)
             and n * max_cand * hkv * d * itemsize <= SUMMARY_COPY_BYTES)
 
 
-def _may_recompute(params: DashParams, max_cand: int, route_heads: Optional[int]) -> bool:
+def recompute_min_cand(group: int) -> int:
+    """The fewest blocks of a block table that route from the summary copy, for ``group`` query heads per KV head:
+    ``RECOMPUTE_MIN_CAND``, half that from ``RECOMPUTE_WIDE_GROUP`` heads (measured: at 128 blocks the copy is
+    the faster path at 16 heads and the slower at 4)."""
+    return RECOMPUTE_MIN_CAND // 2 if group >= RECOMPUTE_WIDE_GROUP else RECOMPUTE_MIN_CAND
+
+
+def _may_recompute(params: DashParams, max_cand: int, group: int, route_heads: Optional[int]) -> bool:
     return (bool(ROUTE_RECOMPUTE) and params.router != "shared" and route_heads is None
-            and max_cand >= RECOMPUTE_MIN_CAND)
+            and max_cand >= recompute_min_cand(group))
 
 
 def gather_summaries(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor, params: DashParams,
@@ -827,7 +836,7 @@ class PrefillPlan:
         hkv = cache.num_kv_heads
         table_tokens = block_table.shape[1] * cache.page_size
         if recompute is None:
-            recompute = recompute_routing(params, seq_lens.shape[0], _max_cand(table_tokens, params), hkv, d,
+            recompute = recompute_routing(params, seq_lens.shape[0], _max_cand(table_tokens, params), hq, hkv, d,
                                           cache.summaries.element_size(), route_heads)
         qt, max_cand, per_tile = _tile_geometry(hq, hkv, table_tokens, params, route_heads, recompute)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
@@ -867,7 +876,7 @@ def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_he
     def waves(tile_bytes: int) -> int:
         return min(nt * tile_bytes, max(budget, tile_bytes))
 
-    if not _may_recompute(params, max_cand, route_heads):
+    if not _may_recompute(params, max_cand, num_q_heads // num_kv_heads, route_heads):
         return waves(per_tile)
     recompute_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, route_heads, True)[2]
     return max(waves(per_tile), waves(recompute_tile) + SUMMARY_COPY_BYTES)

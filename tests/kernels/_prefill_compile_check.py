@@ -34,7 +34,7 @@ CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
     (torch.bfloat16, 24, 24, 64, 32, 32, 100, dict(topk=1, estimate_diagonal=True)),  # G = 1, 32 tokens a tile
     (torch.float16, 16, 4, 64, 64, 128, 64, dict(topk=8)),  # TMA boxes of D 64 in fp16, two blocks a page
     (torch.bfloat16, 16, 2, 256, 32, 64, 64, dict(topk=4)),  # TMA boxes of D 256 (8 warps)
-    # tables of RECOMPUTE_MIN_CAND blocks or more: routing from the summary copy
+    # tables of recompute_min_cand(G) blocks or more: routing from the summary copy
     (torch.bfloat16, 8, 8, 64, 32, 32, 1100, dict(topk=2)),  # G 1 (rows are units), [64, 64] copy boxes
     (torch.bfloat16, 32, 2, 256, 64, 64, 1100, dict(topk=8)),  # D 256: [32, 256] copy boxes, G 16
 ]
