@@ -60,19 +60,22 @@ def test_script_prints_counts_and_time(prefill_host, capsys):
 
 
 def test_long_tables_add_the_summary_copy(prefill_host):
-    """Block tables of ``RECOMPUTE_MIN_CAND`` blocks or more (router kv_head), half as many for groups of
+    """Block tables of ``RECOMPUTE_MIN_CAND`` blocks or more (router kv_head), half as many where a KV head has
     ``RECOMPUTE_WIDE_GROUP`` query heads or more: one more launch per call, the copy of the summaries the route
     launches compute their scores from (small heads keep the CPU tensors small)."""
     from dash_core.kernels import prefill as pf
 
-    def launches(tokens: int, hq: int) -> dict:
-        call = prefill_host.make_call(tokens, write=False, hq=hq, hkv=1, d=64)  # block size 64
+    def launches(blocks: int, hq: int, hkv: int = 1) -> dict:
+        """Launches of a call whose block table holds ``blocks`` blocks (``make_call`` adds a page to the prompt's)."""
+        call = prefill_host.make_call((blocks - 1) * 64, write=False, hq=hq, hkv=hkv, d=64)  # block size 64
         return prefill_host.host_counts(call).launches
 
-    tokens, wide = pf.RECOMPUTE_MIN_CAND * 64, pf.RECOMPUTE_WIDE_GROUP
-    counts = launches(tokens, 1)
+    def copies(blocks: int, hq: int, hkv: int = 1) -> bool:
+        return "_gather_summaries_kernel" in launches(blocks, hq, hkv)
+
+    full, wide = pf.RECOMPUTE_MIN_CAND, pf.RECOMPUTE_WIDE_GROUP
+    counts = launches(full, 1)
     assert counts["_gather_summaries_kernel"] == 1 and counts["_prefill_route_kernel"] >= 1
-    assert "_gather_summaries_kernel" not in launches(tokens // 2, 1)
-    assert "_gather_summaries_kernel" not in launches(tokens // 2, wide - 1)
-    assert launches(tokens // 2, wide)["_gather_summaries_kernel"] == 1
-    assert "_gather_summaries_kernel" not in launches(tokens // 4, wide)
+    assert not copies(full - 1, 1) and not copies(full // 2, wide - 1)
+    assert copies(full // 2, wide) and not copies(full // 2 - 1, wide)
+    assert copies(full // 2, 2 * wide, hkv=2) and not copies(full // 2, wide, hkv=2)  # the group is Hq / Hkv

@@ -263,15 +263,15 @@ def _copy_source(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch
 def recompute_routing(params: DashParams, n: int, max_cand: int, hq: int, hkv: int, d: int, itemsize: int,
                       route_heads: Optional[int] = None) -> bool:
     """Whether a call routes without a score scratch (``_route_recompute``): router ``kv_head``, no indexer, block
-    tables of at least ``recompute_min_cand`` blocks and a summary copy of at most ``SUMMARY_COPY_BYTES``."""
+    tables of at least ``recompute_min_cand(hq // hkv)`` blocks and a summary copy of at most ``SUMMARY_COPY_BYTES``."""
     return (_may_recompute(params, max_cand, hq // hkv, route_heads)
             and n * max_cand * hkv * d * itemsize <= SUMMARY_COPY_BYTES)
 
 
 def recompute_min_cand(group: int) -> int:
     """The fewest blocks of a block table that route from the summary copy, for ``group`` query heads per KV head:
-    ``RECOMPUTE_MIN_CAND``, half that from ``RECOMPUTE_WIDE_GROUP`` heads (measured: at 128 blocks the copy is
-    the faster path at 16 heads and the slower at 4)."""
+    ``RECOMPUTE_MIN_CAND``, half that from ``RECOMPUTE_WIDE_GROUP`` heads (measured at 128 blocks: the copy is
+    the faster path at 16 heads, the slower at 4, and routes more slowly at 8)."""
     return RECOMPUTE_MIN_CAND // 2 if group >= RECOMPUTE_WIDE_GROUP else RECOMPUTE_MIN_CAND
 
 
