@@ -25,9 +25,17 @@ This script measures what an explicitly written loop gains over the Triton one (
   block: an upper bound for a design whose warps walk block lists of their own (they would also load their own
   blocks).
 
+- ``gluon-ws3-*``, ``gluon-ws4-*`` (``union_loop_ws.py``): 3 or 4 warpgroups a program, each its own tile, with K
+  and V rings of their own (``k1v2``: one K slot and two V slots), in FlashAttention 3's order or, ``-sync``, each
+  MMA waited for; the configurations are ``WS_CONFIGS``;
+- ``gluon-shared-s4``, ``-s5`` (with ``--share``): 3 warpgroups over 3 neighbouring tiles share one ring of 4 or 5
+  K/V slots that a producer warp fills with the union of their unions, each block loaded once for the group.
+
 Every variant but ``gluon-no-reload`` is checked against a float32 PyTorch computation of the same loop before it
 is timed. Work: ``tiles x Hkv`` programs, each over ``--union`` random blocks (with repeats) of a paged cache of
-``--pages`` pages laid out as SGLang's ``[pages, 64, Hkv, D]``: 96 pages stay in L2, 4096 do not.
+``--pages`` pages laid out as SGLang's ``[pages, 64, Hkv, D]``: 96 pages stay in L2, 4096 do not. With ``--share F``
+each group of 3 neighbouring tiles draws its unions from one of ``F x 3 x union`` blocks (0.65 at the prefill
+benchmark's 128k prompt, topk 64: ``docs/PERFORMANCE.md``).
 
     python benchmarks/union_loop.py --tiles 1056 --union 230 --pages 96   # on a Hopper GPU
     python benchmarks/union_loop.py --compile-only                         # CPU: compile the variants for sm_90
@@ -52,6 +60,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from union_loop_ws import (SHARED_CONFIGS, SHARED_GROUP, SHARED_MAXNREG, SHARED_REGS, WS_CONFIGS,  # noqa: E402
+                           softmax_step, union_shared, union_ws)
 
 ROWS, BS, D, QT, G = 64, 64, 128, 16, 4
 LOG2E = 1.4426950408889634
@@ -168,17 +179,6 @@ def _ring_end(bar, qbar, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(qk, m_i, l_i):
-    """One block of the online softmax (log2 domain): ``(p, alpha, m, l)``, ``alpha`` rescaling the old sums;
-    a row still at ``-inf`` everywhere keeps zero weights."""
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(qk - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
-
-
-@gluon.jit
 def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, HKV,
                  ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, QT: gl.constexpr, G: gl.constexpr,
                  STAGES: gl.constexpr, OVERLAP: gl.constexpr, PER: gl.constexpr,
@@ -219,7 +219,7 @@ def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
             mbarrier.wait(bar.index(nslot), ((j + 1) // STAGES) & 1, pred=has_next)
             s_next = warpgroup_mma(q_s, k_s.index(nslot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             qk = _add_prior(s_cur, qk_scale, prow, j, nu, QT, BS, PER, s_layout)
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
             p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             # outstanding: PV j-1 (older), S j+1: wait for PV j-1 only
             acc = warpgroup_mma_wait(1, deps=[acc])
@@ -239,7 +239,7 @@ def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
             mbarrier.wait(bar.index(slot), (j // STAGES) & 1, pred=RELOAD or j < STAGES)
             s_acc = warpgroup_mma(q_s, k_s.index(slot).permute((1, 0)), s_zero, use_acc=False)
             qk = _add_prior(s_acc, qk_scale, prow, j, nu, QT, BS, PER, s_layout)
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_s.index(slot), acc)
             if RELOAD:  # (not RELOAD: the first STAGES blocks again and again, to time the loop without its loads)
@@ -281,7 +281,7 @@ def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_s
         kt = k_s.index(slot).permute((1, 0)).load(b_op)
         s_acc = mma_v2(q, kt, gl.zeros([ROWS, BS], gl.float32, mma))
         qk = _add_prior(s_acc, qk_scale, prow, j, nu, QT, BS, 1, mma)
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
         vt = v_s.index(slot).load(b_op)
         acc = mma_v2(gl.convert_layout(p.to(gl.bfloat16), a_op), vt, acc * alpha[:, None])
         gl.thread_barrier()  # every warp has read the slot before it is refilled
@@ -294,7 +294,8 @@ def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_s
     gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
 
 
-def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda", rows: int = ROWS):
+def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda", rows: int = ROWS,
+              share: float = 0.0, group: int = 3):
     """Random queries (``rows`` per tile: ``rows // G`` tokens), a paged cache ``[pages, BS, Hkv, D]``, ``union``
     random blocks per (tile, KV head) and each token's log2 prior per union block (about 30% of the tokens routed
     to each block)."""
@@ -307,8 +308,21 @@ def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, devic
     nu[::7] = torch.randint(0, union + 1, nu[::7].shape, generator=g).to(torch.int32)  # ragged unions, some empty
     prior = torch.log2(torch.rand(tiles * hkv, union, rows // G, generator=g) * 0.5 + 0.01)
     prior[torch.rand(prior.shape, generator=g) > 0.3] = float("-inf")
+    extra = {}
+    if share > 0:  # groups of `group` neighbouring tiles draw their unions from one group union of share x the sum
+        gu = max(union, round(share * group * union))
+        groups = tiles // group
+        gblk = torch.randint(0, pages, (groups * hkv, gu), generator=g, dtype=torch.int32)
+        own = torch.zeros(tiles * hkv, union, dtype=torch.int32)
+        for u in range(groups * group * hkv):
+            gi = (u // hkv) // group * hkv + u % hkv
+            pos = torch.randperm(gu, generator=g)[:union].sort().values
+            own[u] = pos.to(torch.int32)
+            ublk[u] = gblk[gi, pos]
+        extra = dict(gblk=gblk.to(device), ng=torch.full((groups * hkv,), gu, dtype=torch.int32, device=device),
+                     own=own.to(device), group_union=gu)
     return dict(q=q, k=k, v=v, ublk=ublk.to(device), nu=nu.to(device), prior=prior.to(device), hkv=hkv, union=union,
-                rows=rows)
+                rows=rows, **extra)
 
 
 def reference(work: dict, units) -> torch.Tensor:
@@ -367,8 +381,26 @@ def launchers(work: dict, stages: int, per: int, warps: int = 4, tstages: int = 
         _union_mma2[grid](qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, STAGES=stages,
                           num_warps=4)
 
-    return o, {**triton_calls, "gluon": glu(False), "gluon-overlap": glu(True),
-               NO_RELOAD: glu(False, False), "gluon-mma2": mma2}
+    calls = {**triton_calls, "gluon": glu(False), "gluon-overlap": glu(True), NO_RELOAD: glu(False, False),
+             "gluon-mma2": mma2}
+
+    def ws(nc, kst, vst, overlap, regs):
+        return lambda: union_ws[(grid[0] // nc, hkv)](
+            qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, NC=nc, KST=kst, VST=vst,
+            CONSUMER_REGS=regs, OVERLAP=overlap, num_warps=4, maxnreg=regs)
+
+    def shared(slots):
+        return lambda: union_shared[(grid[0] // SHARED_GROUP, hkv)](
+            qdesc, gdesc["k"], gdesc["v"], work["gblk"], work["ng"], work["own"], work["nu"], work["prior"], o,
+            scale, union, work["group_union"], hkv, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, NC=SHARED_GROUP, S=slots,
+            CONSUMER_REGS=SHARED_REGS, num_warps=4, maxnreg=SHARED_MAXNREG)
+
+    for name, cfg in WS_CONFIGS.items():
+        if grid[0] % cfg[0] == 0:  # whole programs of NC tiles
+            calls[name] = ws(*cfg)
+    if "gblk" in work:  # the tiles' unions drawn from their group's (make_work's share)
+        calls.update({name: shared(slots) for name, slots in SHARED_CONFIGS.items()})
+    return o, calls
 
 
 def compile_only(stages: int, per: int) -> int:
@@ -402,6 +434,17 @@ def compile_only(stages: int, per: int) -> int:
         srcs["gluon-overlap" if overlap else "gluon"] = (GluonASTSource(_union_gluon, gsig, gc), dict(num_warps=4))
     del gc["OVERLAP"], gc["PER"], gsig["OVERLAP"], gsig["PER"]
     srcs["gluon-mma2"] = (GluonASTSource(_union_mma2, gsig, gc), dict(num_warps=4))
+    qkv = {n: f"tensordesc<bf16[{r}, {D}],{lay!r}>" for n, r in (("q_desc", ROWS), ("k_desc", BS), ("v_desc", BS))}
+    for name, (nc, kst, vst, overlap, regs) in WS_CONFIGS.items():
+        wc = dict(cons, NC=nc, KST=kst, VST=vst, CONSUMER_REGS=regs, OVERLAP=overlap)
+        srcs[name] = (GluonASTSource(union_ws, {**qkv, **common, **{k: "constexpr" for k in wc}}, wc),
+                      dict(num_warps=4, maxnreg=regs))
+    for name, slots in SHARED_CONFIGS.items():
+        sc = dict(cons, NC=SHARED_GROUP, S=slots, CONSUMER_REGS=SHARED_REGS)
+        ssig = {**qkv, "gblk_ptr": "*i32", "ng_ptr": "*i32", "own_ptr": "*i32", "nu_ptr": "*i32",
+                "prior_ptr": "*fp32", "o_ptr": "*fp32", "qk_scale": "fp32", "NU": "i32", "GU": "i32", "HKV": "i32",
+                **{k: "constexpr" for k in sc}}
+        srcs[name] = (GluonASTSource(union_shared, ssig, sc), dict(num_warps=4, maxnreg=SHARED_MAXNREG))
     rc = 0
     for name, (src, opts) in srcs.items():
         try:
@@ -434,6 +477,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tstages", type=int, default=3,
                     help="num_stages of the triton variant (16- and 32-row programs get one K/V slot at 2 and 3)")
     ap.add_argument("--variants", default="", help="comma-separated variants to run (default: all)")
+    ap.add_argument("--share", type=float, default=0.0,
+                    help="groups of 3 neighbouring tiles draw their unions from one of share x 3 x union blocks")
     ap.add_argument("--compile-only", action="store_true")
     a = ap.parse_args(argv)
     if a.compile_only:
@@ -442,7 +487,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU (on a CPU machine: --compile-only)", file=sys.stderr)
         return 2
     from decode import time_calls
-    work = make_work(a.tiles, a.hkv, a.union, a.pages, rows=a.rows)
+    work = make_work(a.tiles, a.hkv, a.union, a.pages, rows=a.rows, share=a.share)
     o, calls = launchers(work, a.stages, a.per, a.warps, a.tstages)
     if a.variants:
         want = a.variants.split(",")
@@ -455,7 +500,8 @@ def main(argv=None) -> int:
     if torch.cuda.get_device_capability()[0] != 9:
         print("not a Hopper GPU: the Gluon variants (warpgroup MMAs, sm_90 TMA) are left out", flush=True)
         calls = {k: calls[k] for k in ("triton", "triton-t") if k in calls}
-    check = list(range(0, work["nu"].numel(), max(1, work["nu"].numel() // 24)))
+    units = work["nu"].numel()
+    check = sorted({u + d for u in range(0, units, max(1, units // 24)) for d in (0, a.hkv) if u + d < units})
     ref = reference(work, check)
     flop = 4.0 * a.rows * BS * D * float(work["nu"].sum())
     rc = 0

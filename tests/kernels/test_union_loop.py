@@ -1,8 +1,9 @@
 """``benchmarks/union_loop.py``: every variant of the prefill union loop computes attention with a prior.
 
 The script's float32 reference is checked here against a softmax written independently. On the CPU the Triton
-variant runs under the interpreter, and the Gluon variants are compiled for sm_90 in a subprocess (the
-interpreter cannot run Gluon). On a Hopper GPU every variant runs against the reference.
+variant runs under the interpreter, and the Gluon variants (``benchmarks/union_loop_ws.py``'s warp-specialized ones
+too) are compiled for sm_90 in a subprocess (the interpreter cannot run Gluon). On a Hopper GPU every variant runs
+against the reference.
 """
 
 from __future__ import annotations
@@ -75,6 +76,36 @@ def test_variants_match_the_reference(ul, per):
         assert err < 2e-2, (name, err)  # bf16 probabilities in the PV product, fp32 accumulation
 
 
+def test_shared_work_draws_each_union_from_its_group(ul):
+    """``--share``: the tiles of a group of 3 take their unions, in order, from the group's blocks."""
+    work = ul.make_work(tiles=6, hkv=2, union=7, pages=64, device="cpu", share=0.6)
+    gu = work["group_union"]
+    assert gu == round(0.6 * 3 * 7) and work["gblk"].shape == (2 * 2, gu)
+    for u in range(12):
+        own = work["own"][u]
+        assert bool((own[1:] > own[:-1]).all()) and int(own.max()) < gu  # increasing positions in the group
+        group = (u // 2) // 3 * 2 + u % 2  # (tile // 3, KV head)
+        assert torch.equal(work["ublk"][u], work["gblk"][group, own.long()])
+
+
+@pytest.mark.skipif(not _hopper(), reason="warp-specialized Gluon variants: Hopper only")
+def test_warp_specialized_variants_match_the_reference(ul):
+    """Three or four warpgroups a program, each its own tile (``union_ws``), and three sharing one ring of their
+    group's blocks (``union_shared``): 12 tiles, so that every grouping is whole; unions drawn from groups."""
+    work = ul.make_work(tiles=12, hkv=2, union=7, pages=16, device=KERNEL_DEVICE, share=0.6)
+    o, calls = ul.launchers(work, stages=3, per=1)
+    names = [*ul.WS_CONFIGS, *ul.SHARED_CONFIGS]
+    assert set(names) <= set(calls)
+    units = work["nu"].numel()
+    ref = ul.reference(work, range(units))
+    assert ref.abs().max() > 0.1
+    for name in names:
+        o.fill_(float("nan"))
+        calls[name]()
+        err = float((o.view(units, ul.ROWS, ul.D) - ref).abs().max())
+        assert err < 2e-2, (name, err)
+
+
 @pytest.mark.parametrize("name", ["triton", "triton-t"])
 @pytest.mark.parametrize("rows", [16, 32, 64])
 def test_small_tiles_match_the_reference(ul, rows, name):
@@ -93,7 +124,7 @@ def test_small_tiles_match_the_reference(ul, rows, name):
 
 @pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="CPU check; on a GPU the variants run")
 @pytest.mark.parametrize("per", [1, 2])
-def test_gluon_variants_compile_for_sm90(per):
+def test_gluon_variants_compile_for_sm90(ul, per):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "benchmarks/union_loop.py", "--compile-only", "--per", str(per)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=600)
@@ -102,5 +133,6 @@ def test_gluon_variants_compile_for_sm90(per):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     shared = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+): shared (\d+) B", r.stdout, re.M)}
     assert set(shared) == {"triton", "triton-t16", "triton-t32", "triton-t64", "triton16-w1-s2", "triton16-w1-s3",
-                           "triton32-w2-s2", "triton32-w2-s3", "gluon", "gluon-overlap", "gluon-mma2"}, r.stdout
+                           "triton32-w2-s2", "triton32-w2-s3", "gluon", "gluon-overlap", "gluon-mma2",
+                           *ul.WS_CONFIGS, *ul.SHARED_CONFIGS}, r.stdout
     assert max(shared.values()) <= 227 * 1024, shared
