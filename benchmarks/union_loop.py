@@ -62,7 +62,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from union_loop_ws import (SHARED_CONFIGS, SHARED_GROUP, SHARED_MAXNREG, SHARED_REGS, WS_CONFIGS,  # noqa: E402
-                           softmax_step, union_shared, union_ws)
+                           softmax_step, store_rows, union_shared, union_ws)
 
 ROWS, BS, D, QT, G = 64, 64, 128, 16, 4
 LOG2E = 1.4426950408889634
@@ -247,11 +247,7 @@ def _union_gluon(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_
                 _issue_kv(k_desc, v_desc, k_s.index(slot), v_s.index(slot), bar.index(slot), ublk, j + STAGES, nu,
                           h, BS, D, PER)
     _ring_end(bar, qbar, STAGES)
-    l_o = gl.convert_layout(l_i, row_o)
-    o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
-    rows = gl.arange(0, ROWS, layout=row_o)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
+    store_rows(o_ptr, acc, l_i, unit, ROWS, D, o_layout)
 
 
 @gluon.jit
@@ -288,10 +284,7 @@ def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_s
         _issue_kv(k_desc, v_desc, k_s.index(slot), v_s.index(slot), bar.index(slot), ublk, j + STAGES, nu, h,
                   BS, D, 1)
     _ring_end(bar, qbar, STAGES)
-    o = acc / gl.where(l_i > 0, l_i, 1.0)[:, None]
-    rows = gl.arange(0, ROWS, layout=row_l)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, mma))
-    gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
+    store_rows(o_ptr, acc, l_i, unit, ROWS, D, mma)
 
 
 def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda", rows: int = ROWS,

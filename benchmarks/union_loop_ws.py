@@ -42,6 +42,39 @@ def softmax_step(qk, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
+@gluon.constexpr_function
+def wgmma_layout(n):
+    """The accumulator layout of one warpgroup's ``[64, n]`` MMA."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def store_rows(o_ptr, acc, l_i, unit, ROWS: gl.constexpr, D: gl.constexpr, o_layout: gl.constexpr):
+    """Rows ``unit ROWS ..`` of ``o [., D]``: ``acc / l`` (0 where ``l`` is 0: no block routed)."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
+
+
+@gluon.jit
+def _tile_start(c, unit, q_desc, q_all, qbar, prior_ptr, NU, ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                QT: gl.constexpr, G: gl.constexpr):
+    """A warpgroup's tile: its queries' TMA into ``q_all[c]`` issued (on ``qbar[c]``), its rows' prior pointers and
+    its online softmax state: ``(q_s, prow, m, l, acc, zero logits)``."""
+    s_layout: gl.constexpr = wgmma_layout(BS)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_s = q_all.index(c)
+    mbarrier.expect(qbar.index(c), ROWS * D * 2)
+    tma.async_copy_global_to_shared(q_desc, [unit * ROWS, 0], qbar.index(c), q_s)
+    prow = prior_ptr + unit.to(gl.int64) * NU * QT + gl.arange(0, ROWS, layout=row_s) // G
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
+    acc = gl.zeros([ROWS, D], gl.float32, wgmma_layout(D))
+    return q_s, prow, m_i, l_i, acc, gl.zeros([ROWS, BS], gl.float32, s_layout)
+
+
 @gluon.jit
 def _issue_one(desc, buf, bar, ublk, j, nu, h, BS: gl.constexpr, D: gl.constexpr):
     """TMA of union block ``j``'s K (or V) into one ring slot, nothing when ``j >= nu``."""
@@ -52,34 +85,25 @@ def _issue_one(desc, buf, bar, ublk, j, nu, h, BS: gl.constexpr, D: gl.constexpr
 
 
 @gluon.jit
-def _ws_consumer(c: gl.constexpr, q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr,
-                 prior_ptr, o_ptr, qk_scale, NU, HKV, pid, h, NC: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
-                 BS: gl.constexpr, QT: gl.constexpr, G: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
-                 OVERLAP: gl.constexpr):
+def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                 QT: gl.constexpr, G: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
     """Warpgroup c of ``union_ws``: tile ``NC pid + c`` over its union, with rings of its own for K (``KST`` slots)
     and V (``VST``), a K slot refilled as soon as its QK is done, a V slot once its PV is. OVERLAP: FlashAttention
     3's order (block j's QK and block j - 1's PV issued together, then block j's softmax); else each MMA is waited
     for (fewer registers)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, \
+        HKV, pid, h = rt
+    o_layout: gl.constexpr = wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     unit = (NC * pid + c) * HKV + h
     nu = gl.load(nu_ptr + unit)
     ublk = ublk_ptr + unit.to(gl.int64) * NU
-    q_s = q_all.index(c)
-    mbarrier.expect(qbar.index(c), ROWS * D * 2)
-    tma.async_copy_global_to_shared(q_desc, [unit * ROWS, 0], qbar.index(c), q_s)
+    q_s, prow, m_i, l_i, acc, s_zero = _tile_start(c, unit, q_desc, q_all, qbar, prior_ptr, NU, ROWS, D, BS, QT, G)
     for s in gl.static_range(KST):
         _issue_one(k_desc, k_all.index(c * KST + s), kbar.index(c * KST + s), ublk, s, nu, h, BS, D)
     for s in gl.static_range(VST):
         _issue_one(v_desc, v_all.index(c * VST + s), vbar.index(c * VST + s), ublk, s, nu, h, BS, D)
-    prow = prior_ptr + unit.to(gl.int64) * NU * QT + gl.arange(0, ROWS, layout=row_s) // G
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
-    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-    s_zero = gl.zeros([ROWS, BS], gl.float32, s_layout)
     mbarrier.wait(qbar.index(c), 0)
     # block 0's QK (on whatever the slot holds when the union is empty: masked below)
     mbarrier.wait(kbar.index(c * KST), 0, pred=nu > 0)
@@ -126,11 +150,7 @@ def _ws_consumer(c: gl.constexpr, q_desc, k_desc, v_desc, q_all, k_all, v_all, k
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_all.index(vs), acc)
             gl.thread_barrier()
             _issue_one(v_desc, v_all.index(vs), vbar.index(vs), ublk, j + VST, nu, h, BS, D)
-    l_o = gl.convert_layout(l_i, row_o)
-    o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
-    rows = gl.arange(0, ROWS, layout=row_o)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
+    store_rows(o_ptr, acc, l_i, unit, ROWS, D, o_layout)
 
 
 @gluon.jit
@@ -156,33 +176,28 @@ def union_ws(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scal
         mbarrier.init(qbar.index(c), count=1)
     fence_async_shared()
     gl.static_assert(NC == 3 or NC == 4, "three or four warpgroups")
+    rt = (q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale,
+          NU, HKV, pid, h)
     if NC == 4:
         gl.warp_specialize([
-            (_ws_consumer, (0, q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr,
-                            prior_ptr, o_ptr, qk_scale, NU, HKV, pid, h, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
-            (_ws_consumer, (1, q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr,
-                            prior_ptr, o_ptr, qk_scale, NU, HKV, pid, h, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
-            (_ws_consumer, (2, q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr,
-                            prior_ptr, o_ptr, qk_scale, NU, HKV, pid, h, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
-            (_ws_consumer, (3, q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr,
-                            prior_ptr, o_ptr, qk_scale, NU, HKV, pid, h, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
+            (_ws_consumer, (0, rt, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
+            (_ws_consumer, (1, rt, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
+            (_ws_consumer, (2, rt, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
+            (_ws_consumer, (3, rt, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (0, q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr,
-                            prior_ptr, o_ptr, qk_scale, NU, HKV, pid, h, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
-            (_ws_consumer, (1, q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr,
-                            prior_ptr, o_ptr, qk_scale, NU, HKV, pid, h, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
-            (_ws_consumer, (2, q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr,
-                            prior_ptr, o_ptr, qk_scale, NU, HKV, pid, h, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
+            (_ws_consumer, (0, rt, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
+            (_ws_consumer, (1, rt, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
+            (_ws_consumer, (2, rt, NC, ROWS, D, BS, QT, G, KST, VST, OVERLAP)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 @gluon.jit
-def _shared_producer(k_desc, v_desc, k_ring, v_ring, full, empty, gblk_ptr, ng_ptr, GU, HKV, pid, h,
-                     BS: gl.constexpr, D: gl.constexpr, S: gl.constexpr):
+def _shared_producer(rt, BS: gl.constexpr, D: gl.constexpr, S: gl.constexpr):
     """The loads of ``union_shared``: group block P into ring slot ``P % S`` once every consumer has released the
     slot's previous block (P - S)."""
+    _, k_desc, v_desc, _, k_ring, v_ring, full, empty, _, gblk_ptr, ng_ptr, _, _, _, _, _, _, GU, HKV, pid, h = rt
     g = pid * HKV + h
     ng = gl.load(ng_ptr + g)
     for pos in range(ng):
@@ -195,28 +210,20 @@ def _shared_producer(k_desc, v_desc, k_ring, v_ring, full, empty, gblk_ptr, ng_p
 
 
 @gluon.jit
-def _shared_consumer(c, q_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr, ng_ptr, own_ptr, nu_ptr,
-                     prior_ptr, o_ptr, qk_scale, NU, GU, HKV, pid, h, NC: gl.constexpr, ROWS: gl.constexpr,
-                     D: gl.constexpr, BS: gl.constexpr, QT: gl.constexpr, G: gl.constexpr, S: gl.constexpr):
+def _shared_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                     QT: gl.constexpr, G: gl.constexpr, S: gl.constexpr):
     """Warpgroup c of ``union_shared``: tile ``NC pid + c`` over its own union, a sorted list of positions in the
-    group's (``own``); it releases every group block, those it skips at once."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    group's (``own``); it releases every group block, those it skips once loaded."""
+    q_desc, k_desc, v_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr, ng_ptr, own_ptr, nu_ptr, prior_ptr, \
+        o_ptr, qk_scale, NU, GU, HKV, pid, h = rt
+    o_layout: gl.constexpr = wgmma_layout(D)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     unit = (NC * pid + c) * HKV + h
     nu = gl.load(nu_ptr + unit)
     ng = gl.load(ng_ptr + pid * HKV + h)
     own = own_ptr + unit.to(gl.int64) * NU
-    q_s = q_all.index(c)
-    mbarrier.expect(qbar.index(c), ROWS * D * 2)
-    tma.async_copy_global_to_shared(q_desc, [unit * ROWS, 0], qbar.index(c), q_s)
-    prow = prior_ptr + unit.to(gl.int64) * NU * QT + gl.arange(0, ROWS, layout=row_s) // G
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.full([ROWS], 0.0, gl.float32, row_s)
-    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-    s_zero = gl.zeros([ROWS, BS], gl.float32, s_layout)
+    q_s, prow, m_i, l_i, acc, s_zero = _tile_start(c, unit, q_desc, q_all, qbar, prior_ptr, NU, ROWS, D, BS, QT, G)
     mbarrier.wait(qbar.index(c), 0)
     nxt = 0  # the first group block this warpgroup has not released
     for j in range(nu):
@@ -236,23 +243,17 @@ def _shared_consumer(c, q_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_p
     for sk in range(nxt, ng):
         mbarrier.wait(full.index(sk % S), (sk // S) & 1)
         mbarrier.arrive(empty.index(sk % S), count=1)
-    l_o = gl.convert_layout(l_i, row_o)
-    o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
-    rows = gl.arange(0, ROWS, layout=row_o)
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(o_ptr + (unit * ROWS + rows)[:, None].to(gl.int64) * D + cols[None, :], o)
+    store_rows(o_ptr, acc, l_i, unit, ROWS, D, o_layout)
 
 
 @gluon.jit
-def _shared_worker(c: gl.constexpr, q_desc, k_desc, v_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr,
-                   ng_ptr, own_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, GU, HKV, pid, h, NC: gl.constexpr,
-                   ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, QT: gl.constexpr, G: gl.constexpr,
-                   S: gl.constexpr):
+def _shared_worker(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                   QT: gl.constexpr, G: gl.constexpr, S: gl.constexpr):
+    """Worker partition c of ``union_shared``: the producer (c = NC) or a consumer."""
     if c == NC:
-        _shared_producer(k_desc, v_desc, k_ring, v_ring, full, empty, gblk_ptr, ng_ptr, GU, HKV, pid, h, BS, D, S)
+        _shared_producer(rt, BS, D, S)
     else:
-        _shared_consumer(c, q_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr, ng_ptr, own_ptr, nu_ptr,
-                         prior_ptr, o_ptr, qk_scale, NU, GU, HKV, pid, h, NC, ROWS, D, BS, QT, G, S)
+        _shared_consumer(c, rt, NC, ROWS, D, BS, QT, G, S)
 
 
 @gluon.jit
@@ -277,13 +278,11 @@ def union_shared(q_desc, k_desc, v_desc, gblk_ptr, ng_ptr, own_ptr, nu_ptr, prio
         mbarrier.init(qbar.index(c), count=1)
     fence_async_shared()
     gl.static_assert(NC == 3, "three consumer warpgroups and a producer warp")
+    rt = (q_desc, k_desc, v_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr, ng_ptr, own_ptr, nu_ptr,
+          prior_ptr, o_ptr, qk_scale, NU, GU, HKV, pid, h)
     gl.warp_specialize([
-        (_shared_consumer, (0, q_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr, ng_ptr, own_ptr, nu_ptr,
-                            prior_ptr, o_ptr, qk_scale, NU, GU, HKV, pid, h, NC, ROWS, D, BS, QT, G, S)),
-        (_shared_worker, (1, q_desc, k_desc, v_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr, ng_ptr,
-                          own_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, GU, HKV, pid, h, NC, ROWS, D, BS, QT, G, S)),
-        (_shared_worker, (2, q_desc, k_desc, v_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr, ng_ptr,
-                          own_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, GU, HKV, pid, h, NC, ROWS, D, BS, QT, G, S)),
-        (_shared_worker, (3, q_desc, k_desc, v_desc, q_all, k_ring, v_ring, full, empty, qbar, gblk_ptr, ng_ptr,
-                          own_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, GU, HKV, pid, h, NC, ROWS, D, BS, QT, G, S)),
+        (_shared_consumer, (0, rt, NC, ROWS, D, BS, QT, G, S)),
+        (_shared_worker, (1, rt, NC, ROWS, D, BS, QT, G, S)),
+        (_shared_worker, (2, rt, NC, ROWS, D, BS, QT, G, S)),
+        (_shared_worker, (3, rt, NC, ROWS, D, BS, QT, G, S)),
     ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
