@@ -18,6 +18,10 @@ scoring are the same for every tiling) for:
   halves``: the same with half tiles (``QT/2`` tokens) for the others; ``two tiers T full``: the part of
   that work done at the full tile (the rest runs on the smaller tiles, smaller MMAs).
 
+With ``--group N`` it also routes the ``N - 1`` tiles after each sampled one and prints how many blocks the union
+of the ``N`` neighbouring tiles' unions holds, over the sum of their sizes: the K/V a group of tiles sharing one
+ring would load, against what tiles loading their own unions do (``benchmarks/union_loop.py --share``).
+
 It also prints, per (token, KV head), how many candidates lie within 1 of some query head's maximum score
 (the *band*: every other score is below every threshold the entmax's Halley steps try, so a router could read
 the band alone) against the candidates and the entmax's support.
@@ -66,6 +70,13 @@ def tiling_work(kept: torch.Tensor, thresholds=THRESHOLDS) -> dict:
     return out
 
 
+def group_sharing(kept: torch.Tensor, qt: int) -> tuple:
+    """``(group, tiles)``: blocks of the union of the unions of the ``N`` neighbouring tiles of ``qt`` tokens in
+    ``kept [units, N qt, blocks]``, and the sum of those tiles' union sizes, over all units."""
+    units, tokens, nblk = kept.shape
+    return int(kept.any(1).sum()), int(kept.view(units, tokens // qt, qt, nblk).any(2).sum())
+
+
 def entmax_band(x: torch.Tensor, ncand: torch.Tensor, hkv: int) -> tuple:
     """``(band, support)``, ``[Hkv, R]`` counts per (KV head, token) from scores ``x [Hq, R, nblk]`` (token r
     over its first ``ncand[r]`` candidates): the candidates within 1 of some query head's maximum, and those
@@ -97,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sf", type=float, default=None, help="scaling_factor (default: the benchmark's for the length)")
     ap.add_argument("--query-correlation", type=float, default=0.95)
     ap.add_argument("--samples", type=int, default=8, help="tiles, spread evenly over the prompt")
+    ap.add_argument("--group", type=int, default=1, help="neighbouring tiles whose shared union is counted")
     a = ap.parse_args(argv)
     n, hq, hkv, d, bs = a.context, a.hq, a.hkv, a.head_dim, a.block_size
     sf = a.sf if a.sf is not None else default_sf(n, hkv)
@@ -110,12 +122,16 @@ def main(argv=None) -> int:
     summ = block_summaries(k.permute(1, 0, 2), head_cls, bs).to(k.dtype)  # stored in the KV dtype
     total: dict = {}
     band = {"candidates": 0, "band": 0, "support": 0, "units": 0}
-    starts = torch.linspace(bs * (p.local_blocks + 1), n - qt, a.samples).long() // qt * qt
+    span = qt * a.group  # tokens routed per sample: its tile and the group's others
+    starts = torch.linspace(bs * (p.local_blocks + 1), n - span, a.samples).long() // qt * qt
+    shared = [0, 0]  # blocks of the groups' unions, sum of their tiles' unions
     for a0 in starts.tolist():
-        pos = torch.arange(a0, a0 + qt)
+        pos = torch.arange(a0, a0 + span)
         ncand = (pos // bs - p.local_blocks + 1).clamp(min=0)
-        qs = (q[a0:a0 + qt].float() * sf).to(q.dtype).permute(1, 0, 2)  # sf * q in the query dtype
-        kept = route(qs, summ[:, :int(ncand.max())], ncand, p).kept
+        qs = (q[a0:a0 + span].float() * sf).to(q.dtype).permute(1, 0, 2)  # sf * q in the query dtype
+        kept_group = route(qs, summ[:, :int(ncand.max())], ncand, p).kept  # each token routes on its own
+        shared = [x + y for x, y in zip(shared, group_sharing(kept_group, qt))]
+        kept, ncand, qs = kept_group[:, :qt], ncand[:qt], qs[:, :qt]  # the sampled tile
         for key, v in tiling_work(kept).items():
             total[key] = total.get(key, 0) + v
         b, sup = entmax_band(routing_scores(qs, summ[:, :int(ncand.max())]), ncand, hkv)
@@ -128,6 +144,9 @@ def main(argv=None) -> int:
           f"executed / useful attention work")
     for key, v in total.items():
         print(f"  {key:18s} {v / max(useful, 1):5.2f}")
+    if a.group > 1:
+        print(f"groups of {a.group} tiles: union of their unions over the sum of their sizes "
+              f"{shared[0] / max(shared[1], 1):.3f}")
     print("per (token, KV head), mean over the sampled tiles' tokens")
     for key in ("candidates", "band", "support"):
         print(f"  {key:14s} {band[key] / max(band['units'], 1):7.1f}")

@@ -23,8 +23,7 @@ This script measures what an explicitly written loop gains over the Triton one (
   left in flight while the next softmax runs (the intra-warpgroup overlap of FlashAttention 3);
 - ``gluon-mma2``: as ``gluon`` on warp-level MMAs (``mma.sync``, 16 rows a warp), its four warps sharing each
   block: an upper bound for a design whose warps walk block lists of their own (they would also load their own
-  blocks).
-
+  blocks);
 - ``gluon-ws3-*``, ``gluon-ws4-*`` (``union_loop_ws.py``): 3 or 4 warpgroups a program, each its own tile, with K
   and V rings of their own (``k1v2``: one K slot and two V slots), in FlashAttention 3's order or, ``-sync``, each
   MMA waited for; the configurations are ``WS_CONFIGS``;
@@ -34,8 +33,8 @@ This script measures what an explicitly written loop gains over the Triton one (
 Every variant but ``gluon-no-reload`` is checked against a float32 PyTorch computation of the same loop before it
 is timed. Work: ``tiles x Hkv`` programs, each over ``--union`` random blocks (with repeats) of a paged cache of
 ``--pages`` pages laid out as SGLang's ``[pages, 64, Hkv, D]``: 96 pages stay in L2, 4096 do not. With ``--share F``
-each group of 3 neighbouring tiles draws its unions from one of ``F x 3 x union`` blocks (0.65 at the prefill
-benchmark's 128k prompt, topk 64: ``docs/PERFORMANCE.md``).
+each group of 3 neighbouring tiles draws its unions from one of ``F x 3 x union`` blocks, which they hold together
+(0.65 at the prefill benchmark's 128k prompt, topk 64: ``benchmarks/tile_sharing.py --group 3``).
 
     python benchmarks/union_loop.py --tiles 1056 --union 230 --pages 96   # on a Hopper GPU
     python benchmarks/union_loop.py --compile-only                         # CPU: compile the variants for sm_90
@@ -288,10 +287,11 @@ def _union_mma2(q_desc, k_desc, v_desc, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_s
 
 
 def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, device="cuda", rows: int = ROWS,
-              share: float = 0.0, group: int = 3):
+              share: float = 0.0, group: int = SHARED_GROUP):
     """Random queries (``rows`` per tile: ``rows // G`` tokens), a paged cache ``[pages, BS, Hkv, D]``, ``union``
     random blocks per (tile, KV head) and each token's log2 prior per union block (about 30% of the tokens routed
-    to each block)."""
+    to each block). With ``share``, the tiles' unions come from their group's (``_group_unions``: also ``gblk``,
+    ``ng``, ``own`` and ``group_union``)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     q = torch.randn(tiles * hkv * rows, D, generator=g).to(device, torch.bfloat16)
     k = torch.randn(pages, BS, hkv, D, generator=g).to(device, torch.bfloat16)
@@ -302,20 +302,36 @@ def make_work(tiles: int, hkv: int, union: int, pages: int, seed: int = 0, devic
     prior = torch.log2(torch.rand(tiles * hkv, union, rows // G, generator=g) * 0.5 + 0.01)
     prior[torch.rand(prior.shape, generator=g) > 0.3] = float("-inf")
     extra = {}
-    if share > 0:  # groups of `group` neighbouring tiles draw their unions from one group union of share x the sum
-        gu = max(union, round(share * group * union))
-        groups = tiles // group
-        gblk = torch.randint(0, pages, (groups * hkv, gu), generator=g, dtype=torch.int32)
-        own = torch.zeros(tiles * hkv, union, dtype=torch.int32)
-        for u in range(groups * group * hkv):
-            gi = (u // hkv) // group * hkv + u % hkv
-            pos = torch.randperm(gu, generator=g)[:union].sort().values
-            own[u] = pos.to(torch.int32)
-            ublk[u] = gblk[gi, pos]
-        extra = dict(gblk=gblk.to(device), ng=torch.full((groups * hkv,), gu, dtype=torch.int32, device=device),
-                     own=own.to(device), group_union=gu)
+    if share > 0:
+        extra = _group_unions(ublk, nu, tiles, hkv, union, pages, share, group, g, device)
     return dict(q=q, k=k, v=v, ublk=ublk.to(device), nu=nu.to(device), prior=prior.to(device), hkv=hkv, union=union,
                 rows=rows, **extra)
+
+
+def _group_unions(ublk, nu, tiles: int, hkv: int, union: int, pages: int, share: float, group: int, g, device) -> dict:
+    """``--share``: each group of ``group`` neighbouring tiles (per KV head) gets a union of ``gu = share x group x
+    union`` random blocks (``gblk``), and each of its tiles a sorted list of positions in it (``own``): a share of
+    ``gu / group`` positions that no other tile of the group has, then others of the group's up to ``union`` (a
+    ragged ``nu``, raised to its share if below), so that the tiles' unions together hold exactly the group's.
+    Rewrites ``ublk`` and ``nu`` in place to the same work for the variants without a group."""
+    if not 0 < share <= 1 or tiles % group:
+        raise ValueError(f"--share in (0, 1] and tiles ({tiles}) a multiple of {group}")
+    gu = max(union, round(share * group * union))
+    gblk = torch.randint(0, pages, (tiles // group * hkv, gu), generator=g, dtype=torch.int32)
+    own = torch.zeros(tiles * hkv, union, dtype=torch.int32)
+    for gi in range(gblk.shape[0]):
+        perm = torch.randperm(gu, generator=g)
+        for t in range(group):
+            u = ((gi // hkv) * group + t) * hkv + gi % hkv
+            mine = perm[t::group]
+            others = perm[torch.ones(gu, dtype=torch.bool).index_fill_(0, torch.arange(t, gu, group), False)]
+            n = max(int(nu[u]), len(mine))
+            pos = torch.cat([mine, others[torch.randperm(len(others), generator=g)][:n - len(mine)]]).sort().values
+            nu[u] = n
+            own[u, :n] = pos.to(torch.int32)
+            ublk[u, :n] = gblk[gi, pos]
+    return dict(gblk=gblk.to(device), ng=torch.full((gblk.shape[0],), gu, dtype=torch.int32, device=device),
+                own=own.to(device), group_union=gu)
 
 
 def reference(work: dict, units) -> torch.Tensor:
@@ -391,7 +407,7 @@ def launchers(work: dict, stages: int, per: int, warps: int = 4, tstages: int = 
     for name, cfg in WS_CONFIGS.items():
         if grid[0] % cfg[0] == 0:  # whole programs of NC tiles
             calls[name] = ws(*cfg)
-    if "gblk" in work:  # the tiles' unions drawn from their group's (make_work's share)
+    if "gblk" in work and grid[0] % SHARED_GROUP == 0:  # the tiles' unions drawn from their group's (share)
         calls.update({name: shared(slots) for name, slots in SHARED_CONFIGS.items()})
     return o, calls
 
@@ -494,6 +510,7 @@ def main(argv=None) -> int:
         print("not a Hopper GPU: the Gluon variants (warpgroup MMAs, sm_90 TMA) are left out", flush=True)
         calls = {k: calls[k] for k in ("triton", "triton-t") if k in calls}
     units = work["nu"].numel()
+    # sampled units and the next tile's (same KV head): more than one warpgroup of a program is checked
     check = sorted({u + d for u in range(0, units, max(1, units // 24)) for d in (0, a.hkv) if u + d < units})
     ref = reference(work, check)
     flop = 4.0 * a.rows * BS * D * float(work["nu"].sum())

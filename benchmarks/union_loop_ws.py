@@ -27,7 +27,7 @@ WS_CONFIGS = {
 }
 SHARED_CONFIGS = {"gluon-shared-s4": 4, "gluon-shared-s5": 5}  # name: slots of the shared ring
 SHARED_GROUP = 3  # tiles (warpgroups) sharing a ring
-SHARED_REGS = 160  # registers of a consumer thread: with a producer warp of 24, 16 warps under maxnreg 128
+SHARED_REGS = 160  # registers of the worker consumers (the default partition's gets 168) beside a producer of 24
 SHARED_MAXNREG = 128
 
 

@@ -45,6 +45,23 @@ def test_script_on_a_short_prompt(tile_sharing, capsys):
     assert ratio["tiles 4"] <= ratio["tiles 8"] <= ratio["tile 16"]
 
 
+def test_group_sharing_counts_each_block_once_per_group(tile_sharing):
+    """Two units, 3 tiles of 2 tokens, 4 blocks. Unit 0: block 0 routed in every tile, block 1 in tile 1 only,
+    block 3 in tiles 0 and 2. Unit 1: nothing routed."""
+    kept = torch.zeros(2, 6, 4, dtype=torch.bool)
+    kept[0, [0, 3, 5], 0] = True
+    kept[0, 2, 1] = True
+    kept[0, [1, 4], 3] = True
+    assert tile_sharing.group_sharing(kept, qt=2) == (3, 3 + 1 + 2)
+
+
+def test_script_counts_groups_of_tiles(tile_sharing, capsys):
+    """``--group 3`` on a 2k prompt: the group's union holds between a third of the tiles' sum and all of it."""
+    assert tile_sharing.main(["--context", "2048", "--samples", "2", "--sf", "4.0", "--group", "3"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("groups of 3 tiles"))
+    assert 1 / 3 <= float(line.split()[-1]) <= 1.0
+
+
 def test_entmax_band_counts(tile_sharing):
     """One KV head of two query heads, two tokens. Token 0 (4 candidates): head 0 scores [1.9, 1.9, 2.0,
     1.05], whose threshold is near 1.36: 1.05 lies in the band (above 2.0 - 1), not in the support; head 1
