@@ -210,6 +210,15 @@ def _shared_producer(rt, BS: gl.constexpr, D: gl.constexpr, S: gl.constexpr):
 
 
 @gluon.jit
+def _pass_on(full, empty, lo, hi, S: gl.constexpr):
+    """Release group blocks ``lo .. hi - 1`` of the shared ring unused, each once loaded: a release ahead of its load
+    would count for the slot's previous block."""
+    for sk in range(lo, hi):
+        mbarrier.wait(full.index(sk % S), (sk // S) & 1)
+        mbarrier.arrive(empty.index(sk % S), count=1)
+
+
+@gluon.jit
 def _shared_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                      QT: gl.constexpr, G: gl.constexpr, S: gl.constexpr):
     """Warpgroup c of ``union_shared``: tile ``NC pid + c`` over its own union, a sorted list of positions in the
@@ -228,9 +237,7 @@ def _shared_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, 
     nxt = 0  # the first group block this warpgroup has not released
     for j in range(nu):
         pos = gl.load(own + j)
-        for sk in range(nxt, pos):  # blocks of the group this tile skips: released once loaded (a release
-            mbarrier.wait(full.index(sk % S), (sk // S) & 1)  # ahead of the load would count for the slot's last)
-            mbarrier.arrive(empty.index(sk % S), count=1)
+        _pass_on(full, empty, nxt, pos, S)  # blocks of the group this tile skips
         slot = pos % S
         mbarrier.wait(full.index(slot), (pos // S) & 1)
         s_acc = warpgroup_mma(q_s, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False)
@@ -240,9 +247,7 @@ def _shared_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, 
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_ring.index(slot), acc)
         mbarrier.arrive(empty.index(slot), count=1)
         nxt = pos + 1
-    for sk in range(nxt, ng):
-        mbarrier.wait(full.index(sk % S), (sk // S) & 1)
-        mbarrier.arrive(empty.index(sk % S), count=1)
+    _pass_on(full, empty, nxt, ng, S)
     store_rows(o_ptr, acc, l_i, unit, ROWS, D, o_layout)
 
 
