@@ -118,6 +118,14 @@ class Prompt:
                                                self.head_cls)
 
 
+def prompt_sf(pr: Prompt, bs: int, fraction: float) -> float:
+    """The ``scaling_factor`` that selects about ``fraction`` of the candidates uncapped, calibrated on the prompt's
+    last queries (as decode steps at its end)."""
+    rows = min(8, pr.n)
+    tail = type("Tail", (), {"cache": pr.cache, "block_table": pr.block_table.expand(rows, -1).contiguous()})
+    return calibrate_sf(tail, pr.q[pr.n - rows:], pr.n, DashParams(block_size=bs), fraction)
+
+
 def prefill_op(cuda):
     return ops.paged_dash_prefill if cuda else pf.paged_dash_prefill_triton
 
@@ -299,10 +307,8 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
     log(f"prompt {n} tokens, Hq={hq} Hkv={hkv} D={d} bs={bs}: building")
     pr = Prompt(n, hq, hkv, d, bs, ps, dtype, device, seed=11, q_corr=a.query_correlation, cuda=cuda,
                 layout=a.layout)
-    if sf is None:  # calibrated on the last queries of the prompt, as decode steps at its end
-        rows = min(8, n)
-        tail = type("Tail", (), {"cache": pr.cache, "block_table": pr.block_table.expand(rows, -1).contiguous()})
-        sf = calibrate_sf(tail, pr.q[n - rows:], n, DashParams(block_size=bs), a.target_fraction)
+    if sf is None:
+        sf = prompt_sf(pr, bs, a.target_fraction)
         log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the candidates at the prompt's end")
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
     common = dict(phase="prefill", batch=1, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),

@@ -54,7 +54,9 @@ from ..layout import PagedKVCache
 from ..params import DashParams
 from ..workspace import PrefillWorkspace, check_workspace
 from .common import block_page, interpreting, max_or_zero, raise_max, scaled_query, summary_index, summary_scores
+from . import prefill_ws
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
+from .prefill_ws import INFO_COLS, ws_supported
 from .routing import (append_positive, halley_step, halley_sums, mp_key_range, positive_part, route_tile,
                       select_kept)
 
@@ -98,6 +100,8 @@ UNION_CHUNK = 32
 UNION_CHUNK_GATHER = 16
 ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
 ATTN_TMA = 1  # union tiles of one block loaded by TMA (Hopper and later; pointer loads otherwise)
+ATTN_WS = 1  # the Gluon attention launch (prefill_ws) where it runs, in FlashAttention 3's order (2: each MMA waited
+# for); 0: the Triton kernel everywhere
 UNION_TILE = 4096  # elements of the attention kernel's [TU, QT] union-building tiles (2048: 1 ms slower at 128k)
 UNION_LIST_TILE = 2048  # elements of its [QT, TJ] tiles of the tokens' lists (4096 spills uncapped at D 128)
 # Globals a compiled kernel reads must be constexpr objects.
@@ -525,10 +529,11 @@ def _prefill_attn_kernel(
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, o_ptr, so_t, so_h, qk_scale, G,
-    k_desc, v_desc,
+    k_desc, v_desc, info_ptr, nu_ptr, counter_ptr,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
     UCH: tl.constexpr, ONE_BLOCK: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
+    UNION_ONLY: tl.constexpr = False,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -548,11 +553,29 @@ def _prefill_attn_kernel(
        for the block of each key, online softmax in base 2.
     Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
     inconsistent get zeros.
+
+    UNION_ONLY: step 1 only, for ``prefill_ws.prefill_attn_ws``: the union's size to ``nu_ptr [w Hkv + h]`` and
+    the tile's bounds to ``info_ptr [w, 8]`` (ok, tok_base, a0, p_lo, p_hi, first_local, last_local, req), and
+    0 to ``counter_ptr`` (the Gluon launch's work counter).
     """
     w = tl.program_id(0)
     h = tl.program_id(1)
     req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = _tile_bounds(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
+    last_local = tl.where(ok, a0 // BS, first_local - 1)
+    if UNION_ONLY:
+        if h == 0:
+            info = info_ptr + w * 8
+            tl.store(info, ok.to(tl.int32))
+            tl.store(info + 1, tok_base)
+            tl.store(info + 2, a0)
+            tl.store(info + 3, p_lo)
+            tl.store(info + 4, p_hi)
+            tl.store(info + 5, first_local)
+            tl.store(info + 6, last_local)
+            tl.store(info + 7, req)
+            if w == 0:
+                tl.store(counter_ptr, 0)  # prefill_attn_ws's work counter
     if p_lo < p_hi:  # tiles past the last one do nothing
         M: tl.constexpr = QT * G_PAD
         ppb: tl.constexpr = PS // BS
@@ -561,8 +584,6 @@ def _prefill_attn_kernel(
         u_m, g_m, pos_m, tok_m, in_m, unit_ok = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD)
         row_ok = in_m & ok
         heads = h * G + g_m
-        q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
         bt_row = bt_ptr + req.to(tl.int64) * sbt_n
         slot0 = w.to(tl.int64) * QT
         p_max = p_hi - 1  # last position of the tile: keys after it may not be written yet
@@ -602,6 +623,11 @@ def _prefill_attn_kernel(
             tl.store(ublk_row + j, page * ppb_u + c % ppb_u, mask=kept)
             nu += tl.sum(kept_i, axis=0)
         tl.debug_barrier()  # the union lists are read back by other threads
+        if UNION_ONLY:
+            tl.store(nu_ptr + w * tl.num_programs(1) + h, nu)
+            return
+        q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
 
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
@@ -610,7 +636,6 @@ def _prefill_attn_kernel(
         # 2a. local window: blocks first_local .. a0 // BS, causal at each row's position; one
         # [BLOCK_T, D] sub-tile per iteration (a flat loop keeps one K/V tile per pipeline stage)
         NSUB: tl.constexpr = BS // BLOCK_T
-        last_local = tl.where(ok, a0 // BS, first_local - 1)
         for it in range(first_local * NSUB, (last_local + 1) * NSUB):
             lb = it // NSUB
             page, row0 = block_page(bt_row, lb, PS, BS, lb >= 0)
@@ -730,7 +755,9 @@ class PrefillScratch:
     stages each unit's scaled queries in its mp row where they fit, ``stages_queries``); sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, max_cand, QT]`` fp32 (by candidate) and
-    union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position).
+    union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position); for the Gluon attention launch
+    (``prefill_ws``), union_count ``[W, Hkv]`` int32, tile_info ``[W, 8]`` int32 and its work counter ws_counter
+    ``[1]`` int32.
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
     (``add_summary_copy``: at most ``SUMMARY_COPY_BYTES``, outside the wave budget), and no score is written: the
     route launch keeps only each unit's group sums of probabilities there (row h of its slot, h < Hkv).
@@ -755,6 +782,9 @@ class PrefillScratch:
     union_blk: torch.Tensor
     union_bias: torch.Tensor
     union_prior: torch.Tensor
+    union_count: torch.Tensor
+    tile_info: torch.Tensor
+    ws_counter: torch.Tensor
     summary_copy: Optional[torch.Tensor] = None  # [n, max_cand, Hkv, D] (recompute_routing), its TMA descriptor
     summary_desc: Optional[TensorDescriptor] = None
     copied_from: Optional[tuple] = None  # what gather_summaries last copied (route_wave checks it)
@@ -773,7 +803,7 @@ class PrefillScratch:
         rows = PrefillScratch._score_rows(hq, hkv, recompute)
         per_slot = 4 * ((rows + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
         own_prior = rows < 2 * hkv  # union_prior does not fit beside union_bias in the scores
-        return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt)
+        return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt) + 4 * (hkv + INFO_COLS + 1)
 
     def add_summary_copy(self, n: int, hkv: int, d: int, dtype: torch.dtype) -> None:
         """Allocate ``summary_copy`` (and, where TMA serves, a descriptor of the route kernel's score tiles)."""
@@ -809,6 +839,9 @@ class PrefillScratch:
             union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
             union_bias=flat[:table].view(tiles, hkv, max_cand, qt),
             union_prior=prior.view(tiles, hkv, max_cand, qt),
+            union_count=torch.empty(tiles, hkv, dtype=i32, device=device),
+            tile_info=torch.empty(tiles, INFO_COLS, dtype=i32, device=device),
+            ws_counter=torch.empty(1, dtype=i32, device=device),
         )
 
 
@@ -1050,21 +1083,34 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs else None
     sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, sbi, so = s.union_prior.stride(), s.union_blk.stride(), s.union_bias.stride(), out.stride()
+    ws = bool(ATTN_WS) and one_block and ws_supported(q, cache, params, g_pad, plan.qt)
+    if ws:
+        kv_desc = None  # the union launch loads no K/V
     _prefill_attn_kernel[(tiles, hkv)](
         q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
         t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1], s.sel_count, scnt[0], 0 if shared else scnt[1],
         s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_bias, sbi[0], sbi[1],
         out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g,
-        *(kv_desc[:2] if kv_desc is not None else (kp, vp)),
+        *(kv_desc[:2] if kv_desc is not None else (kp, vp)), s.tile_info, s.union_count, s.ws_counter,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
         TJ=max(16, min(_pow2(s.sel_idx.shape[2]), UNION_LIST_TILE // plan.qt)),
         UCH=UNION_CHUNK if one_block else max(UNION_CHUNK_GATHER, block_u // bs),
-        ONE_BLOCK=one_block, TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]),
+        ONE_BLOCK=one_block, TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]), UNION_ONLY=ws,
         num_warps=ATTN_WARPS if d <= 128 else 2 * ATTN_WARPS, num_stages=ATTN_STAGES,
     )
+    if ws:
+        nc = prefill_ws.WS_WARPGROUPS
+        k_desc, v_desc = prefill_ws.kv_block_descriptors(cache, bs)
+        prefill_ws.prefill_attn_ws[(min(sm_count(q.device), triton.cdiv(tiles * hkv, nc)),)](
+            q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
+            s.tile_info, s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0], spr[1],
+            out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g, tiles, t, hkv, s.ws_counter,
+            QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=nc, KST=prefill_ws.WS_K_SLOTS,
+            VST=prefill_ws.WS_V_SLOTS, OVERLAP=ATTN_WS == 1, REGS=prefill_ws.WS_REGS, num_warps=4,
+            maxnreg=prefill_ws.WS_REGS)
 
 
 def plan_and_scratch(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,

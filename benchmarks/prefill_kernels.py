@@ -1,0 +1,75 @@
+"""Where one DASH prefill call spends its GPU time, kernel by kernel (``torch.profiler``), for each setting given.
+
+The prefill benchmark's prompt (``benchmarks/prefill.py``: same generator, calibrated ``scaling_factor``), K/V
+already written; one warm-up call, then ``--iters`` profiled calls. Prints each kernel's total time per call, its
+launches per call, and the sum.
+
+    python benchmarks/prefill_kernels.py --context 131072 --hkv 8 --topk 64 --tune ATTN_WS=0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from prefill import Prompt, dash_fn, prompt_sf  # noqa: E402
+
+from dash_core import DashParams  # noqa: E402
+from dash_core.kernels import prefill as pf  # noqa: E402
+
+
+def kernel_times(fn, iters: int) -> dict:
+    """``{kernel name: (ms per call, launches per call)}`` over ``iters`` profiled calls of ``fn``."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name] += ev.device_time_total / 1e3
+            count[ev.name] += 1
+    return {k: (total[k] / iters, count[k] / iters) for k in total}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--topk", default="64")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--tune", action="append", default=[], help="NAME=VALUE,... of dash_core.kernels.prefill")
+    a = ap.parse_args(argv)
+    n, d, bs = a.context, 128, 64
+    pr = Prompt(n, a.hq, a.hkv, d, bs, bs, torch.bfloat16, torch.device("cuda"), seed=11, q_corr=0.95, cuda=True)
+    sf = prompt_sf(pr, bs, 0.05)
+    params = DashParams(block_size=bs, topk=None if a.topk == "none" else int(a.topk), scaling_factor=sf)
+    out = torch.empty_like(pr.q)
+    for tune in [""] + a.tune:
+        kv = dict(x.split("=", 1) for x in tune.split(",")) if tune else {}
+        saved = {k: getattr(pf, k) for k in kv}
+        for k, v in kv.items():
+            setattr(pf, k, int(v))
+        times = kernel_times(dash_fn(pr, params, False, None, out), a.iters)
+        for k, v in saved.items():
+            setattr(pf, k, v)
+        print(f"== {n} tokens, Hq {a.hq}, Hkv {a.hkv}, topk {a.topk}, sf {sf:.4g} {tune or '(defaults)'}")
+        for name, (ms, launches) in sorted(times.items(), key=lambda x: -x[1][0]):
+            print(f"  {ms:9.2f} ms  {launches:6.0f} launches  {name[:90]}")
+        print(f"  {sum(ms for ms, _ in times.values()):9.2f} ms  in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

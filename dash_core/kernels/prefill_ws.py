@@ -1,0 +1,307 @@
+"""Hopper prefill attention in Gluon: several warpgroups of one program, each running a tile of its own.
+
+The Triton attention launch of a wave (``prefill._prefill_attn_kernel``) fits two programs of one warpgroup on a
+multiprocessor. Here one program holds ``NC`` (3) warpgroups (``gl.warp_specialize``), each with its own K and V
+rings, so that one warpgroup's softmax runs while another's MMAs do: the union loop ran up to 16% faster so in
+``benchmarks/union_loop.py`` (``docs/PERFORMANCE.md``, "Warp-specialized loops").
+
+A wave is then two launches. The Triton kernel builds each tile's union tables as before and stops there
+(``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
+``prefill_attn_ws`` runs the union blocks by TMA, then the local window (causal, pointer loads: the request's last
+block may hold rows never written) and writes the output. The same arithmetic as the Triton loop (log2 domain, each
+row's log prior for a block added to its raw products times the scale); the local window comes after the union
+blocks, so the sums round in another order.
+
+Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
+bf16 or fp16, pages laid out ``[pages, page_size, Hkv, D]`` without padding (SGLang's); else the Triton kernel.
+The interpreter cannot run Gluon: the GPU tests check this kernel against the Triton one and the oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    HAVE_GLUON = True
+except ImportError:  # a Triton without Gluon: the Triton kernel serves
+    HAVE_GLUON = False
+
+WS_WARPGROUPS = 3  # tiles (warpgroups) of one program
+WS_K_SLOTS = 1  # K ring slots a warpgroup
+WS_V_SLOTS = 2
+WS_REGS = 168  # registers a thread of each warpgroup (3 x 128 threads x 168 fit the register file)
+ROWS = 64  # query rows of a tile
+# tile_info: a row of 8 int32 a tile of the wave, written by the Triton union launch: ok, tok_base, a0, p_lo, p_hi,
+# first_local, last_local (first_local - 1 where not ok), req (``prefill._tile_bounds``)
+INFO_COLS = 8
+
+
+def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int) -> bool:
+    """Whether ``prefill_attn_ws`` runs this call's attention (see the module's docstring)."""
+    if not (HAVE_GLUON and q.is_cuda and torch.version.hip is None):
+        return False
+    from .common import interpreting
+
+    kp, vp = cache.k_pages, cache.v_pages
+    ps, d = kp.shape[1], kp.shape[3]
+    dense = all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (kp, vp))
+    return (not interpreting() and torch.cuda.get_device_capability(q.device) == (9, 0) and d == 128
+            and params.block_size == 64 and ps % 64 == 0 and g_pad * qt == ROWS
+            and q.dtype in (torch.bfloat16, torch.float16) and kp.dtype == q.dtype and vp.dtype == q.dtype
+            and q.stride(2) == 1 and dense)
+
+
+if HAVE_GLUON:
+
+    @gluon.constexpr_function
+    def wgmma_layout(n):
+        """The accumulator layout of one warpgroup's ``[64, n]`` MMA."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+    @gluon.jit
+    def softmax_step(qk, m_i, l_i):
+        """One block of the online softmax (log2 domain): ``(p, alpha, m, l)``, ``alpha`` rescaling the old sums;
+        a row still at ``-inf`` everywhere keeps zero weights."""
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(qk - m_use[:, None])
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def issue_block(desc, buf, bar, ublk, j, nu, h, BS: gl.constexpr, D: gl.constexpr):
+        """TMA of union block ``j``'s K (or V) rows (block ``ublk[j]`` of ``[blocks BS, Hkv D]``, columns of KV
+        head h) into one ring slot; nothing when ``j >= nu``."""
+        pred = j < nu
+        blk = gl.load(ublk + j, mask=pred, other=0)
+        mbarrier.expect(bar, BS * D * 2, pred=pred)
+        tma.async_copy_global_to_shared(desc, [blk * BS, h * D], bar, buf, pred=pred)
+
+    @gluon.jit
+    def _issue_at(desc, ring, bars, ublk, j, n0, nu, h, c: gl.constexpr, ST: gl.constexpr, BS: gl.constexpr,
+                  D: gl.constexpr):
+        """``issue_block`` of the tile's block j into warpgroup c's ring of ``ST`` slots, after ``n0`` blocks."""
+        slot = c * ST + (n0 + j) % ST
+        issue_block(desc, ring.index(slot), bars.index(slot), ublk, j, nu, h, BS, D)
+
+    @gluon.jit
+    def _load_rows(ptr, row_off, row_ok, D: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
+        """``[R, D]`` rows at ``ptr + row_off[r]`` (int64 element offsets), zero where not ``row_ok``."""
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+        return gl.load(ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
+
+    @gluon.jit
+    def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h, qk_scale, m_i, l_i, acc,
+                    n0, c: gl.constexpr, R: gl.constexpr, QT: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                    KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
+        """The tile's union blocks ``0 .. nu - 1`` over its own K and V rings (warpgroup c's slots), a slot
+        refilled as soon as its MMA is done; ``n0`` blocks went through the rings before (for the slots' phases).
+        OVERLAP: FlashAttention 3's order, else each MMA waited for."""
+        o_layout: gl.constexpr = wgmma_layout(D)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        s_zero = gl.zeros([R, BS], gl.float32, wgmma_layout(BS))
+        dt: gl.constexpr = q_s.dtype
+        for s in gl.static_range(KST):
+            _issue_at(k_desc, k_all, kbar, ublk, s, n0, nu, h, c, KST, BS, D)
+        for s in gl.static_range(VST):
+            _issue_at(v_desc, v_all, vbar, ublk, s, n0, nu, h, c, VST, BS, D)
+        if OVERLAP:
+            if nu > 0:  # block 0's QK
+                ks = c * KST + n0 % KST
+                mbarrier.wait(kbar.index(ks), (n0 // KST) & 1)
+                s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
+                gl.thread_barrier()
+                _issue_at(k_desc, k_all, kbar, ublk, KST, n0, nu, h, c, KST, BS, D)
+                p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow)[:, None], m_i, l_i)
+                for j in range(1, nu):
+                    ks = c * KST + (n0 + j) % KST
+                    vs = c * VST + (n0 + j - 1) % VST
+                    p_op = gl.convert_layout(p.to(dt), p_layout)
+                    mbarrier.wait(kbar.index(ks), ((n0 + j) // KST) & 1)
+                    mbarrier.wait(vbar.index(vs), ((n0 + j - 1) // VST) & 1)
+                    s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False,
+                                          is_async=True)
+                    acc = warpgroup_mma(p_op, v_all.index(vs), acc, is_async=True)
+                    s_cur = warpgroup_mma_wait(1, deps=[s_cur])
+                    gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
+                    _issue_at(k_desc, k_all, kbar, ublk, j + KST, n0, nu, h, c, KST, BS, D)
+                    p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow + j * QT)[:, None], m_i, l_i)
+                    acc = warpgroup_mma_wait(0, deps=[acc])
+                    gl.thread_barrier()  # and every warp's PV with the V slot
+                    _issue_at(v_desc, v_all, vbar, ublk, j - 1 + VST, n0, nu, h, c, VST, BS, D)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                vs = c * VST + (n0 + nu - 1) % VST  # the last block's PV
+                mbarrier.wait(vbar.index(vs), ((n0 + nu - 1) // VST) & 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), v_all.index(vs), acc)
+        else:
+            for j in range(0, nu):
+                ks = c * KST + (n0 + j) % KST
+                vs = c * VST + (n0 + j) % VST
+                mbarrier.wait(kbar.index(ks), ((n0 + j) // KST) & 1)
+                s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
+                gl.thread_barrier()
+                _issue_at(k_desc, k_all, kbar, ublk, j + KST, n0, nu, h, c, KST, BS, D)
+                p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow + j * QT)[:, None], m_i, l_i)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                mbarrier.wait(vbar.index(vs), ((n0 + j) // VST) & 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), v_all.index(vs), acc)
+                gl.thread_barrier()
+                _issue_at(v_desc, v_all, vbar, ublk, j + VST, n0, nu, h, c, VST, BS, D)
+        return m_i, l_i, acc
+
+    @gluon.jit
+    def _local_window(q_s, k_s, v_s, k_ptr, v_ptr, sk_p, sk_r, sv_p, sv_r, bt_row, h_k, h_v, first_local,
+                      last_local, p_max, pos_s, qk_scale, m_i, l_i, acc, R: gl.constexpr, D: gl.constexpr,
+                      BS: gl.constexpr, PPB: gl.constexpr, ld_layout: gl.constexpr):
+        """Local window blocks ``first_local .. last_local`` (log prior 0, causal at each row's position
+        ``pos_s``) through one K and one V slot, loaded by pointers with the rows past ``p_max`` zeroed (they may
+        never have been written)."""
+        o_layout: gl.constexpr = wgmma_layout(D)
+        s_layout: gl.constexpr = wgmma_layout(BS)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        HALF: gl.constexpr = BS // 2  # rows loaded at once: half the registers of a block
+        t_ld = gl.arange(0, HALF, layout=gl.SliceLayout(1, ld_layout))
+        t_s = gl.arange(0, BS, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([R, BS], gl.float32, s_layout)
+        for lb in range(first_local, last_local + 1):
+            page = gl.load(bt_row + lb // PPB).to(gl.int64)
+            gl.thread_barrier()  # every warp's MMAs are done with the slots
+            for half in gl.static_range(2):
+                t = half * HALF + t_ld
+                rows = ((lb % PPB) * BS + t).to(gl.int64)
+                r_ok = lb * BS + t <= p_max
+                k_s.slice(half * HALF, HALF).store(_load_rows(k_ptr, page * sk_p + rows * sk_r + h_k, r_ok, D,
+                                                              HALF, ld_layout))
+                v_s.slice(half * HALF, HALF).store(_load_rows(v_ptr, page * sv_p + rows * sv_r + h_v, r_ok, D,
+                                                              HALF, ld_layout))
+            fence_async_shared()
+            gl.thread_barrier()
+            s_cur = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False)
+            qk = gl.where((lb * BS + t_s)[None, :] <= pos_s[:, None], s_cur * qk_scale, float("-inf"))
+            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), p_layout), v_s, acc)
+        return m_i, l_i, acc
+
+    @gluon.jit
+    def _tile(c: gl.constexpr, w, h, n0, rt, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
+              BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
+        """Warpgroup c runs tile w of the wave for KV head h; ``n0`` union blocks went through its rings before.
+        Returns the blocks this tile put through them."""
+        (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
+         q_all, k_all, v_all, kbar, vbar, info_ptr, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
+         o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter) = rt
+        R: gl.constexpr = QT * G_PAD
+        info = info_ptr + w * 8
+        p_lo = gl.load(info + 3)
+        p_hi = gl.load(info + 4)
+        nu = gl.where(p_lo < p_hi, gl.load(nu_ptr + w * HKV + h), 0)
+        if p_lo < p_hi:  # tiles past the last one do nothing
+            ok = gl.load(info + 0)
+            tok_base = gl.load(info + 1)
+            a0 = gl.load(info + 2)
+            first_local = gl.load(info + 5)
+            last_local = gl.load(info + 6)
+            req = gl.load(info + 7)
+            ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            o_layout: gl.constexpr = wgmma_layout(D)
+            s_layout: gl.constexpr = wgmma_layout(BS)
+            # the queries: rows (token u, head g of the group), zero where not a live row of an ok request
+            r_ld = gl.arange(0, R, layout=gl.SliceLayout(1, ld_layout))
+            pos_ld = a0 + r_ld // G_PAD
+            tok_ld = tok_base + pos_ld
+            g_ld = r_ld % G_PAD
+            live_ld = (pos_ld >= p_lo) & (pos_ld < p_hi) & (tok_ld < num_tokens) & (g_ld < G) & (ok != 0)
+            q = _load_rows(q_ptr, tok_ld.to(gl.int64) * sq_t + (h * G + g_ld) * sq_h, live_ld, D, R, ld_layout)
+            q_s = q_all.index(c)
+            gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the queries
+            q_s.store(q)
+            fence_async_shared()
+            gl.thread_barrier()
+            r_s = gl.arange(0, R, layout=gl.SliceLayout(1, s_layout))
+            prow = uprior_ptr + w.to(gl.int64) * spr_w + h * spr_h + r_s // G_PAD
+            m_i = gl.full([R], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.full([R], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([R, D], gl.float32, o_layout)
+            ublk = ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h
+            m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h,
+                                        qk_scale, m_i, l_i, acc, n0, c, R, QT, D, BS, KST, VST, OVERLAP)
+            # every TMA this warpgroup issued has been waited for: its first slots take the local window
+            bt_row = bt_ptr + req.to(gl.int64) * sbt_n
+            m_i, l_i, acc = _local_window(q_s, k_all.index(c * KST), v_all.index(c * VST), k_ptr, v_ptr, sk_p, sk_r,
+                                          sv_p, sv_r, bt_row, h * sk_h, h * sv_h, first_local, last_local,
+                                          p_hi - 1, a0 + r_s // G_PAD, qk_scale, m_i, l_i, acc, R, D, BS, PPB,
+                                          ld_layout)
+            # the output: acc / l, zero where no key was attended (l = 0)
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+            r_o = gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
+            pos_o = a0 + r_o // G_PAD
+            tok_o = tok_base + pos_o
+            g_o = r_o % G_PAD
+            in_o = (pos_o >= p_lo) & (pos_o < p_hi) & (tok_o < num_tokens) & (g_o < G)
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+            gl.store(o_ptr + (tok_o.to(gl.int64) * so_t + (h * G + g_o) * so_h)[:, None] + cols[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=in_o[:, None])
+        return nu
+
+    @gluon.jit
+    def _worker(c: gl.constexpr, rt, tiles, HKV, counter, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
+        """Warpgroup c: (tile, KV head) items taken from the wave's counter until none is left, by KV head then
+        tile (the launch order of the Triton kernel: neighbouring tiles of a head, which share most of their
+        blocks, run at the same time)."""
+        n0 = 0
+        item = gl.atomic_add(counter, 1)
+        while item < tiles * HKV:
+            n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)
+            item = gl.atomic_add(counter, 1)
+
+    @gluon.jit
+    def prefill_attn_ws(q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
+                        k_desc, v_desc, info_ptr, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
+                        o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr,
+                        QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                        PPB: gl.constexpr, NC: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
+                        OVERLAP: gl.constexpr, REGS: gl.constexpr):
+        """Persistent grid (one program a multiprocessor): ``NC`` (3) warpgroups, each taking (tile, KV head) items
+        of the wave from ``counter_ptr`` (zeroed by the union launch) and running the tile over its union
+        (``union_blk``, ``union_prior`` and ``union_count`` of the Triton union launch) and its local window;
+        writes ``out`` as the Triton kernel does."""
+        R: gl.constexpr = QT * G_PAD
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        q_all = gl.allocate_shared_memory(dt, [NC, R, D], k_desc.layout)
+        k_all = gl.allocate_shared_memory(dt, [NC * KST, BS, D], k_desc.layout)
+        v_all = gl.allocate_shared_memory(dt, [NC * VST, BS, D], v_desc.layout)
+        kbar = gl.allocate_shared_memory(gl.int64, [NC * KST, 1], mbarrier.MBarrierLayout())
+        vbar = gl.allocate_shared_memory(gl.int64, [NC * VST, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NC * KST):
+            mbarrier.init(kbar.index(s), count=1)
+        for s in gl.static_range(NC * VST):
+            mbarrier.init(vbar.index(s), count=1)
+        fence_async_shared()
+        gl.static_assert(NC == 3, "three warpgroups")
+        rt = (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
+              q_all, k_all, v_all, kbar, vbar, info_ptr, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
+              o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr)
+        gl.warp_specialize([
+            (_worker, (0, rt, tiles, HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)),
+            (_worker, (1, rt, tiles, HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)),
+            (_worker, (2, rt, tiles, HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)),
+        ], [4, 4], [REGS, REGS])
+
+
+def kv_block_descriptors(cache, bs: int) -> tuple:
+    """Gluon TMA descriptors of the K and V pages as ``[pages page_size, Hkv D]`` with ``[bs, D]`` boxes: block
+    ``b`` of KV head h at ``[b bs, h D]`` (``ws_supported`` layouts only)."""
+    d = cache.k_pages.shape[3]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return tuple(GluonDescriptor.from_tensor(x.view(-1, x.shape[2] * d), [bs, d], layout)
+                 for x in (cache.k_pages, cache.v_pages))
