@@ -2,7 +2,7 @@
 
 The prefill benchmark's prompt (``benchmarks/prefill.py``: same generator, calibrated ``scaling_factor``), K/V
 already written; one warm-up call, then ``--iters`` profiled calls. Prints each kernel's total time per call, its
-launches per call, and the sum.
+launches per call, their sum, the time of a call by CUDA events, and how long the host takes to issue it.
 
     python benchmarks/prefill_kernels.py --context 131072 --hkv 8 --topk 64 --tune ATTN_WS=0
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +25,22 @@ from prefill import Prompt, dash_fn, prompt_sf  # noqa: E402
 
 from dash_core import DashParams  # noqa: E402
 from dash_core.kernels import prefill as pf  # noqa: E402
+
+
+def call_times(fn, iters: int) -> tuple:
+    """``(ms per call by CUDA events, ms the host takes to issue one call)``, medians over ``iters`` calls."""
+    ev, host = [], []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        ev.append(start.elapsed_time(end))
+    return sorted(ev)[iters // 2], sorted(host)[iters // 2]
 
 
 def kernel_times(fn, iters: int) -> dict:
@@ -61,13 +78,16 @@ def main(argv=None) -> int:
         saved = {k: getattr(pf, k) for k in kv}
         for k, v in kv.items():
             setattr(pf, k, int(v))
-        times = kernel_times(dash_fn(pr, params, False, None, out), a.iters)
+        fn = dash_fn(pr, params, False, None, out)
+        times = kernel_times(fn, a.iters)
+        call_ms, host_ms = call_times(fn, a.iters)
         for k, v in saved.items():
             setattr(pf, k, v)
         print(f"== {n} tokens, Hq {a.hq}, Hkv {a.hkv}, topk {a.topk}, sf {sf:.4g} {tune or '(defaults)'}")
         for name, (ms, launches) in sorted(times.items(), key=lambda x: -x[1][0]):
             print(f"  {ms:9.2f} ms  {launches:6.0f} launches  {name[:90]}")
-        print(f"  {sum(ms for ms, _ in times.values()):9.2f} ms  in all")
+        print(f"  {sum(ms for ms, _ in times.values()):9.2f} ms  in all kernels; a call takes {call_ms:.2f} ms "
+              f"(CUDA events), of which the host issues it in {host_ms:.2f} ms")
     return 0
 
 

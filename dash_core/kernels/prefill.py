@@ -32,7 +32,9 @@ wave is two launches:
   the tile; rows that did not select a block get ``-inf`` logits there, the others their log prior.
   Queries of a tile routed to the same block share the load and the MMA (how much depends on how
   similar neighbouring tokens' selections are). On Hopper and later, a union tile of one block is loaded
-  by TMA where the cache's layout allows (``_kv_descriptors``), else by pointer loads.
+  by TMA where the cache's layout allows (``_kv_descriptors``), else by pointer loads. On the H200, for the
+  configurations ``prefill_ws.ws_supported`` names, this launch builds the unions only and a Gluon launch
+  (``prefill_ws.prefill_attn_ws``, three warpgroups a program) runs the attention.
 
 Nothing reads a device value on the host: grid and scratch sizes come from shapes (``T``, ``n``,
 ``max_pages``), tile placement is computed on the device.
@@ -523,13 +525,53 @@ def _prefill_route_kernel(
 # attention
 
 
+@triton.jit
+def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr, ssel_n,
+                ssel_h, ubias_tile, uprior_row, ublk_row, QT: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
+                PS: tl.constexpr, BS: tl.constexpr):
+    """Step 1 of ``_prefill_attn_kernel`` for one tile and KV head h: its union's size, its blocks in ``ublk_row``
+    and their priors in ``uprior_row`` (``ubias_tile``: the ``[ncand, QT]`` table by candidate)."""
+    offs_u = tl.arange(0, QT)
+    offs_c = tl.arange(0, TU)
+    offs_j = tl.arange(0, TJ)
+    sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
+    cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
+    for c0 in range(0, ncand, TU):
+        c = c0 + offs_c
+        tl.store(ubias_tile + c[:, None] * QT + offs_u[None, :], tl.full([TU, QT], float("-inf"), tl.float32),
+                 mask=(c < ncand)[:, None])
+    tl.debug_barrier()  # the -inf rows are overwritten below by other threads
+    for j0 in range(0, tl.max(cnt_u, axis=0), TJ):
+        jj = j0 + offs_j
+        have = jj[None, :] < cnt_u[:, None]
+        idx = tl.load(sel_idx_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0)
+        b = tl.load(sel_bias_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0.0)
+        tl.store(ubias_tile + idx * QT + offs_u[:, None], b * _LOG2E, mask=have & (idx < ncand))
+    tl.debug_barrier()
+    nu = 0
+    ppb_u: tl.constexpr = PS // BS
+    for c0 in range(0, ncand, TU):
+        c = c0 + offs_c
+        cm = c < ncand
+        bt = tl.load(ubias_tile + c[:, None] * QT + offs_u[None, :], mask=cm[:, None], other=float("-inf"))
+        kept = tl.max(bt, axis=1) > float("-inf")  # [TU, QT] tiles: the union table's rows, as uprior's
+        kept_i = kept.to(tl.int32)
+        j = nu + tl.cumsum(kept_i, axis=0) - kept_i
+        page = tl.load(bt_row + c // ppb_u, mask=kept, other=0)
+        tl.store(uprior_row + j[:, None] * QT + offs_u[None, :], bt, mask=kept[:, None])
+        tl.store(ublk_row + j, page * ppb_u + c % ppb_u, mask=kept)
+        nu += tl.sum(kept_i, axis=0)
+    tl.debug_barrier()  # the union lists are read back by other threads
+    return nu
+
+
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G"])
 def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, o_ptr, so_t, so_h, qk_scale, G,
-    k_desc, v_desc, info_ptr, nu_ptr, counter_ptr,
+    k_desc, v_desc, info_ptr, sinfo, nu_ptr, counter_ptr,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
     UCH: tl.constexpr, ONE_BLOCK: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
@@ -555,7 +597,7 @@ def _prefill_attn_kernel(
     inconsistent get zeros.
 
     UNION_ONLY: step 1 only, for ``prefill_ws.prefill_attn_ws``: the union's size to ``nu_ptr [w Hkv + h]`` and
-    the tile's bounds to ``info_ptr [w, 8]`` (ok, tok_base, a0, p_lo, p_hi, first_local, last_local, req), and
+    the tile's bounds to row w of ``info_ptr`` (``sinfo`` apart: ok, tok_base, a0, p_lo, p_hi, first_local, last_local, req), and
     0 to ``counter_ptr`` (the Gluon launch's work counter).
     """
     w = tl.program_id(0)
@@ -565,7 +607,7 @@ def _prefill_attn_kernel(
     last_local = tl.where(ok, a0 // BS, first_local - 1)
     if UNION_ONLY:
         if h == 0:
-            info = info_ptr + w * 8
+            info = info_ptr + w * sinfo
             tl.store(info, ok.to(tl.int32))
             tl.store(info + 1, tok_base)
             tl.store(info + 2, a0)
@@ -588,41 +630,12 @@ def _prefill_attn_kernel(
         slot0 = w.to(tl.int64) * QT
         p_max = p_hi - 1  # last position of the tile: keys after it may not be written yet
 
-        # 1. union of the tile's selections (units: its tokens), as an [ncand, QT] bias table
-        offs_u = tl.arange(0, QT)
-        offs_c = tl.arange(0, TU)
-        offs_j = tl.arange(0, TJ)
-        sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
-        cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
-        ubias_tile = ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h  # [max_cand, QT] contiguous
+        # 1. union of the tile's selections (units: its tokens)
         uprior_row = uprior_ptr + w.to(tl.int64) * spr_w + h * spr_h  # [max_cand, QT] contiguous
         ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
-        for c0 in range(0, ncand, TU):
-            c = c0 + offs_c
-            tl.store(ubias_tile + c[:, None] * QT + offs_u[None, :], tl.full([TU, QT], float("-inf"), tl.float32),
-                     mask=(c < ncand)[:, None])
-        tl.debug_barrier()  # the -inf rows are overwritten below by other threads
-        for j0 in range(0, tl.max(cnt_u, axis=0), TJ):
-            jj = j0 + offs_j
-            have = jj[None, :] < cnt_u[:, None]
-            idx = tl.load(sel_idx_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0)
-            b = tl.load(sel_bias_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0.0)
-            tl.store(ubias_tile + idx * QT + offs_u[:, None], b * _LOG2E, mask=have & (idx < ncand))
-        tl.debug_barrier()
-        nu = 0
-        ppb_u: tl.constexpr = PS // BS
-        for c0 in range(0, ncand, TU):
-            c = c0 + offs_c
-            cm = c < ncand
-            bt = tl.load(ubias_tile + c[:, None] * QT + offs_u[None, :], mask=cm[:, None], other=float("-inf"))
-            kept = tl.max(bt, axis=1) > float("-inf")  # [TU, QT] tiles: the union table's rows, as uprior's
-            kept_i = kept.to(tl.int32)
-            j = nu + tl.cumsum(kept_i, axis=0) - kept_i
-            page = tl.load(bt_row + c // ppb_u, mask=kept, other=0)
-            tl.store(uprior_row + j[:, None] * QT + offs_u[None, :], bt, mask=kept[:, None])
-            tl.store(ublk_row + j, page * ppb_u + c % ppb_u, mask=kept)
-            nu += tl.sum(kept_i, axis=0)
-        tl.debug_barrier()  # the union lists are read back by other threads
+        nu = _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr, ssel_n,
+                         ssel_h, ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h, uprior_row, ublk_row, QT, TU, TJ, PS,
+                         BS)
         if UNION_ONLY:
             tl.store(nu_ptr + w * tl.num_programs(1) + h, nu)
             return
@@ -756,8 +769,8 @@ class PrefillScratch:
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, max_cand, QT]`` fp32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position); for the Gluon attention launch
-    (``prefill_ws``), union_count ``[W, Hkv]`` int32, tile_info ``[W, 8]`` int32 and its work counter ws_counter
-    ``[1]`` int32.
+    (``prefill_ws``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, 9]`` int32 (the tiles' bounds, and the
+    Gluon launch's work counter ws_counter in the last column of row 0).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
     (``add_summary_copy``: at most ``SUMMARY_COPY_BYTES``, outside the wave budget), and no score is written: the
     route launch keeps only each unit's group sums of probabilities there (row h of its slot, h < Hkv).
@@ -803,7 +816,7 @@ class PrefillScratch:
         rows = PrefillScratch._score_rows(hq, hkv, recompute)
         per_slot = 4 * ((rows + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
         own_prior = rows < 2 * hkv  # union_prior does not fit beside union_bias in the scores
-        return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt) + 4 * (hkv + INFO_COLS + 1)
+        return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt) + 4 * (hkv + INFO_COLS)
 
     def add_summary_copy(self, n: int, hkv: int, d: int, dtype: torch.dtype) -> None:
         """Allocate ``summary_copy`` (and, where TMA serves, a descriptor of the route kernel's score tiles)."""
@@ -827,6 +840,7 @@ class PrefillScratch:
         table = tiles * hkv * qt * max_cand  # elements of one union table
         flat = scores.view(-1)
         prior = (flat[table:2 * table] if rows >= 2 * hkv else torch.empty(table, dtype=f32, device=device))
+        info = torch.empty(tiles, INFO_COLS, dtype=i32, device=device)
         return cls(
             qt, tiles, max_cand,
             scores=scores,
@@ -840,8 +854,8 @@ class PrefillScratch:
             union_bias=flat[:table].view(tiles, hkv, max_cand, qt),
             union_prior=prior.view(tiles, hkv, max_cand, qt),
             union_count=torch.empty(tiles, hkv, dtype=i32, device=device),
-            tile_info=torch.empty(tiles, INFO_COLS, dtype=i32, device=device),
-            ws_counter=torch.empty(1, dtype=i32, device=device),
+            tile_info=info,
+            ws_counter=info[0, INFO_COLS - 1:],
         )
 
 
@@ -1083,16 +1097,19 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs else None
     sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, sbi, so = s.union_prior.stride(), s.union_blk.stride(), s.union_bias.stride(), out.stride()
-    ws = bool(ATTN_WS) and one_block and ws_supported(q, cache, params, g_pad, plan.qt)
+    ws = (bool(ATTN_WS) and one_block and plan.max_cand >= prefill_ws.WS_MIN_CAND
+          and ws_supported(q, cache, params, g_pad, plan.qt))
+
     if ws:
-        kv_desc = None  # the union launch loads no K/V
+        kv_desc = None  # the Triton launch builds the unions only: it loads no K/V
     _prefill_attn_kernel[(tiles, hkv)](
         q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
         t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1], s.sel_count, scnt[0], 0 if shared else scnt[1],
         s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_bias, sbi[0], sbi[1],
         out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g,
-        *(kv_desc[:2] if kv_desc is not None else (kp, vp)), s.tile_info, s.union_count, s.ws_counter,
+        *(kv_desc[:2] if kv_desc is not None else (kp, vp)), s.tile_info, s.tile_info.stride(0), s.union_count,
+        s.ws_counter,
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
@@ -1106,8 +1123,8 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         k_desc, v_desc = prefill_ws.kv_block_descriptors(cache, bs)
         prefill_ws.prefill_attn_ws[(min(sm_count(q.device), triton.cdiv(tiles * hkv, nc)),)](
             q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
-            s.tile_info, s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0], spr[1],
-            out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g, tiles, t, hkv, s.ws_counter,
+            s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
+            spr[1], out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g, tiles, t, hkv, s.ws_counter,
             QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=nc, KST=prefill_ws.WS_K_SLOTS,
             VST=prefill_ws.WS_V_SLOTS, OVERLAP=ATTN_WS == 1, REGS=prefill_ws.WS_REGS, num_warps=4,
             maxnreg=prefill_ws.WS_REGS)

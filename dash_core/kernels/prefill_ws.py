@@ -36,21 +36,27 @@ WS_K_SLOTS = 1  # K ring slots a warpgroup
 WS_V_SLOTS = 2
 WS_REGS = 168  # registers a thread of each warpgroup (3 x 128 threads x 168 fit the register file)
 ROWS = 64  # query rows of a tile
-# tile_info: a row of 8 int32 a tile of the wave, written by the Triton union launch: ok, tok_base, a0, p_lo, p_hi,
-# first_local, last_local (first_local - 1 where not ok), req (``prefill._tile_bounds``)
-INFO_COLS = 8
+# Block tables of fewer candidates keep the Triton kernel: their waves are short, and the Gluon launch costs the host
+# about 0.3 ms a wave more (H200, 128k: 26.5 against 14.6 ms to issue a call of 42 waves)
+WS_MIN_CAND = 256
+# tile_info: a row of int32 a tile of the wave, written by the Triton union launch: ok, tok_base, a0, p_lo, p_hi,
+# first_local, last_local (first_local - 1 where not ok), req (``prefill._tile_bounds``); the last column of row 0
+# is this launch's work counter
+INFO_COLS = 9
 
 
-def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int) -> bool:
-    """Whether ``prefill_attn_ws`` runs this call's attention (see the module's docstring)."""
-    if not (HAVE_GLUON and q.is_cuda and torch.version.hip is None):
-        return False
+def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int, sm90: bool = False) -> bool:
+    """Whether ``prefill_attn_ws`` runs this call's attention (see the module's docstring). sm90: take the device
+    for an H200 (the CPU compile check)."""
     from .common import interpreting
 
+    if not sm90 and (interpreting() or not q.is_cuda or torch.version.hip is not None
+                     or torch.cuda.get_device_capability(q.device) != (9, 0)):
+        return False
     kp, vp = cache.k_pages, cache.v_pages
     ps, d = kp.shape[1], kp.shape[3]
     dense = all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (kp, vp))
-    return (not interpreting() and torch.cuda.get_device_capability(q.device) == (9, 0) and d == 128
+    return (HAVE_GLUON and d == 128
             and params.block_size == 64 and ps % 64 == 0 and g_pad * qt == ROWS
             and q.dtype in (torch.bfloat16, torch.float16) and kp.dtype == q.dtype and vp.dtype == q.dtype
             and q.stride(2) == 1 and dense)
@@ -196,10 +202,10 @@ if HAVE_GLUON:
         """Warpgroup c runs tile w of the wave for KV head h; ``n0`` union blocks went through its rings before.
         Returns the blocks this tile put through them."""
         (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
-         q_all, k_all, v_all, kbar, vbar, info_ptr, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
-         o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter) = rt
+         q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
+         spr_h, o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter) = rt
         R: gl.constexpr = QT * G_PAD
-        info = info_ptr + w * 8
+        info = info_ptr + w * sinfo
         p_lo = gl.load(info + 3)
         p_hi = gl.load(info + 4)
         nu = gl.where(p_lo < p_hi, gl.load(nu_ptr + w * HKV + h), 0)
@@ -266,7 +272,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def prefill_attn_ws(q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
-                        k_desc, v_desc, info_ptr, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
+                        k_desc, v_desc, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
                         o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr,
                         QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                         PPB: gl.constexpr, NC: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
@@ -289,8 +295,8 @@ if HAVE_GLUON:
         fence_async_shared()
         gl.static_assert(NC == 3, "three warpgroups")
         rt = (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
-              q_all, k_all, v_all, kbar, vbar, info_ptr, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
-              o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr)
+              q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
+              spr_h, o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr)
         gl.warp_specialize([
             (_worker, (0, rt, tiles, HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)),
             (_worker, (1, rt, tiles, HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)),

@@ -1,4 +1,5 @@
-"""Compile every decode kernel for sm_90 (H200) on a machine without a GPU, as the launchers call them.
+"""Compile every decode kernel for sm_90 (H200) on a machine without a GPU, as the launchers call them (Triton or
+Gluon).
 
 The interpreter runs kernels as Python, so it cannot catch what only the compiler rejects (loop-
 carried type changes, non-constexpr globals, ...) or what only a GPU pays for (shared memory,
@@ -22,6 +23,8 @@ import torch
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from dash_core import DashParams  # noqa: E402
@@ -65,6 +68,8 @@ class _Recorder:
                     sig[n] = "fp32"
                 elif isinstance(a, TensorDescriptor):
                     sig[n] = f"tensordesc<{DT[a.base.dtype]}{list(a.block_shape)}>"
+                elif isinstance(a, GluonDescriptor):
+                    sig[n] = f"tensordesc<{DT[a.base.dtype]}{list(a.block_shape)},{a.layout!r}>"
                 else:
                     raise TypeError(f"{self.name}: argument {n} = {a!r}")
             for n in names[len(args):]:
@@ -126,7 +131,8 @@ def record_launches() -> dict:
 def _compile(item):
     name, sig, consts, opts, attrs = item
     fn = getattr(KERNELS[name], name)
-    src = ASTSource(fn, sig, consts, {eval(k): v for k, v in attrs.items()})
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    src = source(fn, sig, consts, {eval(k): v for k, v in attrs.items()})
     rec = {"kernel": name, "constexprs": consts, "options": opts}
     try:
         kern = triton.compile(src, target=TARGET, options=opts)

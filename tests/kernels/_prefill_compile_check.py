@@ -1,8 +1,8 @@
 """Compile every prefill kernel launch for sm_90 (H200) on a machine without a GPU.
 
 The prefill counterpart of ``_kernel_compile_check`` (whose recorder and compiler it reuses): records
-the launches ``paged_dash_prefill_triton`` (K/V already written) and the prefill K/V write make for a set
-of supported configurations (kernels replaced by recorders), compiles each distinct one for
+the launches ``paged_dash_prefill_triton`` (K/V already written; the Gluon attention of ``prefill_ws`` where it
+serves on the H200) and the prefill K/V write make for a set of supported configurations (kernels replaced by recorders), compiles each distinct one for
 ``cuda:90`` and prints one JSON line per variant (shared memory, ptxas registers and spills).
 Run without ``TRITON_INTERPRET``:
 
@@ -16,13 +16,13 @@ import sys
 import torch
 
 from dash_core import DashParams
-from dash_core.kernels import kv_write, prefill as pf
+from dash_core.kernels import kv_write, prefill as pf, prefill_ws
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
 PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf,
                    "_gather_summaries_kernel": pf,
-                   "_tile_tables_kernel": pf, "_kv_rows_kernel": kv_write}
+                   "_tile_tables_kernel": pf, "_kv_rows_kernel": kv_write, "prefill_attn_ws": prefill_ws}
 kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 
 CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
@@ -52,7 +52,11 @@ def record_launches() -> dict:
     saved = {name: getattr(mod, name) for name, mod in PREFILL_KERNELS.items()}
     for name, mod in PREFILL_KERNELS.items():
         setattr(mod, name, kc._Recorder(name, saved[name], calls))
-    tma_supported, pf._tma_supported = pf._tma_supported, lambda device: True  # compiled for sm_90: as on the H200
+    # compiled for sm_90: as on the H200, where the Gluon attention serves where ws_supported's other checks pass
+    tma_supported, pf._tma_supported = pf._tma_supported, lambda device: True
+    ws_supported, sm_count = pf.ws_supported, pf.sm_count
+    pf.ws_supported = lambda q, cache, params, g_pad, qt: ws_supported(q, cache, params, g_pad, qt, sm90=True)
+    pf.sm_count = lambda device: 132
     try:
         configs = [c + (None,) for c in CONFIGS] + INDEXER_CONFIGS
         for dtype, hq, hkv, d, bs, ps, max_pages, pk, hi in configs:
@@ -75,7 +79,7 @@ def record_launches() -> dict:
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
                     kv_write.write_kv_and_summaries(kv, kv, cache, torch.arange(t), hc, bs, decode=False)
     finally:
-        pf._tma_supported = tma_supported
+        pf._tma_supported, pf.ws_supported, pf.sm_count = tma_supported, ws_supported, sm_count
         for name, mod in PREFILL_KERNELS.items():
             setattr(mod, name, saved[name])
     return calls

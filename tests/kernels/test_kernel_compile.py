@@ -26,7 +26,7 @@ CHECKS = {  # checker module -> (fewest launches, the kernels it must cover or N
     "tests.kernels._kernel_compile_check": (20, None),
     "tests.kernels._prefill_compile_check": (18, {"_prefill_route_kernel", "_prefill_attn_kernel",
                                                   "_zero_tail_kernel", "_tile_tables_kernel", "_kv_rows_kernel",
-                                                  "_gather_summaries_kernel"}),
+                                                  "_gather_summaries_kernel", "prefill_attn_ws"}),
 }
 
 

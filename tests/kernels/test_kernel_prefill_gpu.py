@@ -219,6 +219,7 @@ def test_gluon_attention_matches_triton(case, monkeypatch):
     pr = Prompt(70 + case, totals, news, hq=hq, hkv=hkv, d=128, bs=64, ps=ps, dtype=dtype, params=p, q_corr=0.8)
     if not prefill_ws.ws_supported(pr.q_new, pr.cache, p, pf._pow2(hq // hkv), pf.tile_tokens(hq, hkv, 64)):
         pytest.skip("the Gluon attention runs on sm_90 only")
+    monkeypatch.setattr(prefill_ws, "WS_MIN_CAND", 0)  # on these short tables too
     written = torch.zeros(pr.k_buf.shape[0], dtype=torch.bool, device=DEVICE)
     for sl in pr.slots:
         written[sl] = True
