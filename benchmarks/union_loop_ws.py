@@ -13,10 +13,16 @@ Results and their reading: ``docs/PERFORMANCE.md``, "The union loop alone".
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dash_core.kernels.prefill_ws import issue_block, softmax_step, wgmma_layout  # noqa: E402
 
 # name: (NC warpgroups, K slots, V slots, FlashAttention 3's order, registers a thread); three warpgroups fit in
 # shared memory only with 3 slots each, four with 2; spills at four (CPU compile check): 80 B in order, 400 B overlapped
@@ -29,23 +35,6 @@ SHARED_CONFIGS = {"gluon-shared-s4": 4, "gluon-shared-s5": 5}  # name: slots of 
 SHARED_GROUP = 3  # tiles (warpgroups) sharing a ring
 SHARED_REGS = 160  # registers of the worker consumers (the default partition's gets 168) beside a producer of 24
 SHARED_MAXNREG = 128
-
-
-@gluon.jit
-def softmax_step(qk, m_i, l_i):
-    """One block of the online softmax (log2 domain): ``(p, alpha, m, l)``, ``alpha`` rescaling the old sums;
-    a row still at ``-inf`` everywhere keeps zero weights."""
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(qk - m_use[:, None])
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
-
-
-@gluon.constexpr_function
-def wgmma_layout(n):
-    """The accumulator layout of one warpgroup's ``[64, n]`` MMA."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
@@ -76,15 +65,6 @@ def _tile_start(c, unit, q_desc, q_all, qbar, prior_ptr, NU, ROWS: gl.constexpr,
 
 
 @gluon.jit
-def _issue_one(desc, buf, bar, ublk, j, nu, h, BS: gl.constexpr, D: gl.constexpr):
-    """TMA of union block ``j``'s K (or V) into one ring slot, nothing when ``j >= nu``."""
-    pred = j < nu
-    blk = gl.load(ublk + j, mask=pred, other=0)
-    mbarrier.expect(bar, BS * D * 2, pred=pred)
-    tma.async_copy_global_to_shared(desc, [blk * BS, h * D], bar, buf, pred=pred)
-
-
-@gluon.jit
 def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                  QT: gl.constexpr, G: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
     """Warpgroup c of ``union_ws``: tile ``NC pid + c`` over its union, with rings of its own for K (``KST`` slots)
@@ -101,15 +81,15 @@ def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: g
     ublk = ublk_ptr + unit.to(gl.int64) * NU
     q_s, prow, m_i, l_i, acc, s_zero = _tile_start(c, unit, q_desc, q_all, qbar, prior_ptr, NU, ROWS, D, BS, QT, G)
     for s in gl.static_range(KST):
-        _issue_one(k_desc, k_all.index(c * KST + s), kbar.index(c * KST + s), ublk, s, nu, h, BS, D)
+        issue_block(k_desc, k_all.index(c * KST + s), kbar.index(c * KST + s), ublk, s, nu, h, BS, D)
     for s in gl.static_range(VST):
-        _issue_one(v_desc, v_all.index(c * VST + s), vbar.index(c * VST + s), ublk, s, nu, h, BS, D)
+        issue_block(v_desc, v_all.index(c * VST + s), vbar.index(c * VST + s), ublk, s, nu, h, BS, D)
     mbarrier.wait(qbar.index(c), 0)
     # block 0's QK (on whatever the slot holds when the union is empty: masked below)
     mbarrier.wait(kbar.index(c * KST), 0, pred=nu > 0)
     s_cur = warpgroup_mma(q_s, k_all.index(c * KST).permute((1, 0)), s_zero, use_acc=False)
     gl.thread_barrier()
-    _issue_one(k_desc, k_all.index(c * KST), kbar.index(c * KST), ublk, KST, nu, h, BS, D)
+    issue_block(k_desc, k_all.index(c * KST), kbar.index(c * KST), ublk, KST, nu, h, BS, D)
     qk = gl.where(nu > 0, s_cur * qk_scale + gl.load(prow, mask=nu > 0, other=0.0)[:, None], float("-inf"))
     p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
     if OVERLAP:
@@ -123,12 +103,12 @@ def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: g
             acc = warpgroup_mma(p_op, v_all.index(vs), acc, is_async=True)
             s_cur = warpgroup_mma_wait(1, deps=[s_cur])
             gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
-            _issue_one(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h, BS, D)
+            issue_block(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h, BS, D)
             qk = s_cur * qk_scale + gl.load(prow + j * QT)[:, None]
             p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
             acc = warpgroup_mma_wait(0, deps=[acc])
             gl.thread_barrier()  # and every warp's PV with the V slot
-            _issue_one(v_desc, v_all.index(vs), vbar.index(vs), ublk, j - 1 + VST, nu, h, BS, D)
+            issue_block(v_desc, v_all.index(vs), vbar.index(vs), ublk, j - 1 + VST, nu, h, BS, D)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         if nu > 0:  # the last block's PV
             vs = c * VST + (nu - 1) % VST
@@ -142,14 +122,14 @@ def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: g
                 mbarrier.wait(kbar.index(ks), (j // KST) & 1)
                 s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
                 gl.thread_barrier()
-                _issue_one(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h, BS, D)
+                issue_block(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h, BS, D)
                 qk = s_cur * qk_scale + gl.load(prow + j * QT)[:, None]
                 p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             mbarrier.wait(vbar.index(vs), (j // VST) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_all.index(vs), acc)
             gl.thread_barrier()
-            _issue_one(v_desc, v_all.index(vs), vbar.index(vs), ublk, j + VST, nu, h, BS, D)
+            issue_block(v_desc, v_all.index(vs), vbar.index(vs), ublk, j + VST, nu, h, BS, D)
     store_rows(o_ptr, acc, l_i, unit, ROWS, D, o_layout)
 
 

@@ -1,9 +1,10 @@
 """Hopper prefill attention in Gluon: several warpgroups of one program, each running a tile of its own.
 
 The Triton attention launch of a wave (``prefill._prefill_attn_kernel``) fits two programs of one warpgroup on a
-multiprocessor. Here one program holds ``NC`` (3) warpgroups (``gl.warp_specialize``), each with its own K and V
-rings, so that one warpgroup's softmax runs while another's MMAs do: the union loop ran up to 16% faster so in
-``benchmarks/union_loop.py`` (``docs/PERFORMANCE.md``, "Warp-specialized loops").
+multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (3) warpgroups (``gl.warp_specialize``),
+each with its own K and V rings, taking (tile, KV head) items from a counter, so that one warpgroup's softmax runs
+while another's MMAs do. Alone, that loop ran 14% faster than the Triton one (``benchmarks/union_loop.py``); in the
+prefill it gains about 1% of a call on the H200 (``docs/PERFORMANCE.md``, "The attention in Gluon on the H200").
 
 A wave is then two launches. The Triton kernel builds each tile's union tables as before and stops there
 (``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
@@ -13,7 +14,8 @@ row's log prior for a block added to its raw products times the scale); the loca
 blocks, so the sums round in another order.
 
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
-bf16 or fp16, pages laid out ``[pages, page_size, Hkv, D]`` without padding (SGLang's); else the Triton kernel.
+bf16 or fp16, pages laid out ``[pages, page_size, Hkv, D]`` without padding (SGLang's), block tables of at least
+``WS_MIN_CAND`` candidates (``prefill.attend_wave``); else the Triton kernel.
 The interpreter cannot run Gluon: the GPU tests check this kernel against the Triton one and the oracle.
 """
 
