@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dash_core.kernels.prefill_ws import issue_block, softmax_step, wgmma_layout  # noqa: E402
+from dash_core.kernels.prefill_ws import _union_loop, issue_block, softmax_step, wgmma_layout  # noqa: E402
 
 # name: (NC warpgroups, K slots, V slots, FlashAttention 3's order, registers a thread); three warpgroups fit in
 # shared memory only with 3 slots each, four with 2; spills at four (CPU compile check): 80 B in order, 400 B overlapped
@@ -69,8 +69,8 @@ def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: g
                  QT: gl.constexpr, G: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
     """Warpgroup c of ``union_ws``: tile ``NC pid + c`` over its union, with rings of its own for K (``KST`` slots)
     and V (``VST``), a K slot refilled as soon as its QK is done, a V slot once its PV is. OVERLAP: FlashAttention
-    3's order (block j's QK and block j - 1's PV issued together, then block j's softmax); else each MMA is waited
-    for (fewer registers)."""
+    3's order, the prefill's loop (``prefill_ws._union_loop``, its K/V loads issued once the queries are in); else
+    each MMA is waited for (fewer registers)."""
     q_desc, k_desc, v_desc, q_all, k_all, v_all, kbar, vbar, qbar, ublk_ptr, nu_ptr, prior_ptr, o_ptr, qk_scale, NU, \
         HKV, pid, h = rt
     o_layout: gl.constexpr = wgmma_layout(D)
@@ -80,52 +80,25 @@ def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: g
     nu = gl.load(nu_ptr + unit)
     ublk = ublk_ptr + unit.to(gl.int64) * NU
     q_s, prow, m_i, l_i, acc, s_zero = _tile_start(c, unit, q_desc, q_all, qbar, prior_ptr, NU, ROWS, D, BS, QT, G)
-    for s in gl.static_range(KST):
-        issue_block(k_desc, k_all.index(c * KST + s), kbar.index(c * KST + s), ublk, s, nu, h, BS, D)
-    for s in gl.static_range(VST):
-        issue_block(v_desc, v_all.index(c * VST + s), vbar.index(c * VST + s), ublk, s, nu, h, BS, D)
-    mbarrier.wait(qbar.index(c), 0)
-    # block 0's QK (on whatever the slot holds when the union is empty: masked below)
-    mbarrier.wait(kbar.index(c * KST), 0, pred=nu > 0)
-    s_cur = warpgroup_mma(q_s, k_all.index(c * KST).permute((1, 0)), s_zero, use_acc=False)
-    gl.thread_barrier()
-    issue_block(k_desc, k_all.index(c * KST), kbar.index(c * KST), ublk, KST, nu, h, BS, D)
-    qk = gl.where(nu > 0, s_cur * qk_scale + gl.load(prow, mask=nu > 0, other=0.0)[:, None], float("-inf"))
-    p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
-    if OVERLAP:
-        for j in range(1, nu):
-            ks = c * KST + j % KST
-            vs = c * VST + (j - 1) % VST
-            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-            mbarrier.wait(kbar.index(ks), (j // KST) & 1)
-            mbarrier.wait(vbar.index(vs), ((j - 1) // VST) & 1)
-            s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_all.index(vs), acc, is_async=True)
-            s_cur = warpgroup_mma_wait(1, deps=[s_cur])
-            gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
-            issue_block(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h, BS, D)
-            qk = s_cur * qk_scale + gl.load(prow + j * QT)[:, None]
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            gl.thread_barrier()  # and every warp's PV with the V slot
-            issue_block(v_desc, v_all.index(vs), vbar.index(vs), ublk, j - 1 + VST, nu, h, BS, D)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        if nu > 0:  # the last block's PV
-            vs = c * VST + (nu - 1) % VST
-            mbarrier.wait(vbar.index(vs), ((nu - 1) // VST) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_all.index(vs), acc)
+    if OVERLAP:  # the prefill's loop
+        mbarrier.wait(qbar.index(c), 0)
+        m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h, qk_scale, 0, c,
+                                    ROWS, QT, D, BS, KST, VST)
     else:  # one block after the other, each MMA waited for
+        for s in gl.static_range(KST):
+            issue_block(k_desc, k_all.index(c * KST + s), kbar.index(c * KST + s), ublk, s, nu, h, BS, D)
+        for s in gl.static_range(VST):
+            issue_block(v_desc, v_all.index(c * VST + s), vbar.index(c * VST + s), ublk, s, nu, h, BS, D)
+        mbarrier.wait(qbar.index(c), 0)
         for j in range(0, nu):
             ks = c * KST + j % KST
             vs = c * VST + j % VST
-            if j > 0:
-                mbarrier.wait(kbar.index(ks), (j // KST) & 1)
-                s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
-                gl.thread_barrier()
-                issue_block(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h, BS, D)
-                qk = s_cur * qk_scale + gl.load(prow + j * QT)[:, None]
-                p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.wait(kbar.index(ks), (j // KST) & 1)
+            s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
+            gl.thread_barrier()
+            issue_block(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h, BS, D)
+            p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow + j * QT)[:, None], m_i, l_i)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             mbarrier.wait(vbar.index(vs), (j // VST) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_all.index(vs), acc)
             gl.thread_barrier()

@@ -58,7 +58,6 @@ from ..workspace import PrefillWorkspace, check_workspace
 from .common import block_page, interpreting, max_or_zero, raise_max, scaled_query, summary_index, summary_scores
 from . import prefill_ws
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
-from .prefill_ws import INFO_COLS, ws_supported
 from .routing import (append_positive, halley_step, halley_sums, mp_key_range, positive_part, route_tile,
                       select_kept)
 
@@ -102,8 +101,7 @@ UNION_CHUNK = 32
 UNION_CHUNK_GATHER = 16
 ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
 ATTN_TMA = 1  # union tiles of one block loaded by TMA (Hopper and later; pointer loads otherwise)
-ATTN_WS = 1  # the Gluon attention launch (prefill_ws) where it runs, in FlashAttention 3's order (2: each MMA waited
-# for); 0: the Triton kernel everywhere
+ATTN_WS = 1  # the Gluon attention launch (prefill_ws) where it runs; 0: the Triton kernel everywhere
 UNION_TILE = 4096  # elements of the attention kernel's [TU, QT] union-building tiles (2048: 1 ms slower at 128k)
 UNION_LIST_TILE = 2048  # elements of its [QT, TJ] tiles of the tokens' lists (4096 spills uncapped at D 128)
 # Globals a compiled kernel reads must be constexpr objects.
@@ -816,7 +814,7 @@ class PrefillScratch:
         rows = PrefillScratch._score_rows(hq, hkv, recompute)
         per_slot = 4 * ((rows + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
         own_prior = rows < 2 * hkv  # union_prior does not fit beside union_bias in the scores
-        return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt) + 4 * (hkv + INFO_COLS)
+        return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt) + 4 * (hkv + prefill_ws.INFO_COLS)
 
     def add_summary_copy(self, n: int, hkv: int, d: int, dtype: torch.dtype) -> None:
         """Allocate ``summary_copy`` (and, where TMA serves, a descriptor of the route kernel's score tiles)."""
@@ -840,7 +838,7 @@ class PrefillScratch:
         table = tiles * hkv * qt * max_cand  # elements of one union table
         flat = scores.view(-1)
         prior = (flat[table:2 * table] if rows >= 2 * hkv else torch.empty(table, dtype=f32, device=device))
-        info = torch.empty(tiles, INFO_COLS, dtype=i32, device=device)
+        info = torch.empty(tiles, prefill_ws.INFO_COLS, dtype=i32, device=device)
         return cls(
             qt, tiles, max_cand,
             scores=scores,
@@ -855,7 +853,7 @@ class PrefillScratch:
             union_prior=prior.view(tiles, hkv, max_cand, qt),
             union_count=torch.empty(tiles, hkv, dtype=i32, device=device),
             tile_info=info,
-            ws_counter=info[0, INFO_COLS - 1:],
+            ws_counter=info[0, prefill_ws.INFO_COLS - 1:],
         )
 
 
@@ -1094,14 +1092,12 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     g_pad = _pow2(g)
     block_u = ATTN_KEYS if d <= 128 else min(bs, 32)
     one_block = block_u < 2 * bs and bool(ATTN_SCALAR_BASE)  # a tile within one block: one base address, no gather
-    kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs else None
+    ws = (bool(ATTN_WS) and one_block and plan.max_cand >= prefill_ws.WS_MIN_CAND
+          and prefill_ws.ws_supported(q, cache, params, g_pad, plan.qt))
+    # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
+    kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs and not ws else None
     sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, sbi, so = s.union_prior.stride(), s.union_blk.stride(), s.union_bias.stride(), out.stride()
-    ws = (bool(ATTN_WS) and one_block and plan.max_cand >= prefill_ws.WS_MIN_CAND
-          and ws_supported(q, cache, params, g_pad, plan.qt))
-
-    if ws:
-        kv_desc = None  # the Triton launch builds the unions only: it loads no K/V
     _prefill_attn_kernel[(tiles, hkv)](
         q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
@@ -1126,7 +1122,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
             s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
             spr[1], out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g, tiles, t, hkv, s.ws_counter,
             QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=nc, KST=prefill_ws.WS_K_SLOTS,
-            VST=prefill_ws.WS_V_SLOTS, OVERLAP=ATTN_WS == 1, REGS=prefill_ws.WS_REGS, num_warps=4,
+            VST=prefill_ws.WS_V_SLOTS, REGS=prefill_ws.WS_REGS, num_warps=4,
             maxnreg=prefill_ws.WS_REGS)
 
 

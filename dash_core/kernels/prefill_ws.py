@@ -47,21 +47,21 @@ WS_MIN_CAND = 256
 INFO_COLS = 9
 
 
-def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int, sm90: bool = False) -> bool:
-    """Whether ``prefill_attn_ws`` runs this call's attention (see the module's docstring). sm90: take the device
-    for an H200 (the CPU compile check)."""
+def sm90(device: torch.device) -> bool:
+    """An NVIDIA Hopper GPU (compiled code, not the interpreter)."""
     from .common import interpreting
 
-    if not sm90 and (interpreting() or not q.is_cuda or torch.version.hip is not None
-                     or torch.cuda.get_device_capability(q.device) != (9, 0)):
-        return False
+    return (not interpreting() and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int) -> bool:
+    """Whether ``prefill_attn_ws`` can run this call's attention (see the module's docstring)."""
     kp, vp = cache.k_pages, cache.v_pages
-    ps, d = kp.shape[1], kp.shape[3]
     dense = all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (kp, vp))
-    return (HAVE_GLUON and d == 128
-            and params.block_size == 64 and ps % 64 == 0 and g_pad * qt == ROWS
-            and q.dtype in (torch.bfloat16, torch.float16) and kp.dtype == q.dtype and vp.dtype == q.dtype
-            and q.stride(2) == 1 and dense)
+    return (HAVE_GLUON and sm90(q.device) and kp.shape[3] == 128 and params.block_size == 64 and kp.shape[1] % 64 == 0
+            and g_pad * qt == ROWS and q.dtype in (torch.bfloat16, torch.float16) and kp.dtype == q.dtype
+            and vp.dtype == q.dtype and dense)
 
 
 if HAVE_GLUON:
@@ -87,7 +87,7 @@ if HAVE_GLUON:
         head h) into one ring slot; nothing when ``j >= nu``."""
         pred = j < nu
         blk = gl.load(ublk + j, mask=pred, other=0)
-        mbarrier.expect(bar, BS * D * 2, pred=pred)
+        mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(desc, [blk * BS, h * D], bar, buf, pred=pred)
 
     @gluon.jit
@@ -104,63 +104,52 @@ if HAVE_GLUON:
         return gl.load(ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
 
     @gluon.jit
-    def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h, qk_scale, m_i, l_i, acc,
-                    n0, c: gl.constexpr, R: gl.constexpr, QT: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
-                    KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
-        """The tile's union blocks ``0 .. nu - 1`` over its own K and V rings (warpgroup c's slots), a slot
-        refilled as soon as its MMA is done; ``n0`` blocks went through the rings before (for the slots' phases).
-        OVERLAP: FlashAttention 3's order, else each MMA waited for."""
+    def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h, qk_scale, n0,
+                    c: gl.constexpr, R: gl.constexpr, QT: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                    KST: gl.constexpr, VST: gl.constexpr):
+        """The online softmax state ``(m, l, acc)`` of a tile's rows over its union blocks ``0 .. nu - 1`` (the first
+        blocks it attends), through warpgroup c's own K and V rings, a slot refilled as soon as its MMA is done;
+        ``n0`` blocks went through the rings before (the slots' phases). FlashAttention 3's order: block j's QK and
+        block j - 1's PV issued together, then block j's softmax."""
         o_layout: gl.constexpr = wgmma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_layout: gl.constexpr = wgmma_layout(BS)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        s_zero = gl.zeros([R, BS], gl.float32, wgmma_layout(BS))
+        s_zero = gl.zeros([R, BS], gl.float32, s_layout)
+        m_i = gl.full([R], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.full([R], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([R, D], gl.float32, o_layout)
         dt: gl.constexpr = q_s.dtype
         for s in gl.static_range(KST):
             _issue_at(k_desc, k_all, kbar, ublk, s, n0, nu, h, c, KST, BS, D)
         for s in gl.static_range(VST):
             _issue_at(v_desc, v_all, vbar, ublk, s, n0, nu, h, c, VST, BS, D)
-        if OVERLAP:
-            if nu > 0:  # block 0's QK
-                ks = c * KST + n0 % KST
-                mbarrier.wait(kbar.index(ks), (n0 // KST) & 1)
-                s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
-                gl.thread_barrier()
-                _issue_at(k_desc, k_all, kbar, ublk, KST, n0, nu, h, c, KST, BS, D)
-                p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow)[:, None], m_i, l_i)
-                for j in range(1, nu):
-                    ks = c * KST + (n0 + j) % KST
-                    vs = c * VST + (n0 + j - 1) % VST
-                    p_op = gl.convert_layout(p.to(dt), p_layout)
-                    mbarrier.wait(kbar.index(ks), ((n0 + j) // KST) & 1)
-                    mbarrier.wait(vbar.index(vs), ((n0 + j - 1) // VST) & 1)
-                    s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False,
-                                          is_async=True)
-                    acc = warpgroup_mma(p_op, v_all.index(vs), acc, is_async=True)
-                    s_cur = warpgroup_mma_wait(1, deps=[s_cur])
-                    gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
-                    _issue_at(k_desc, k_all, kbar, ublk, j + KST, n0, nu, h, c, KST, BS, D)
-                    p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow + j * QT)[:, None], m_i, l_i)
-                    acc = warpgroup_mma_wait(0, deps=[acc])
-                    gl.thread_barrier()  # and every warp's PV with the V slot
-                    _issue_at(v_desc, v_all, vbar, ublk, j - 1 + VST, n0, nu, h, c, VST, BS, D)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                vs = c * VST + (n0 + nu - 1) % VST  # the last block's PV
-                mbarrier.wait(vbar.index(vs), ((n0 + nu - 1) // VST) & 1)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), v_all.index(vs), acc)
-        else:
-            for j in range(0, nu):
+        if nu > 0:  # block 0's QK (acc is still zero: no rescale)
+            ks = c * KST + n0 % KST
+            mbarrier.wait(kbar.index(ks), (n0 // KST) & 1)
+            s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
+            gl.thread_barrier()
+            _issue_at(k_desc, k_all, kbar, ublk, KST, n0, nu, h, c, KST, BS, D)
+            p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow)[:, None], m_i, l_i)
+            for j in range(1, nu):
                 ks = c * KST + (n0 + j) % KST
-                vs = c * VST + (n0 + j) % VST
+                vs = c * VST + (n0 + j - 1) % VST
+                p_op = gl.convert_layout(p.to(dt), p_layout)
                 mbarrier.wait(kbar.index(ks), ((n0 + j) // KST) & 1)
-                s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
-                gl.thread_barrier()
+                mbarrier.wait(vbar.index(vs), ((n0 + j - 1) // VST) & 1)
+                s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma(p_op, v_all.index(vs), acc, is_async=True)
+                s_cur = warpgroup_mma_wait(1, deps=[s_cur])
+                gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
                 _issue_at(k_desc, k_all, kbar, ublk, j + KST, n0, nu, h, c, KST, BS, D)
                 p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow + j * QT)[:, None], m_i, l_i)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                gl.thread_barrier()  # and every warp's PV with the V slot
+                _issue_at(v_desc, v_all, vbar, ublk, j - 1 + VST, n0, nu, h, c, VST, BS, D)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                mbarrier.wait(vbar.index(vs), ((n0 + j) // VST) & 1)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), v_all.index(vs), acc)
-                gl.thread_barrier()
-                _issue_at(v_desc, v_all, vbar, ublk, j + VST, n0, nu, h, c, VST, BS, D)
+            vs = c * VST + (n0 + nu - 1) % VST  # the last block's PV
+            mbarrier.wait(vbar.index(vs), ((n0 + nu - 1) // VST) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), v_all.index(vs), acc)
         return m_i, l_i, acc
 
     @gluon.jit
@@ -200,12 +189,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile(c: gl.constexpr, w, h, n0, rt, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
-              BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
+              BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr):
         """Warpgroup c runs tile w of the wave for KV head h; ``n0`` union blocks went through its rings before.
         Returns the blocks this tile put through them."""
         (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
          q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
-         spr_h, o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter) = rt
+         spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV) = rt
         R: gl.constexpr = QT * G_PAD
         info = info_ptr + w * sinfo
         p_lo = gl.load(info + 3)
@@ -235,12 +224,9 @@ if HAVE_GLUON:
             gl.thread_barrier()
             r_s = gl.arange(0, R, layout=gl.SliceLayout(1, s_layout))
             prow = uprior_ptr + w.to(gl.int64) * spr_w + h * spr_h + r_s // G_PAD
-            m_i = gl.full([R], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.full([R], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([R, D], gl.float32, o_layout)
             ublk = ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h
             m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h,
-                                        qk_scale, m_i, l_i, acc, n0, c, R, QT, D, BS, KST, VST, OVERLAP)
+                                        qk_scale, n0, c, R, QT, D, BS, KST, VST)
             # every TMA this warpgroup issued has been waited for: its first slots take the local window
             bt_row = bt_ptr + req.to(gl.int64) * sbt_n
             m_i, l_i, acc = _local_window(q_s, k_all.index(c * KST), v_all.index(c * VST), k_ptr, v_ptr, sk_p, sk_r,
@@ -261,24 +247,24 @@ if HAVE_GLUON:
         return nu
 
     @gluon.jit
-    def _worker(c: gl.constexpr, rt, tiles, HKV, counter, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
-                PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, OVERLAP: gl.constexpr):
+    def _worker(c: gl.constexpr, rt, tiles, items, counter, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
+                BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr):
         """Warpgroup c: (tile, KV head) items taken from the wave's counter until none is left, by KV head then
         tile (the launch order of the Triton kernel: neighbouring tiles of a head, which share most of their
         blocks, run at the same time)."""
         n0 = 0
         item = gl.atomic_add(counter, 1)
-        while item < tiles * HKV:
-            n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)
+        while item < items:
+            n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST)
             item = gl.atomic_add(counter, 1)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["tiles", "num_tokens", "G"])  # no compile per prompt length
     def prefill_attn_ws(q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
                         k_desc, v_desc, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
                         o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr,
                         QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                         PPB: gl.constexpr, NC: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
-                        OVERLAP: gl.constexpr, REGS: gl.constexpr):
+                        REGS: gl.constexpr):
         """Persistent grid (one program a multiprocessor): ``NC`` (3) warpgroups, each taking (tile, KV head) items
         of the wave from ``counter_ptr`` (zeroed by the union launch) and running the tile over its union
         (``union_blk``, ``union_prior`` and ``union_count`` of the Triton union launch) and its local window;
@@ -298,11 +284,11 @@ if HAVE_GLUON:
         gl.static_assert(NC == 3, "three warpgroups")
         rt = (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
               q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
-              spr_h, o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr)
+              spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV)
         gl.warp_specialize([
-            (_worker, (0, rt, tiles, HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)),
-            (_worker, (1, rt, tiles, HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)),
-            (_worker, (2, rt, tiles, HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, OVERLAP)),
+            (_worker, (0, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
+            (_worker, (1, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
+            (_worker, (2, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
         ], [4, 4], [REGS, REGS])
 
 
@@ -310,6 +296,6 @@ def kv_block_descriptors(cache, bs: int) -> tuple:
     """Gluon TMA descriptors of the K and V pages as ``[pages page_size, Hkv D]`` with ``[bs, D]`` boxes: block
     ``b`` of KV head h at ``[b bs, h D]`` (``ws_supported`` layouts only)."""
     d = cache.k_pages.shape[3]
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=cache.k_pages.element_size() * 8, rank=2)
     return tuple(GluonDescriptor.from_tensor(x.view(-1, x.shape[2] * d), [bs, d], layout)
                  for x in (cache.k_pages, cache.v_pages))

@@ -52,11 +52,10 @@ def record_launches() -> dict:
     saved = {name: getattr(mod, name) for name, mod in PREFILL_KERNELS.items()}
     for name, mod in PREFILL_KERNELS.items():
         setattr(mod, name, kc._Recorder(name, saved[name], calls))
-    # compiled for sm_90: as on the H200, where the Gluon attention serves where ws_supported's other checks pass
+    # compiled for sm_90: as on the H200 (where the Gluon attention serves the configurations it supports)
     tma_supported, pf._tma_supported = pf._tma_supported, lambda device: True
-    ws_supported, sm_count = pf.ws_supported, pf.sm_count
-    pf.ws_supported = lambda q, cache, params, g_pad, qt: ws_supported(q, cache, params, g_pad, qt, sm90=True)
-    pf.sm_count = lambda device: 132
+    sm90, sm_count = prefill_ws.sm90, pf.sm_count
+    prefill_ws.sm90, pf.sm_count = (lambda device: True), (lambda device: 132)
     try:
         configs = [c + (None,) for c in CONFIGS] + INDEXER_CONFIGS
         for dtype, hq, hkv, d, bs, ps, max_pages, pk, hi in configs:
@@ -79,7 +78,7 @@ def record_launches() -> dict:
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
                     kv_write.write_kv_and_summaries(kv, kv, cache, torch.arange(t), hc, bs, decode=False)
     finally:
-        pf._tma_supported, pf.ws_supported, pf.sm_count = tma_supported, ws_supported, sm_count
+        pf._tma_supported, prefill_ws.sm90, pf.sm_count = tma_supported, sm90, sm_count
         for name, mod in PREFILL_KERNELS.items():
             setattr(mod, name, saved[name])
     return calls

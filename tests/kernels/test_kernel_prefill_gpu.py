@@ -198,10 +198,12 @@ def test_long_extend_on_long_history_varlen():
 
 # --- the Gluon attention launch (Hopper) against the Triton one ------------------------------------------
 
-WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs)
-    (torch.bfloat16, 12, 4, 64, [9000, 1500, 257, 70], [2500, 1500, 100, 1], dict(topk=16, scaling_factor=3.0)),
-    (torch.float16, 16, 2, 128, [6000, 800], [6000, 333], dict(scaling_factor=2.0, router="shared", local=128)),
-    (torch.bfloat16, 8, 8, 256, [20000], [4133], dict(topk=32, scaling_factor=2.0, estimate_diagonal=True)),
+_MIXED = (torch.bfloat16, 12, 4, 64, [9000, 1500, 257, 70], [2500, 1500, 100, 1], dict(topk=16, scaling_factor=3.0))
+WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, routing scratch bytes a wave)
+    (*_MIXED, None),
+    (*_MIXED, 3 << 20),  # many waves
+    (torch.float16, 16, 2, 128, [6000, 800], [6000, 333], dict(scaling_factor=2.0, router="shared", local=128), None),
+    (torch.bfloat16, 8, 8, 256, [20000], [4133], dict(topk=32, scaling_factor=2.0, estimate_diagonal=True), None),
 ]
 
 
@@ -209,23 +211,29 @@ WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs)
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
 def test_gluon_attention_matches_triton(case, monkeypatch):
     """On Hopper, the warp-specialized Gluon attention (``prefill_ws``: G 3 padded to 4, G 8 with router
-    ``shared``, G 1; extends starting and ending mid-block, a one-token extend) against the Triton kernel on
-    the same routing, with NaN in every cache row no token wrote (the local window must not read them), and
-    against the oracle on sampled rows."""
+    ``shared``, G 1; extends starting and ending mid-block, a one-token extend; one wave, or many, whose launches
+    share the work counter's memory) against the Triton kernel on the same routing, with NaN in every cache row no
+    token wrote (the local window must not read them), and against the oracle on sampled rows."""
     from dash_core.kernels import prefill_ws
 
-    dtype, hq, hkv, ps, totals, news, pk = WS_CASES[case]
+    dtype, hq, hkv, ps, totals, news, pk, scratch = WS_CASES[case]
     p = DashParams(block_size=64, **pk)
     pr = Prompt(70 + case, totals, news, hq=hq, hkv=hkv, d=128, bs=64, ps=ps, dtype=dtype, params=p, q_corr=0.8)
     if not prefill_ws.ws_supported(pr.q_new, pr.cache, p, pf._pow2(hq // hkv), pf.tile_tokens(hq, hkv, 64)):
         pytest.skip("the Gluon attention runs on sm_90 only")
     monkeypatch.setattr(prefill_ws, "WS_MIN_CAND", 0)  # on these short tables too
+    if scratch:
+        monkeypatch.setattr(pf, "SCRATCH_BYTES", scratch)
+    launches = []
+    descriptors = prefill_ws.kv_block_descriptors
+    monkeypatch.setattr(prefill_ws, "kv_block_descriptors", lambda *a: launches.append(1) or descriptors(*a))
     written = torch.zeros(pr.k_buf.shape[0], dtype=torch.bool, device=DEVICE)
     for sl in pr.slots:
         written[sl] = True
     pr.k_buf[~written] = float("nan")
     pr.v_buf[~written] = float("nan")
     out_ws = pr.run()
+    assert len(launches) > (4 if scratch else 0), "the Gluon attention did not run (or not in several waves)"
     monkeypatch.setattr(pf, "ATTN_WS", 0)
     out_tr = pr.run()
     sync()
