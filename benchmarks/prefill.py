@@ -35,6 +35,7 @@ to ``docs/perf/prefill.svg``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import multiprocessing
 import os
@@ -124,6 +125,32 @@ def prompt_sf(pr: Prompt, bs: int, fraction: float) -> float:
     rows = min(8, pr.n)
     tail = type("Tail", (), {"cache": pr.cache, "block_table": pr.block_table.expand(rows, -1).contiguous()})
     return calibrate_sf(tail, pr.q[pr.n - rows:], pr.n, DashParams(block_size=bs), fraction)
+
+
+def tunings(ap, texts: list) -> list:
+    """The settings ``--tune`` names (``NAME=VALUE,...`` each, constants of ``dash_core.kernels.prefill``), after the
+    defaults (``{}``)."""
+    out = [{}]
+    for t in texts:
+        kv = dict(x.split("=", 1) for x in t.split(","))
+        unknown = [k for k in kv if not hasattr(pf, k)]
+        if unknown:
+            ap.error(f"--tune: {unknown} are not constants of dash_core.kernels.prefill")
+        out.append({k: int(v) for k, v in kv.items()})
+    return out
+
+
+@contextlib.contextmanager
+def tuned(settings: dict):
+    """The kernels' constants set to ``settings`` (one of ``tunings``) inside the block, restored after it."""
+    saved = {k: getattr(pf, k) for k in settings}
+    for k, v in settings.items():
+        setattr(pf, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(pf, k, v)
 
 
 def prefill_op(cuda):
@@ -343,16 +370,13 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
             f"{st['kv_fraction']:.2%} of causal, tile reuse {st['tile_reuse']:.1f} of {st['qt']}, "
             f"{st['waves']} waves")
         for tune in a.tunings:
-            saved = {k: getattr(pf, k) for k in tune}
-            for k, v in tune.items():
-                setattr(pf, k, v)
-            tag = "".join(f" {k.lower()}={v}" for k, v in tune.items()) + LAYOUT_TAG.get(a.layout, "")
-            ex = extra
-            if tune:  # tile sizes may change with the settings: their own sharing statistics
-                st_t = selection_stats(pr, params)
-                ex = dict(extra, tile_reuse=round(st_t["tile_reuse"], 2), tile_tokens=st_t["qt"],
-                          executed_tflop=round(st_t["executed_flops"] / 1e12, 3), waves=st_t["waves"])
-            try:
+            with tuned(tune):
+                tag = "".join(f" {k.lower()}={v}" for k, v in tune.items()) + LAYOUT_TAG.get(a.layout, "")
+                ex = extra
+                if tune:  # tile sizes may change with the settings: their own sharing statistics
+                    st_t = selection_stats(pr, params)
+                    ex = dict(extra, tile_reuse=round(st_t["tile_reuse"], 2), tile_tokens=st_t["qt"],
+                              executed_tflop=round(st_t["executed_flops"] / 1e12, 3), waves=st_t["waves"])
                 for chunk in chunks:
                     variant = ("one-shot" if chunk is None else f"chunks-{chunk}") + tag
                     for write in (True, False):
@@ -373,9 +397,6 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
                     add("dash-triton", "route-only" + tag, ms, topk=topk, frac=st["kv_fraction"],
                         floor=2 * n * hq * d * esize / bw * 1e3, extra=ex,
                         note="plan, scratch and every routing wave of the one-shot op; no attention, no write")
-            finally:
-                for k, v in saved.items():
-                    setattr(pf, k, v)
         if cuda:
             torch.cuda.empty_cache()
 
@@ -646,13 +667,7 @@ def main(argv=None) -> int:
     add_output_args(ap, "prefill")
     a = ap.parse_args(argv)
     a.command = shown_command("prefill.py", list(argv if argv is not None else sys.argv[1:]))
-    a.tunings = [{}]
-    for t in a.tune:
-        kv = dict(x.split("=", 1) for x in t.split(","))
-        unknown = [k for k in kv if not hasattr(pf, k)]
-        if unknown:
-            ap.error(f"--tune: {unknown} are not constants of dash_core.kernels.prefill")
-        a.tunings.append({k: int(v) for k, v in kv.items()})
+    a.tunings = tunings(ap, a.tune)
     if a.preset == "required":
         a.context, a.chunk_contexts, a.hkv, a.topk = "2048,4096,8192,32768,131072", "131072", "8", "64,none"
     elif a.preset == "matrix":

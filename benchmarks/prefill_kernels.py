@@ -21,10 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from prefill import Prompt, dash_fn, prompt_sf  # noqa: E402
+from prefill import Prompt, dash_fn, prompt_sf, tuned, tunings  # noqa: E402
 
 from dash_core import DashParams  # noqa: E402
-from dash_core.kernels import prefill as pf  # noqa: E402
 
 
 def call_times(fn, iters: int) -> tuple:
@@ -73,17 +72,13 @@ def main(argv=None) -> int:
     sf = prompt_sf(pr, bs, 0.05)
     params = DashParams(block_size=bs, topk=None if a.topk == "none" else int(a.topk), scaling_factor=sf)
     out = torch.empty_like(pr.q)
-    for tune in [""] + a.tune:
-        kv = dict(x.split("=", 1) for x in tune.split(",")) if tune else {}
-        saved = {k: getattr(pf, k) for k in kv}
-        for k, v in kv.items():
-            setattr(pf, k, int(v))
-        fn = dash_fn(pr, params, False, None, out)
-        times = kernel_times(fn, a.iters)
-        call_ms, host_ms = call_times(fn, a.iters)
-        for k, v in saved.items():
-            setattr(pf, k, v)
-        print(f"== {n} tokens, Hq {a.hq}, Hkv {a.hkv}, topk {a.topk}, sf {sf:.4g} {tune or '(defaults)'}")
+    for tune in tunings(ap, a.tune):
+        with tuned(tune):
+            fn = dash_fn(pr, params, False, None, out)
+            times = kernel_times(fn, a.iters)
+            call_ms, host_ms = call_times(fn, a.iters)
+        shown = ",".join(f"{k}={v}" for k, v in tune.items()) or "(defaults)"
+        print(f"== {n} tokens, Hq {a.hq}, Hkv {a.hkv}, topk {a.topk}, sf {sf:.4g} {shown}")
         for name, (ms, launches) in sorted(times.items(), key=lambda x: -x[1][0]):
             print(f"  {ms:9.2f} ms  {launches:6.0f} launches  {name[:90]}")
         print(f"  {sum(ms for ms, _ in times.values()):9.2f} ms  in all kernels; a call takes {call_ms:.2f} ms "

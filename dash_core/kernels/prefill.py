@@ -594,9 +594,9 @@ def _prefill_attn_kernel(
     Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
     inconsistent get zeros.
 
-    UNION_ONLY: step 1 only, for ``prefill_ws.prefill_attn_ws``: the union's size to ``nu_ptr [w Hkv + h]`` and
-    the tile's bounds to row w of ``info_ptr`` (``sinfo`` apart: ok, tok_base, a0, p_lo, p_hi, first_local, last_local, req), and
-    0 to ``counter_ptr`` (the Gluon launch's work counter).
+    UNION_ONLY: step 1 only, for ``prefill_ws.prefill_attn_ws``: the union's size to ``nu_ptr [w Hkv + h]``, the
+    tile's bounds to row w of ``info_ptr`` (rows ``sinfo`` apart: ok, tok_base, a0, p_lo, p_hi, first_local,
+    last_local, req), and 0 to ``counter_ptr`` (the Gluon launch's work counter).
     """
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -767,8 +767,8 @@ class PrefillScratch:
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
     union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, max_cand, QT]`` fp32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position); for the Gluon attention launch
-    (``prefill_ws``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, 9]`` int32 (the tiles' bounds, and the
-    Gluon launch's work counter ws_counter in the last column of row 0).
+    (``prefill_ws``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, 9]`` int32 (the tiles' bounds, and in the
+    last column of row 0 that launch's work counter, ``ws_counter``).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
     (``add_summary_copy``: at most ``SUMMARY_COPY_BYTES``, outside the wave budget), and no score is written: the
     route launch keeps only each unit's group sums of probabilities there (row h of its slot, h < Hkv).
@@ -795,10 +795,14 @@ class PrefillScratch:
     union_prior: torch.Tensor
     union_count: torch.Tensor
     tile_info: torch.Tensor
-    ws_counter: torch.Tensor
     summary_copy: Optional[torch.Tensor] = None  # [n, max_cand, Hkv, D] (recompute_routing), its TMA descriptor
     summary_desc: Optional[TensorDescriptor] = None
     copied_from: Optional[tuple] = None  # what gather_summaries last copied (route_wave checks it)
+
+    @property
+    def ws_counter(self) -> torch.Tensor:
+        """The Gluon attention launch's work counter: the last column of ``tile_info``'s row 0 (``[1]``)."""
+        return self.tile_info[0, prefill_ws.INFO_COLS - 1:]
 
     @staticmethod
     def _score_rows(hq: int, hkv: int, recompute: bool) -> int:
@@ -838,7 +842,6 @@ class PrefillScratch:
         table = tiles * hkv * qt * max_cand  # elements of one union table
         flat = scores.view(-1)
         prior = (flat[table:2 * table] if rows >= 2 * hkv else torch.empty(table, dtype=f32, device=device))
-        info = torch.empty(tiles, prefill_ws.INFO_COLS, dtype=i32, device=device)
         return cls(
             qt, tiles, max_cand,
             scores=scores,
@@ -852,8 +855,7 @@ class PrefillScratch:
             union_bias=flat[:table].view(tiles, hkv, max_cand, qt),
             union_prior=prior.view(tiles, hkv, max_cand, qt),
             union_count=torch.empty(tiles, hkv, dtype=i32, device=device),
-            tile_info=info,
-            ws_counter=info[0, prefill_ws.INFO_COLS - 1:],
+            tile_info=torch.empty(tiles, prefill_ws.INFO_COLS, dtype=i32, device=device),
         )
 
 

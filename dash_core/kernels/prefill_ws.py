@@ -188,6 +188,17 @@ if HAVE_GLUON:
         return m_i, l_i, acc
 
     @gluon.jit
+    def _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, G, R: gl.constexpr, G_PAD: gl.constexpr,
+                   layout: gl.constexpr):
+        """The tile's ``R`` rows (token ``r // G_PAD`` of the tile, head ``r % G_PAD`` of the group) in ``layout``:
+        ``(token row, head in the group, a new token of the tile and g < G)``, as ``prefill._tile_rows``."""
+        r = gl.arange(0, R, layout=layout)
+        pos = a0 + r // G_PAD
+        tok = tok_base + pos
+        g = r % G_PAD
+        return tok, g, (pos >= p_lo) & (pos < p_hi) & (tok < num_tokens) & (g < G)
+
+    @gluon.jit
     def _tile(c: gl.constexpr, w, h, n0, rt, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
               BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr):
         """Warpgroup c runs tile w of the wave for KV head h; ``n0`` union blocks went through its rings before.
@@ -210,13 +221,11 @@ if HAVE_GLUON:
             ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             o_layout: gl.constexpr = wgmma_layout(D)
             s_layout: gl.constexpr = wgmma_layout(BS)
-            # the queries: rows (token u, head g of the group), zero where not a live row of an ok request
-            r_ld = gl.arange(0, R, layout=gl.SliceLayout(1, ld_layout))
-            pos_ld = a0 + r_ld // G_PAD
-            tok_ld = tok_base + pos_ld
-            g_ld = r_ld % G_PAD
-            live_ld = (pos_ld >= p_lo) & (pos_ld < p_hi) & (tok_ld < num_tokens) & (g_ld < G) & (ok != 0)
-            q = _load_rows(q_ptr, tok_ld.to(gl.int64) * sq_t + (h * G + g_ld) * sq_h, live_ld, D, R, ld_layout)
+            # the queries, zero where not a live row of an ok request
+            tok_ld, g_ld, in_ld = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, G, R, G_PAD,
+                                             gl.SliceLayout(1, ld_layout))
+            q = _load_rows(q_ptr, tok_ld.to(gl.int64) * sq_t + (h * G + g_ld) * sq_h, in_ld & (ok != 0), D, R,
+                           ld_layout)
             q_s = q_all.index(c)
             gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the queries
             q_s.store(q)
@@ -236,11 +245,8 @@ if HAVE_GLUON:
             # the output: acc / l, zero where no key was attended (l = 0)
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
             o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
-            r_o = gl.arange(0, R, layout=gl.SliceLayout(1, o_layout))
-            pos_o = a0 + r_o // G_PAD
-            tok_o = tok_base + pos_o
-            g_o = r_o % G_PAD
-            in_o = (pos_o >= p_lo) & (pos_o < p_hi) & (tok_o < num_tokens) & (g_o < G)
+            tok_o, g_o, in_o = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, G, R, G_PAD,
+                                          gl.SliceLayout(1, o_layout))
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
             gl.store(o_ptr + (tok_o.to(gl.int64) * so_t + (h * G + g_o) * so_h)[:, None] + cols[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=in_o[:, None])

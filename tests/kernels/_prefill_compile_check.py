@@ -2,8 +2,9 @@
 
 The prefill counterpart of ``_kernel_compile_check`` (whose recorder and compiler it reuses): records
 the launches ``paged_dash_prefill_triton`` (K/V already written; the Gluon attention of ``prefill_ws`` where it
-serves on the H200) and the prefill K/V write make for a set of supported configurations (kernels replaced by recorders), compiles each distinct one for
-``cuda:90`` and prints one JSON line per variant (shared memory, ptxas registers and spills).
+serves on the H200) and the prefill K/V write make for a set of supported configurations (kernels replaced by
+recorders), compiles each distinct one for ``cuda:90`` and prints one JSON line per variant (shared memory, ptxas
+registers and spills).
 Run without ``TRITON_INTERPRET``:
 
     python -m tests.kernels._prefill_compile_check
