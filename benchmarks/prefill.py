@@ -186,9 +186,8 @@ def route_only_fn(pr: Prompt, params):
     def run():
         plan, scratch = pf.plan_and_scratch(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params)
         pf.gather_summaries(pr.cache, pr.block_table, pr.seq, params, scratch)
-        for tile0 in range(0, plan.num_tiles, plan.wave):
-            pf.route_wave(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params, plan, scratch, tile0,
-                          min(plan.wave, plan.num_tiles - tile0))
+        for tile0, tiles in plan.waves():
+            pf.route_wave(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params, plan, scratch, tile0, tiles)
     return run
 
 
@@ -201,8 +200,7 @@ def selection_stats(pr: Prompt, params) -> dict:
     pf.gather_summaries(cache, bt, pr.seq, params, scratch)
     hsel = scratch.sel_count.shape[1]
     routed = union = 0
-    for tile0 in range(0, plan.num_tiles, plan.wave):
-        tiles = min(plan.wave, plan.num_tiles - tile0)
+    for tile0, tiles in plan.waves():
         scratch.sel_count.zero_()
         pf.route_wave(q, cache, bt, pr.cu, pr.seq, params, plan, scratch, tile0, tiles)
         slots = tiles * plan.qt

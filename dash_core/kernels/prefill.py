@@ -57,6 +57,8 @@ from ..params import DashParams
 from ..workspace import PrefillWorkspace, check_workspace
 from .common import block_page, interpreting, max_or_zero, raise_max, scaled_query, summary_index, summary_scores
 from . import prefill_ws
+from .prefill_ws import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
+                         INFO_TOK_BASE)
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
 from .routing import (append_positive, halley_step, halley_sums, mp_key_range, positive_part, route_tile,
                       select_kept)
@@ -102,6 +104,9 @@ UNION_CHUNK_GATHER = 16
 ATTN_SCALAR_BASE = 1  # a union tile of one block: its K/V addresses from one scalar base
 ATTN_TMA = 1  # union tiles of one block loaded by TMA (Hopper and later; pointer loads otherwise)
 ATTN_WS = 1  # the Gluon attention launch (prefill_ws) where it runs; 0: the Triton kernel everywhere
+# Issue a call's waves from its last: a prompt's first waves (short contexts) run in less time than the host takes to
+# issue a wave, so issued first they leave the GPU waiting; issued last, they run from the queue the long waves built
+WAVES_LAST_FIRST = 1
 UNION_TILE = 4096  # elements of the attention kernel's [TU, QT] union-building tiles (2048: 1 ms slower at 128k)
 UNION_LIST_TILE = 2048  # elements of its [QT, TJ] tiles of the tokens' lists (4096 spills uncapped at D 128)
 # Globals a compiled kernel reads must be constexpr objects.
@@ -595,8 +600,8 @@ def _prefill_attn_kernel(
     inconsistent get zeros.
 
     UNION_ONLY: step 1 only, for ``prefill_ws.prefill_attn_ws``: the union's size to ``nu_ptr [w Hkv + h]``, the
-    tile's bounds to row w of ``info_ptr`` (rows ``sinfo`` apart: ok, tok_base, a0, p_lo, p_hi, first_local,
-    last_local, req), and 0 to ``counter_ptr`` (the Gluon launch's work counter).
+    tile's bounds to row w of ``info_ptr`` (rows ``sinfo`` apart, columns ``prefill_ws.INFO_*``), and 0 to
+    ``counter_ptr`` (the Gluon launch's work counter).
     """
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -606,14 +611,14 @@ def _prefill_attn_kernel(
     if UNION_ONLY:
         if h == 0:
             info = info_ptr + w * sinfo
-            tl.store(info, ok.to(tl.int32))
-            tl.store(info + 1, tok_base)
-            tl.store(info + 2, a0)
-            tl.store(info + 3, p_lo)
-            tl.store(info + 4, p_hi)
-            tl.store(info + 5, first_local)
-            tl.store(info + 6, last_local)
-            tl.store(info + 7, req)
+            tl.store(info + INFO_OK, ok.to(tl.int32))
+            tl.store(info + INFO_TOK_BASE, tok_base)
+            tl.store(info + INFO_A0, a0)
+            tl.store(info + INFO_P_LO, p_lo)
+            tl.store(info + INFO_P_HI, p_hi)
+            tl.store(info + INFO_FIRST_LOCAL, first_local)
+            tl.store(info + INFO_LAST_LOCAL, last_local)
+            tl.store(info + INFO_REQ, req)
             if w == 0:
                 tl.store(counter_ptr, 0)  # prefill_attn_ws's work counter
     if p_lo < p_hi:  # tiles past the last one do nothing
@@ -889,6 +894,12 @@ class PrefillPlan:
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
         wave = wave_tiles(nt, per_tile, hkv, q.device, scratch_bytes)
         return cls(qt, nt, wave, max_cand, tile_req, tile_off, recompute)
+
+    def waves(self) -> list:
+        """``(tile0, tiles)`` of each wave in the order the op issues them: the last first where
+        ``WAVES_LAST_FIRST``."""
+        waves = [(t0, min(self.wave, self.num_tiles - t0)) for t0 in range(0, self.num_tiles, self.wave)]
+        return waves[::-1] if WAVES_LAST_FIRST else waves
 
 
 def _max_cand(table_tokens: int, params: DashParams) -> int:
@@ -1195,8 +1206,7 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
                scratch_bytes, route_heads, cache.summaries.dtype)
         plan, scratch = workspace.take(key, (cu_seqlens_q, seq_lens), make)
     gather_summaries(cache, block_table, seq_lens, params, scratch)  # this call's summaries (each layer has its own)
-    for tile0 in range(0, plan.num_tiles, plan.wave):
-        tiles = min(plan.wave, plan.num_tiles - tile0)
+    for tile0, tiles in plan.waves():
         route_wave(rq, rcache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
         attend_wave(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, out, tile0, tiles)
     rows = 16
