@@ -4,7 +4,8 @@ The Triton attention launch of a wave (``prefill._prefill_attn_kernel``) fits tw
 multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (3) warpgroups (``gl.warp_specialize``),
 each with its own K and V rings, taking (tile, KV head) items from a counter, so that one warpgroup's softmax runs
 while another's MMAs do. Alone, that loop ran 14% faster than the Triton one (``benchmarks/union_loop.py``); in the
-prefill it gains about 1% of a call on the H200 (``docs/PERFORMANCE.md``, "The attention in Gluon on the H200").
+prefill it takes about 6% off a call at 128k on the H200 (``docs/PERFORMANCE.md``, "The attention in Gluon on the
+H200").
 
 A wave is then two launches. The Triton kernel builds each tile's union tables as before and stops there
 (``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
