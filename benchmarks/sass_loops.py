@@ -3,9 +3,10 @@
 Records the launches of ``tests/kernels/_prefill_compile_check.py`` (the prefill kernels as the op calls them for
 its configurations), compiles those of ``--kernel`` whose constexprs match every ``--where NAME=VALUE`` for
 ``cuda:90`` with Triton's bundled ``ptxas``, disassembles them with its ``nvdisasm`` and prints, for each loop (a
-label and the backward branch to it), the SASS instructions between the two and the most frequent opcodes. Inner
-loops are counted inside their outer ones too. A guide for changes whose GPU time cannot be measured here: fewer
-instructions in a loop that issues its instructions back to back is less time (``docs/PERFORMANCE.md``).
+label and the backward branch to it; line numbers of the disassembly, from 1), the SASS instructions between the two
+and the most frequent opcodes. The counts are static: a branch the loop skips at run time counts, and inner loops
+count once inside their outer ones. A guide for changes whose GPU time cannot be measured here: fewer instructions in
+a loop that issues its instructions back to back is less time (``docs/PERFORMANCE.md``).
 
     python benchmarks/sass_loops.py --kernel prefill_attn_ws --where QT=16
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import subprocess
 import sys
@@ -26,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LABEL = re.compile(r"^(\.L_x_\d+):")
-BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
+BRANCH = re.compile(r"BRA(?:\.\w+)*\s+`\((\.L_x_\d+)\)")
 INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
 def loops(sass: str) -> list:
-    """``(first line, last line, opcodes)`` of each loop of a disassembly: a label and a later branch to it, with no
+    """``(first line, last line, opcodes)`` (lines from 1) of each loop of a disassembly: a label and a later branch to it, with no
     ``EXIT`` between (``nvdisasm`` places the retry loops of barrier waits after the end of the code, and they branch
     back into it: those are not loops, and neither are their waits, a cycle of two instructions)."""
     lines = sass.splitlines()
@@ -46,7 +48,7 @@ def loops(sass: str) -> list:
             start = at[b.group(1)]
             ops = [INSTR.match(x).group(1) for x in lines[start:i + 1] if INSTR.match(x)]
             if "EXIT" not in ops and len(ops) > 2:
-                found.append((start, i, ops))
+                found.append((start + 1, i + 1, ops))
     return found
 
 
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--where", action="append", default=[], help="NAME=VALUE: a constexpr the variant must have")
     ap.add_argument("--top", type=int, default=8, help="opcodes shown per loop")
     a = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("run without TRITON_INTERPRET (the interpreter replaces the kernels)")
     from tests.kernels import _kernel_compile_check as kc
     from tests.kernels import _prefill_compile_check as pc
 
@@ -72,13 +76,10 @@ def main(argv=None) -> int:
                 if c[0] == a.kernel and all(str(c[2].get(k)) == v for k, v in want.items())]
     if not variants:
         ap.error(f"no launch of {a.kernel} with {want} among the compile check's configurations")
-    for name, sig, consts, opts, attrs in variants:
-        fn = getattr(kc.KERNELS[name], name)
-        source = kc.GluonASTSource if isinstance(fn, kc.GluonJITFunction) else kc.ASTSource
-        kern = triton.compile(source(fn, sig, consts, {eval(k): v for k, v in attrs.items()}), target=kc.TARGET,
-                              options=opts)
+    for item in variants:
+        name, _, consts, opts, _ = item
         print(f"== {name} {consts} {opts}")
-        for start, end, ops in loops(disassemble(kern.asm["cubin"])):
+        for start, end, ops in loops(disassemble(kc.compile_variant(item).asm["cubin"])):
             top = " ".join(f"{op} {n}" for op, n in collections.Counter(ops).most_common(a.top))
             print(f"  lines {start}-{end}: {len(ops)} instructions ({top})")
     return 0

@@ -470,6 +470,15 @@ def test_extends_match_oracle_on_most_rows():
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
+def test_waves_take_every_tile_once_from_the_last(monkeypatch):
+    """``PrefillPlan.waves``: consecutive tiles, each in one wave, the partial last wave issued first (or, without
+    ``WAVES_LAST_FIRST``, in tile order)."""
+    plan = pf.PrefillPlan(qt=16, num_tiles=10, wave=4, max_cand=1, tile_req=None, tile_off=None)
+    assert plan.waves() == [(8, 2), (4, 4), (0, 4)]
+    monkeypatch.setattr(pf, "WAVES_LAST_FIRST", 0)
+    assert plan.waves() == [(0, 4), (4, 4), (8, 2)]
+
+
 def _allocated(scratch: pf.PrefillScratch) -> int:
     """Bytes of the distinct storages a scratch's tensors view."""
     storages = {}

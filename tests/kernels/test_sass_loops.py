@@ -3,7 +3,7 @@
 The parser on a hand-written disassembly (a loop, an inner loop, and a barrier wait's retry placed after the end
 of the code, which branches back into it and is not a loop), then the script on the Gluon prefill attention compiled
 for sm_90 (in a subprocess without ``TRITON_INTERPRET``): each of its three warpgroups has a loop over union blocks
-that issues the block's 8 QK and 4 PV warpgroup MMAs once.
+that issues the block's 8 QK and 4 PV warpgroup MMAs and its K and V refills once.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def test_union_loop_of_the_gluon_attention():
     assert r.returncode == 0, r.stderr[-4000:]
     loops = [(int(m.group(1)), dict(re.findall(r"([A-Z][A-Z0-9_]*) (\d+)", m.group(2))))
              for m in re.finditer(r": (\d+) instructions \(([^)]*)\)", r.stdout)]
-    with_12 = [n for n, ops in loops if ops.get("HGMMA") == "12"]
-    assert len(with_12) >= 3, r.stdout  # the union loop of each warpgroup (the local window loop issues 12 too)
-    assert all(100 < n < 2000 for n in with_12), r.stdout
+    # each warpgroup's union loop: a block's 12 MMAs and its K and V refills by TMA (the local window's loop also
+    # issues 12 MMAs, but loads by pointers)
+    union = [n for n, ops in loops if ops.get("HGMMA") == "12" and ops.get("UTMALDG") == "2"]
+    assert len(union) == 3, r.stdout
+    assert all(200 < n < 1000 for n in union), r.stdout
