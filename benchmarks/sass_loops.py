@@ -33,9 +33,9 @@ INSTR = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*
 
 
 def loops(sass: str) -> list:
-    """``(first line, last line, opcodes)`` (lines from 1) of each loop of a disassembly: a label and a later branch to it, with no
-    ``EXIT`` between (``nvdisasm`` places the retry loops of barrier waits after the end of the code, and they branch
-    back into it: those are not loops, and neither are their waits, a cycle of two instructions)."""
+    """``(first line, last line, opcodes)`` (lines from 1) of each loop of a disassembly: a label and a later branch
+    to it, with no ``EXIT`` between (``nvdisasm`` places the retry loops of barrier waits after the end of the code,
+    and they branch back into it: those are not loops, and neither are their waits, a cycle of two instructions)."""
     lines = sass.splitlines()
     at = {}
     found = []
@@ -46,7 +46,7 @@ def loops(sass: str) -> list:
         b = BRANCH.search(line)
         if b and b.group(1) in at:
             start = at[b.group(1)]
-            ops = [INSTR.match(x).group(1) for x in lines[start:i + 1] if INSTR.match(x)]
+            ops = [m.group(1) for x in lines[start:i + 1] if (m := INSTR.match(x))]
             if "EXIT" not in ops and len(ops) > 2:
                 found.append((start + 1, i + 1, ops))
     return found
