@@ -26,8 +26,8 @@ wave is two launches:
   candidate order (``gather_summaries``, one launch per call), with ``route_tile``'s arithmetic
   (``_route_recompute``).
 - ``_prefill_attn_kernel``, grid ``(W, Hkv)``: the union of the tile's selected blocks (built in
-  parallel passes: a per-candidate table of each token's log prior, then a scan that compacts the
-  candidates some token kept, with every token's prior, by union position), then attention of the
+  parallel passes: the candidates some token kept marked in a table of one int32 a candidate, compacted in
+  increasing order by a scan, then every token's prior put at its blocks' union positions), then attention of the
   ``QT * G`` rows over the local window (causal) and each union block, loading each K/V block once for
   the tile; rows that did not select a block get ``-inf`` logits there, the others their log prior.
   Queries of a tile routed to the same block share the load and the MMA (how much depends on how
@@ -530,40 +530,51 @@ def _prefill_route_kernel(
 
 @triton.jit
 def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr, ssel_n,
-                ssel_h, ubias_tile, uprior_row, ublk_row, QT: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
+                ssel_h, upos_tile, uprior_row, ublk_row, QT: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
                 PS: tl.constexpr, BS: tl.constexpr):
     """Step 1 of ``_prefill_attn_kernel`` for one tile and KV head h: its union's size, its blocks in ``ublk_row``
-    and their priors in ``uprior_row`` (``ubias_tile``: the ``[ncand, QT]`` table by candidate)."""
+    and their priors in ``uprior_row``, in four passes through ``upos_tile`` (``[ncand]`` int32 by candidate: 0,
+    then nonzero where a token kept it, then its union position plus one). Four bytes a candidate, not a row of
+    ``QT`` priors: a 128k prompt's tiles have about a thousand candidates and a union of a few hundred."""
     offs_u = tl.arange(0, QT)
     offs_c = tl.arange(0, TU)
     offs_j = tl.arange(0, TJ)
     sel_u = (slot0 + offs_u) * ssel_n + h * ssel_h
     cnt_u = tl.load(count_ptr + (slot0 + offs_u) * scnt_n + h * scnt_h, mask=unit_ok, other=0)
+    nsel = tl.max(cnt_u, axis=0)
     for c0 in range(0, ncand, TU):
         c = c0 + offs_c
-        tl.store(ubias_tile + c[:, None] * QT + offs_u[None, :], tl.full([TU, QT], float("-inf"), tl.float32),
-                 mask=(c < ncand)[:, None])
-    tl.debug_barrier()  # the -inf rows are overwritten below by other threads
-    for j0 in range(0, tl.max(cnt_u, axis=0), TJ):
+        tl.store(upos_tile + c, tl.zeros([TU], tl.int32), mask=c < ncand)
+    tl.debug_barrier()  # marked below by other threads
+    for j0 in range(0, nsel, TJ):  # each token's kept candidates marked (tokens that share one store the same 1)
         jj = j0 + offs_j
         have = jj[None, :] < cnt_u[:, None]
         idx = tl.load(sel_idx_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0)
-        b = tl.load(sel_bias_ptr + sel_u[:, None] + jj[None, :], mask=have, other=0.0)
-        tl.store(ubias_tile + idx * QT + offs_u[:, None], b * _LOG2E, mask=have & (idx < ncand))
+        tl.store(upos_tile + idx, tl.full([QT, TJ], 1, tl.int32), mask=have & (idx < ncand))
     tl.debug_barrier()
     nu = 0
     ppb_u: tl.constexpr = PS // BS
-    for c0 in range(0, ncand, TU):
+    for c0 in range(0, ncand, TU):  # the marked candidates compacted in increasing order, no token's prior yet
         c = c0 + offs_c
-        cm = c < ncand
-        bt = tl.load(ubias_tile + c[:, None] * QT + offs_u[None, :], mask=cm[:, None], other=float("-inf"))
-        kept = tl.max(bt, axis=1) > float("-inf")  # [TU, QT] tiles: the union table's rows, as uprior's
+        kept = tl.load(upos_tile + c, mask=c < ncand, other=0) != 0
         kept_i = kept.to(tl.int32)
         j = nu + tl.cumsum(kept_i, axis=0) - kept_i
         page = tl.load(bt_row + c // ppb_u, mask=kept, other=0)
-        tl.store(uprior_row + j[:, None] * QT + offs_u[None, :], bt, mask=kept[:, None])
         tl.store(ublk_row + j, page * ppb_u + c % ppb_u, mask=kept)
+        # position plus one: still nonzero for a thread holding a copy of c that loads it after this store
+        tl.store(upos_tile + c, j + 1, mask=kept)
+        tl.store(uprior_row + j[:, None] * QT + offs_u[None, :], tl.full([TU, QT], float("-inf"), tl.float32),
+                 mask=kept[:, None])
         nu += tl.sum(kept_i, axis=0)
+    tl.debug_barrier()  # the positions and the -inf rows are read and overwritten below by other threads
+    for j0 in range(0, nsel, TJ):  # each token's log2 prior at the union positions of its kept candidates
+        jj = j0 + offs_j
+        live = (jj[None, :] < cnt_u[:, None])
+        idx = tl.load(sel_idx_ptr + sel_u[:, None] + jj[None, :], mask=live, other=0)
+        live = live & (idx < ncand)
+        b = tl.load(sel_bias_ptr + sel_u[:, None] + jj[None, :], mask=live, other=0.0)
+        pos = tl.load(upos_tile + idx, mask=live, other=1) - 1
+        tl.store(uprior_row + pos * QT + offs_u[:, None], b * _LOG2E, mask=live)
     tl.debug_barrier()  # the union lists are read back by other threads
     return nu
 
@@ -573,7 +584,7 @@ def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
-    uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, ubias_ptr, sbi_w, sbi_h, o_ptr, so_t, so_h, qk_scale, G,
+    uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, upos_ptr, spos_w, spos_h, o_ptr, so_t, so_h, qk_scale, G,
     k_desc, v_desc, info_ptr, sinfo, nu_ptr, counter_ptr,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
@@ -583,13 +594,11 @@ def _prefill_attn_kernel(
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
 
-    1. Union, in three parallel passes over the tile's region of the scratch: every candidate's row
-       ``ubias [w, h, c, u]`` set to ``-inf``; each token u's kept blocks (``sel_* [slot, Hsel, cap]``,
-       ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``) scattered there as log2 priors;
-       the candidates some token kept compacted, in increasing order, into ``ublk [w, h, j]`` (physical
-       block) with every token's log2 prior for it in ``uprior [w, h, j, u]`` (``-inf``: not kept by
-       token u), so that the attention loop reads them at addresses of ``j`` only. ``[TU, QT]`` and
-       ``[QT, TJ]`` tiles.
+    1. Union (``_tile_union``): the candidates some token of the tile kept (``sel_* [slot, Hsel, cap]``,
+       ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``), marked in ``upos [w, h, c]`` and compacted, in
+       increasing order, into ``ublk [w, h, j]`` (physical block) with every token's log2 prior for it in
+       ``uprior [w, h, j, u]`` (``-inf``: not kept by token u), so that the attention loop reads them at
+       addresses of ``j`` only. ``[TU]``, ``[TU, QT]`` and ``[QT, TJ]`` tiles.
     2. Local window blocks (log prior 0, causal per row) in ``[BLOCK_T, D]`` K/V tiles, then the union
        blocks in ``[BLOCK_U, D]`` tiles (``BLOCK_U // BS`` consecutive union blocks per tile, or
        ``BS // BLOCK_U`` tiles per block) read from the pages once for the tile (addresses depend on the
@@ -637,7 +646,7 @@ def _prefill_attn_kernel(
         uprior_row = uprior_ptr + w.to(tl.int64) * spr_w + h * spr_h  # [max_cand, QT] contiguous
         ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
         nu = _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr, ssel_n,
-                         ssel_h, ubias_ptr + w.to(tl.int64) * sbi_w + h * sbi_h, uprior_row, ublk_row, QT, TU, TJ, PS,
+                         ssel_h, upos_ptr + w.to(tl.int64) * spos_w + h * spos_h, uprior_row, ublk_row, QT, TU, TJ, PS,
                          BS)
         if UNION_ONLY:
             tl.store(nu_ptr + w * tl.num_programs(1) + h, nu)
@@ -770,7 +779,7 @@ class PrefillScratch:
     row starts 64-byte aligned and the route kernel reads whole groups of 4; routing from the summary copy first
     stages each unit's scaled queries in its mp row where they fit, ``stages_queries``); sel_idx / sel_blk
     ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
-    union_blk ``[W, Hkv, max_cand]`` int32, union_bias ``[W, Hkv, max_cand, QT]`` fp32 (by candidate) and
+    union_blk ``[W, Hkv, max_cand]`` int32, union_pos ``[W, Hkv, max_cand]`` int32 (by candidate) and
     union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position); for the Gluon attention launch
     (``prefill_ws``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, 9]`` int32 (the tiles' bounds, and in the
     last column of row 0 that launch's work counter, ``ws_counter``).
@@ -780,7 +789,7 @@ class PrefillScratch:
 
     The two union tables are written and read by the attention launch only, after the wave's route launch
     is done with the scores: they are views of the scores' storage (both when ``Hq >= 2 Hkv``, else
-    ``union_bias`` only), which keeps them out of the byte budget. Where routing stores no score
+    ``union_pos`` only), which keeps them out of the byte budget. Where routing stores no score
     (``recompute``), that storage is only as large as the two tables need: ``[slots, min(Hq, 2 Hkv), row]``, which
     also holds the route launch's Hkv rows of group sums a slot (``min(Hq, 2 Hkv) >= Hkv``).
     """
@@ -796,7 +805,7 @@ class PrefillScratch:
     sel_bias: torch.Tensor
     sel_count: torch.Tensor
     union_blk: torch.Tensor
-    union_bias: torch.Tensor
+    union_pos: torch.Tensor
     union_prior: torch.Tensor
     union_count: torch.Tensor
     tile_info: torch.Tensor
@@ -822,7 +831,7 @@ class PrefillScratch:
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         rows = PrefillScratch._score_rows(hq, hkv, recompute)
         per_slot = 4 * ((rows + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
-        own_prior = rows < 2 * hkv  # union_prior does not fit beside union_bias in the scores
+        own_prior = rows < 2 * hkv  # union_prior does not fit beside union_pos in the scores
         return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt) + 4 * (hkv + prefill_ws.INFO_COLS)
 
     def add_summary_copy(self, n: int, hkv: int, d: int, dtype: torch.dtype) -> None:
@@ -857,7 +866,7 @@ class PrefillScratch:
             sel_bias=torch.empty(slots, hsel, cap, dtype=f32, device=device),
             sel_count=torch.empty(slots, hsel, dtype=i32, device=device),
             union_blk=torch.empty(tiles, hkv, max_cand, dtype=i32, device=device),
-            union_bias=flat[:table].view(tiles, hkv, max_cand, qt),
+            union_pos=flat[:tiles * hkv * max_cand].view(torch.int32).view(tiles, hkv, max_cand),
             union_prior=prior.view(tiles, hkv, max_cand, qt),
             union_count=torch.empty(tiles, hkv, dtype=i32, device=device),
             tile_info=torch.empty(tiles, prefill_ws.INFO_COLS, dtype=i32, device=device),
@@ -1110,12 +1119,12 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
     kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs and not ws else None
     sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()
-    spr, sub, sbi, so = s.union_prior.stride(), s.union_blk.stride(), s.union_bias.stride(), out.stride()
+    spr, sub, spos, so = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride(), out.stride()
     _prefill_attn_kernel[(tiles, hkv)](
         q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
         t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1], s.sel_count, scnt[0], 0 if shared else scnt[1],
-        s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_bias, sbi[0], sbi[1],
+        s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_pos, spos[0], spos[1],
         out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g,
         *(kv_desc[:2] if kv_desc is not None else (kp, vp)), s.tile_info, s.tile_info.stride(0), s.union_count,
         s.ws_counter,

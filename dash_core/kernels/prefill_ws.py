@@ -75,14 +75,22 @@ if HAVE_GLUON:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
-    def softmax_step(qk, m_i, l_i):
-        """One block of the online softmax (log2 domain): ``(p, alpha, m, l)``, ``alpha`` rescaling the old sums;
-        a row still at ``-inf`` everywhere keeps zero weights."""
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+    def softmax_scaled(s, scale, bias, m_i, l_i):
+        """One block of the online softmax (log2 domain) over the exponents ``s scale + bias`` (``scale > 0``; bias: a
+        scalar, or each row's log prior for the block, ``-inf`` where the row did not select it): ``(p, alpha, m,
+        l)``, ``alpha`` rescaling the old sums; a row still at ``-inf`` everywhere keeps zero weights. The row maxima
+        come from the raw products, so that an entry costs one FMA and one exponent (``prefill._prefill_attn_kernel``
+        does the same)."""
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale + bias)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(qk - m_use[:, None])
+        p = gl.exp2(s * scale + (bias - m_use)[:, None])
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def softmax_step(qk, m_i, l_i):
+        """``softmax_scaled`` of exponents already scaled and biased."""
+        return softmax_scaled(qk, 1.0, 0.0, m_i, l_i)
 
     @gluon.jit
     def issue_block(desc, buf, bar, ublk, j, nu, h, BS: gl.constexpr, D: gl.constexpr):
@@ -134,7 +142,7 @@ if HAVE_GLUON:
             s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
             gl.thread_barrier()
             _issue_at(k_desc, k_all, kbar, ublk, KST, n0, nu, h, c, KST, BS, D)
-            p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + prior[:, None], m_i, l_i)
+            p, alpha, m_i, l_i = softmax_scaled(s_cur, qk_scale, prior, m_i, l_i)
             for j in range(1, nu):
                 ks = c * KST + (n0 + j) % KST
                 vs = c * VST + (n0 + j - 1) % VST
@@ -149,7 +157,7 @@ if HAVE_GLUON:
                 s_cur = warpgroup_mma_wait(1, deps=[s_cur])
                 gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
                 _issue_at(k_desc, k_all, kbar, ublk, j + KST, n0, nu, h, c, KST, BS, D)
-                p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + prior[:, None], m_i, l_i)
+                p, alpha, m_i, l_i = softmax_scaled(s_cur, qk_scale, prior, m_i, l_i)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 gl.thread_barrier()  # and every warp's PV with the V slot
                 _issue_at(v_desc, v_all, vbar, ublk, j - 1 + VST, n0, nu, h, c, VST, BS, D)
@@ -188,8 +196,8 @@ if HAVE_GLUON:
             fence_async_shared()
             gl.thread_barrier()
             s_cur = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False)
-            qk = gl.where((lb * BS + t_s)[None, :] <= pos_s[:, None], s_cur * qk_scale, float("-inf"))
-            p, alpha, m_i, l_i = softmax_step(qk, m_i, l_i)
+            causal = gl.where((lb * BS + t_s)[None, :] <= pos_s[:, None], s_cur, float("-inf"))
+            p, alpha, m_i, l_i = softmax_scaled(causal, qk_scale, 0.0, m_i, l_i)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc = warpgroup_mma(gl.convert_layout(p.to(q_s.dtype), p_layout), v_s, acc)
         return m_i, l_i, acc

@@ -709,9 +709,9 @@ def test_scratch_bytes_are_the_allocation(hq, hkv, router, recompute):
     storage = s.scores.untyped_storage()
     start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     spans = {name: (t.data_ptr(), t.data_ptr() + 4 * t.numel())
-             for name, t in (("bias", s.union_bias), ("prior", s.union_prior))}
-    assert spans["bias"][0] == start and spans["bias"][1] <= end
-    assert spans["bias"][1] <= spans["prior"][0] or spans["prior"][1] <= spans["bias"][0]
+             for name, t in (("pos", s.union_pos), ("prior", s.union_prior))}
+    assert spans["pos"][0] == start and spans["pos"][1] <= end
+    assert spans["pos"][1] <= spans["prior"][0] or spans["prior"][1] <= spans["pos"][0]
     inside = s.union_prior.untyped_storage().data_ptr() == start
     assert inside == (hq >= 2 * hkv) and (spans["prior"][1] <= end or not inside)
     if recompute:  # no more than the two tables' rows (padded to 16 entries)
