@@ -2,7 +2,8 @@
 
 The prefill benchmark's prompt (``benchmarks/prefill.py``: same generator, calibrated ``scaling_factor``), K/V
 already written; one warm-up call, then ``--iters`` profiled calls. Prints each kernel's total time per call, its
-launches per call, their sum, the time of a call by CUDA events, and how long the host takes to issue it.
+launches per call, their sum, the time of a call by CUDA events, how long the host takes to issue it, and how long the
+GPU waits for the host (before the first kernel, and between kernels).
 
     python benchmarks/prefill_kernels.py --context 131072 --hkv 8 --topk 64 --tune ATTN_WS=0
 """
@@ -58,6 +59,40 @@ def kernel_times(fn, iters: int) -> dict:
     return {k: (total[k] / iters, count[k] / iters) for k in total}
 
 
+def idle_ms(call_start: float, kernels: list) -> tuple:
+    """``(ms from the call's start to its first kernel, ms between its kernels)``: what a call's GPU waits, from
+    the call's start on the host and its kernels' ``(start, end)`` on the GPU (microseconds, one clock; kernels that
+    overlap leave no gap)."""
+    if not kernels:
+        return 0.0, 0.0
+    kernels = sorted(kernels)
+    gaps, end = 0.0, kernels[0][1]
+    for a, b in kernels[1:]:
+        gaps += max(0.0, a - end)
+        end = max(end, b)
+    return (kernels[0][0] - call_start) / 1e3, gaps / 1e3
+
+
+def idle_times(fn, iters: int) -> tuple:
+    """Medians over ``iters`` calls of ``idle_ms`` (each call profiled alone, the GPU idle before and after it)."""
+    first, between = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.profiler.record_function("dash call"):
+                fn()
+            torch.cuda.synchronize()
+        evs = prof.events()
+        call = next(e for e in evs if e.name == "dash call" and e.device_type == torch.autograd.DeviceType.CPU)
+        kernels = [(e.time_range.start, e.time_range.end) for e in evs
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "dash call"]
+        a, b = idle_ms(call.time_range.start, kernels)
+        first.append(a)
+        between.append(b)
+    return sorted(first)[iters // 2], sorted(between)[iters // 2]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=131072)
@@ -77,12 +112,15 @@ def main(argv=None) -> int:
             fn = dash_fn(pr, params, False, None, out)
             times = kernel_times(fn, a.iters)
             call_ms, host_ms = call_times(fn, a.iters)
+            first_ms, gaps_ms = idle_times(fn, a.iters)
         shown = ",".join(f"{k}={v}" for k, v in tune.items()) or "(defaults)"
         print(f"== {n} tokens, Hq {a.hq}, Hkv {a.hkv}, topk {a.topk}, sf {sf:.4g} {shown}")
         for name, (ms, launches) in sorted(times.items(), key=lambda x: -x[1][0]):
             print(f"  {ms:9.2f} ms  {launches:6.0f} launches  {name[:90]}")
         print(f"  {sum(ms for ms, _ in times.values()):9.2f} ms  in all kernels; a call takes {call_ms:.2f} ms "
               f"(CUDA events), of which the host issues it in {host_ms:.2f} ms")
+        print(f"  the GPU waits {first_ms:.2f} ms from the call's start to its first kernel and {gaps_ms:.2f} ms "
+              "between its kernels")
     return 0
 
 
