@@ -393,9 +393,11 @@ def launchers(work: dict, stages: int, per: int, warps: int = 4, tstages: int = 
     calls = {**triton_calls, "gluon": glu(False), "gluon-overlap": glu(True), NO_RELOAD: glu(False, False),
              "gluon-mma2": mma2}
 
+    ws_args = (work["ublk"] * BS, *args[1:])  # prefill_ws's loop takes each block's first row, not its id
+
     def ws(nc, kst, vst, overlap, regs):
         return lambda: union_ws[(grid[0] // nc, hkv)](
-            qdesc, gdesc["k"], gdesc["v"], *args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, NC=nc, KST=kst, VST=vst,
+            qdesc, gdesc["k"], gdesc["v"], *ws_args, ROWS=ROWS, D=D, BS=BS, QT=QT, G=G, NC=nc, KST=kst, VST=vst,
             CONSUMER_REGS=regs, OVERLAP=overlap, num_warps=4, maxnreg=regs)
 
     def shared(slots):

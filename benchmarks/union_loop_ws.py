@@ -82,13 +82,13 @@ def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: g
     q_s, prow, m_i, l_i, acc, s_zero = _tile_start(c, unit, q_desc, q_all, qbar, prior_ptr, NU, ROWS, D, BS, QT, G)
     if OVERLAP:  # the prefill's loop
         mbarrier.wait(qbar.index(c), 0)
-        m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h, qk_scale, 0, c,
-                                    ROWS, QT, D, BS, KST, VST)
+        m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h * D, qk_scale,
+                                    0, c, ROWS, QT, D, BS, KST, VST)
     else:  # one block after the other, each MMA waited for
         for s in gl.static_range(KST):
-            issue_block(k_desc, k_all.index(c * KST + s), kbar.index(c * KST + s), ublk, s, nu, h, BS, D)
+            issue_block(k_desc, k_all.index(c * KST + s), kbar.index(c * KST + s), ublk, s, nu, h * D)
         for s in gl.static_range(VST):
-            issue_block(v_desc, v_all.index(c * VST + s), vbar.index(c * VST + s), ublk, s, nu, h, BS, D)
+            issue_block(v_desc, v_all.index(c * VST + s), vbar.index(c * VST + s), ublk, s, nu, h * D)
         mbarrier.wait(qbar.index(c), 0)
         for j in range(0, nu):
             ks = c * KST + j % KST
@@ -96,13 +96,13 @@ def _ws_consumer(c: gl.constexpr, rt, NC: gl.constexpr, ROWS: gl.constexpr, D: g
             mbarrier.wait(kbar.index(ks), (j // KST) & 1)
             s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
             gl.thread_barrier()
-            issue_block(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h, BS, D)
+            issue_block(k_desc, k_all.index(ks), kbar.index(ks), ublk, j + KST, nu, h * D)
             p, alpha, m_i, l_i = softmax_step(s_cur * qk_scale + gl.load(prow + j * QT)[:, None], m_i, l_i)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             mbarrier.wait(vbar.index(vs), (j // VST) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_layout), v_all.index(vs), acc)
             gl.thread_barrier()
-            issue_block(v_desc, v_all.index(vs), vbar.index(vs), ublk, j + VST, nu, h, BS, D)
+            issue_block(v_desc, v_all.index(vs), vbar.index(vs), ublk, j + VST, nu, h * D)
     store_rows(o_ptr, acc, l_i, unit, ROWS, D, o_layout)
 
 

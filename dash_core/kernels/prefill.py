@@ -107,7 +107,9 @@ ATTN_WS = 1  # the Gluon attention launch (prefill_ws) where it runs; 0: the Tri
 # Issue a call's waves from its last: a prompt's first waves (short contexts) run in less time than the host takes to
 # issue a wave, so issued first they leave the GPU waiting; issued last, they run from the queue the long waves built
 WAVES_LAST_FIRST = 1
-UNION_TILE = 4096  # elements of the attention kernel's [TU, QT] union-building tiles (2048: 1 ms slower at 128k)
+# elements of the attention kernel's [TU, QT] union-building tiles (2048 took 1 ms more at 128k, measured on the
+# table of priors by candidate that the int32 table replaced)
+UNION_TILE = 4096
 UNION_LIST_TILE = 2048  # elements of its [QT, TJ] tiles of the tokens' lists (4096 spills uncapped at D 128)
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
@@ -530,10 +532,10 @@ def _prefill_route_kernel(
 
 @triton.jit
 def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr, ssel_n,
-                ssel_h, upos_tile, uprior_row, ublk_row, QT: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
-                PS: tl.constexpr, BS: tl.constexpr):
+                ssel_h, upos_tile, uprior_row, ublk_row, ublk_page, ublk_step, ublk_head, QT: tl.constexpr,
+                TU: tl.constexpr, TJ: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr):
     """Step 1 of ``_prefill_attn_kernel`` for one tile and KV head h: its union's size, its blocks in ``ublk_row``
-    and their priors in ``uprior_row``, in four passes through ``upos_tile`` (``[ncand]`` int32 by candidate: 0,
+    (block b of page p as ``p ublk_page + b ublk_step + h ublk_head``) and their priors in ``uprior_row``, in four passes through ``upos_tile`` (``[ncand]`` int32 by candidate: 0,
     then nonzero where a token kept it, then its union position plus one). Four bytes a candidate, not a row of
     ``QT`` priors: a 128k prompt's tiles have about a thousand candidates and a union of a few hundred."""
     offs_u = tl.arange(0, QT)
@@ -560,7 +562,7 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
         kept_i = kept.to(tl.int32)
         j = nu + tl.cumsum(kept_i, axis=0) - kept_i
         page = tl.load(bt_row + c // ppb_u, mask=kept, other=0)
-        tl.store(ublk_row + j, page * ppb_u + c % ppb_u, mask=kept)
+        tl.store(ublk_row + j, page * ublk_page + (c % ppb_u) * ublk_step + h * ublk_head, mask=kept)
         # position plus one: still nonzero for a thread holding a copy of c that loads it after this store
         tl.store(upos_tile + c, j + 1, mask=kept)
         tl.store(uprior_row + j[:, None] * QT + offs_u[None, :], tl.full([TU, QT], float("-inf"), tl.float32),
@@ -585,7 +587,7 @@ def _prefill_attn_kernel(
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, upos_ptr, spos_w, spos_h, o_ptr, so_t, so_h, qk_scale, G,
-    k_desc, v_desc, info_ptr, sinfo, nu_ptr, counter_ptr,
+    k_desc, v_desc, info_ptr, sinfo, nu_ptr, counter_ptr, ublk_page, ublk_step, ublk_head,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
     UCH: tl.constexpr, ONE_BLOCK: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
@@ -596,7 +598,8 @@ def _prefill_attn_kernel(
 
     1. Union (``_tile_union``): the candidates some token of the tile kept (``sel_* [slot, Hsel, cap]``,
        ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``), marked in ``upos [w, h, c]`` and compacted, in
-       increasing order, into ``ublk [w, h, j]`` (physical block) with every token's log2 prior for it in
+       increasing order, into ``ublk [w, h, j]`` (physical block, or for ``prefill_ws`` its first row:
+       ``ublk_page``, ``ublk_step``, ``ublk_head``) with every token's log2 prior for it in
        ``uprior [w, h, j, u]`` (``-inf``: not kept by token u), so that the attention loop reads them at
        addresses of ``j`` only. ``[TU]``, ``[TU, QT]`` and ``[QT, TJ]`` tiles.
     2. Local window blocks (log prior 0, causal per row) in ``[BLOCK_T, D]`` K/V tiles, then the union
@@ -646,8 +649,8 @@ def _prefill_attn_kernel(
         uprior_row = uprior_ptr + w.to(tl.int64) * spr_w + h * spr_h  # [max_cand, QT] contiguous
         ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
         nu = _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr, ssel_n,
-                         ssel_h, upos_ptr + w.to(tl.int64) * spos_w + h * spos_h, uprior_row, ublk_row, QT, TU, TJ, PS,
-                         BS)
+                         ssel_h, upos_ptr + w.to(tl.int64) * spos_w + h * spos_h, uprior_row, ublk_row, ublk_page,
+                         ublk_step, ublk_head, QT, TU, TJ, PS, BS)
         if UNION_ONLY:
             tl.store(nu_ptr + w * tl.num_programs(1) + h, nu)
             return
@@ -790,8 +793,10 @@ class PrefillScratch:
     The two union tables are written and read by the attention launch only, after the wave's route launch
     is done with the scores: they are views of the scores' storage (both when ``Hq >= 2 Hkv``, else
     ``union_pos`` only), which keeps them out of the byte budget. Where routing stores no score
-    (``recompute``), that storage is only as large as the two tables need: ``[slots, min(Hq, 2 Hkv), row]``, which
-    also holds the route launch's Hkv rows of group sums a slot (``min(Hq, 2 Hkv) >= Hkv``).
+    (``recompute``), that storage is ``[slots, min(Hq, 2 Hkv), row]``: the priors' table after a region of its size
+    (which holds the positions' table, one int32 a candidate, and before the union launch the route launch's Hkv rows
+    of group sums a slot, ``min(Hq, 2 Hkv) >= Hkv``). Since the positions' table shrank to that size, about
+    ``Hkv + 1`` rows a slot would do; the layout is unchanged.
     """
 
     qt: int
@@ -831,7 +836,7 @@ class PrefillScratch:
         cap = min(params.topk, max_cand) if params.topk is not None else max_cand
         rows = PrefillScratch._score_rows(hq, hkv, recompute)
         per_slot = 4 * ((rows + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
-        own_prior = rows < 2 * hkv  # union_prior does not fit beside union_pos in the scores
+        own_prior = rows < 2 * hkv  # union_prior lies a table's size into the scores, or in storage of its own
         return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt) + 4 * (hkv + prefill_ws.INFO_COLS)
 
     def add_summary_copy(self, n: int, hkv: int, d: int, dtype: torch.dtype) -> None:
@@ -1127,7 +1132,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_pos, spos[0], spos[1],
         out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g,
         *(kv_desc[:2] if kv_desc is not None else (kp, vp)), s.tile_info, s.tile_info.stride(0), s.union_count,
-        s.ws_counter,
+        s.ws_counter, *(prefill_ws.union_rows(cache, bs) if ws else (cache.page_size // bs, 1, 0)),
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
@@ -1143,6 +1148,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
             q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
             s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
             spr[1], out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g, tiles, t, hkv, s.ws_counter,
+            prefill_ws.kv_rows(cache)[2],
             QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=nc, KST=prefill_ws.WS_K_SLOTS,
             VST=prefill_ws.WS_V_SLOTS, REGS=prefill_ws.WS_REGS, num_warps=4,
             maxnreg=prefill_ws.WS_REGS)

@@ -15,12 +15,14 @@ row's log prior for a block added to its raw products times the scale); the loca
 blocks, so the sums round in another order.
 
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
-bf16 or fp16, pages laid out ``[pages, page_size, Hkv, D]`` without padding (SGLang's), block tables of at least
-``WS_MIN_CAND`` candidates (``prefill.attend_wave``); else the Triton kernel.
+bf16 or fp16, pages whose rows one 2-D TMA descriptor describes (``kv_rows``: SGLang's layout and vLLM's), block tables
+of at least ``WS_MIN_CAND`` candidates (``prefill.attend_wave``); else the Triton kernel.
 The interpreter cannot run Gluon: the GPU tests check this kernel against the Triton one and the oracle.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton.language as tl
@@ -58,13 +60,43 @@ def sm90(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
+def kv_rows(cache) -> Optional[tuple]:
+    """The K and V pages ``[pages, page_size, Hkv, D]`` seen as rows of one stride (``[rows, columns]``, what a 2-D
+    TMA descriptor describes), or None where they are not: ``(rows a page, rows a KV head, columns a KV head)``.
+    SGLang's layout (the heads of a token side by side in a row): ``(page_size, 0, D)``; vLLM's (``[pages, Hkv slots,
+    page_size, 2D]``, head-major, K and V in one row): ``(Hkv slots page_size, page_size, 0)``. K and V must share
+    their strides, rows must be 16-byte aligned, and the rows must number under 2^31."""
+    kp, vp = cache.k_pages, cache.v_pages
+    pages, ps, hkv, d = kp.shape
+    sp, sr, sh, sd = kp.stride()
+    if vp.stride() != kp.stride() or sd != 1 or sp % sr or sr < d:
+        return None
+    if hkv == 1:
+        geo = (sp // sr, 0, 0)
+    elif d <= sh < sr and (hkv - 1) * sh + d <= sr:  # the heads of a token in one row
+        geo = (sp // sr, 0, sh)
+    elif sh % sr == 0 and sh >= ps * sr:  # head-major: each head's rows apart
+        geo = (sp // sr, sh // sr, 0)
+    else:
+        return None
+    es = kp.element_size()
+    aligned = all(x.data_ptr() % 16 == 0 for x in (kp, vp)) and (sr * es) % 16 == 0
+    return geo if aligned and pages * geo[0] < 2 ** 31 else None
+
+
+def union_rows(cache, bs: int) -> tuple:
+    """``(page, step, head)`` multipliers of the union launch's ``union_blk`` entries for this kernel: block ``b`` in
+    page ``p`` of KV head h is stored as ``p page + b step + h head``, its first row in ``kv_block_descriptors``."""
+    rpp, rph, _ = kv_rows(cache)
+    return rpp, bs, rph
+
+
 def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int) -> bool:
     """Whether ``prefill_attn_ws`` can run this call's attention (see the module's docstring)."""
     kp, vp = cache.k_pages, cache.v_pages
-    dense = all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (kp, vp))
     return (HAVE_GLUON and sm90(q.device) and kp.shape[3] == 128 and params.block_size == 64 and kp.shape[1] % 64 == 0
             and g_pad * qt == ROWS and q.dtype in (torch.bfloat16, torch.float16) and kp.dtype == q.dtype
-            and vp.dtype == q.dtype and dense)
+            and vp.dtype == q.dtype and kv_rows(cache) is not None)
 
 
 if HAVE_GLUON:
@@ -93,20 +125,19 @@ if HAVE_GLUON:
         return softmax_scaled(qk, 1.0, 0.0, m_i, l_i)
 
     @gluon.jit
-    def issue_block(desc, buf, bar, ublk, j, nu, h, BS: gl.constexpr, D: gl.constexpr):
-        """TMA of union block ``j``'s K (or V) rows (block ``ublk[j]`` of ``[blocks BS, Hkv D]``, columns of KV
-        head h) into one ring slot; nothing when ``j >= nu``."""
+    def issue_block(desc, buf, bar, ublk, j, nu, col):
+        """TMA of union block ``j``'s K (or V) rows into one ring slot; nothing when ``j >= nu``: the box at row
+        ``ublk[j]`` (the block's first row, ``kv_rows``), column ``col`` (the KV head's first)."""
         pred = j < nu
-        blk = gl.load(ublk + j, mask=pred, other=0)
+        row = gl.load(ublk + j, mask=pred, other=0)
         mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(desc, [blk * BS, h * D], bar, buf, pred=pred)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, buf, pred=pred)
 
     @gluon.jit
-    def _issue_at(desc, ring, bars, ublk, j, n0, nu, h, c: gl.constexpr, ST: gl.constexpr, BS: gl.constexpr,
-                  D: gl.constexpr):
+    def _issue_at(desc, ring, bars, ublk, j, n0, nu, col, c: gl.constexpr, ST: gl.constexpr):
         """``issue_block`` of the tile's block j into warpgroup c's ring of ``ST`` slots, after ``n0`` blocks."""
         slot = c * ST + (n0 + j) % ST
-        issue_block(desc, ring.index(slot), bars.index(slot), ublk, j, nu, h, BS, D)
+        issue_block(desc, ring.index(slot), bars.index(slot), ublk, j, nu, col)
 
     @gluon.jit
     def _load_rows(ptr, row_off, row_ok, D: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
@@ -115,7 +146,7 @@ if HAVE_GLUON:
         return gl.load(ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
 
     @gluon.jit
-    def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h, qk_scale, n0,
+    def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, col, qk_scale, n0,
                     c: gl.constexpr, R: gl.constexpr, QT: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                     KST: gl.constexpr, VST: gl.constexpr):
         """The online softmax state ``(m, l, acc)`` of a tile's rows over its union blocks ``0 .. nu - 1`` (the first
@@ -132,16 +163,16 @@ if HAVE_GLUON:
         acc = gl.zeros([R, D], gl.float32, o_layout)
         dt: gl.constexpr = q_s.dtype
         for s in gl.static_range(KST):
-            _issue_at(k_desc, k_all, kbar, ublk, s, n0, nu, h, c, KST, BS, D)
+            _issue_at(k_desc, k_all, kbar, ublk, s, n0, nu, col, c, KST)
         for s in gl.static_range(VST):
-            _issue_at(v_desc, v_all, vbar, ublk, s, n0, nu, h, c, VST, BS, D)
+            _issue_at(v_desc, v_all, vbar, ublk, s, n0, nu, col, c, VST)
         if nu > 0:  # block 0's QK (acc is still zero: no rescale)
             ks = c * KST + n0 % KST
             prior = gl.load(prow)
             mbarrier.wait(kbar.index(ks), (n0 // KST) & 1)
             s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
             gl.thread_barrier()
-            _issue_at(k_desc, k_all, kbar, ublk, KST, n0, nu, h, c, KST, BS, D)
+            _issue_at(k_desc, k_all, kbar, ublk, KST, n0, nu, col, c, KST)
             p, alpha, m_i, l_i = softmax_scaled(s_cur, qk_scale, prior, m_i, l_i)
             for j in range(1, nu):
                 ks = c * KST + (n0 + j) % KST
@@ -156,11 +187,11 @@ if HAVE_GLUON:
                 acc = warpgroup_mma(p_op, v_all.index(vs), acc, is_async=True)
                 s_cur = warpgroup_mma_wait(1, deps=[s_cur])
                 gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
-                _issue_at(k_desc, k_all, kbar, ublk, j + KST, n0, nu, h, c, KST, BS, D)
+                _issue_at(k_desc, k_all, kbar, ublk, j + KST, n0, nu, col, c, KST)
                 p, alpha, m_i, l_i = softmax_scaled(s_cur, qk_scale, prior, m_i, l_i)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 gl.thread_barrier()  # and every warp's PV with the V slot
-                _issue_at(v_desc, v_all, vbar, ublk, j - 1 + VST, n0, nu, h, c, VST, BS, D)
+                _issue_at(v_desc, v_all, vbar, ublk, j - 1 + VST, n0, nu, col, c, VST)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             vs = c * VST + (n0 + nu - 1) % VST  # the last block's PV
             mbarrier.wait(vbar.index(vs), ((n0 + nu - 1) // VST) & 1)
@@ -220,7 +251,7 @@ if HAVE_GLUON:
         Returns the blocks this tile put through them."""
         (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
          q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
-         spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV) = rt
+         spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph) = rt
         R: gl.constexpr = QT * G_PAD
         info = info_ptr + w * sinfo
         p_lo = gl.load(info + INFO_P_LO)
@@ -249,8 +280,8 @@ if HAVE_GLUON:
             r_s = gl.arange(0, R, layout=gl.SliceLayout(1, s_layout))
             prow = uprior_ptr + w.to(gl.int64) * spr_w + h * spr_h + r_s // G_PAD
             ublk = ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h
-            m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, h,
-                                        qk_scale, n0, c, R, QT, D, BS, KST, VST)
+            m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu,
+                                        h * cols_ph, qk_scale, n0, c, R, QT, D, BS, KST, VST)
             # every TMA this warpgroup issued has been waited for: its first slots take the local window
             bt_row = bt_ptr + req.to(gl.int64) * sbt_n
             m_i, l_i, acc = _local_window(q_s, k_all.index(c * KST), v_all.index(c * VST), k_ptr, v_ptr, sk_p, sk_r,
@@ -282,13 +313,14 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["tiles", "num_tokens", "G"])  # no compile per prompt length
     def prefill_attn_ws(q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
                         k_desc, v_desc, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
-                        o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr,
+                        o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr, cols_ph,
                         QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                         PPB: gl.constexpr, NC: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
                         REGS: gl.constexpr):
         """Persistent grid (one program a multiprocessor): ``NC`` (3) warpgroups, each taking (tile, KV head) items
         of the wave from ``counter_ptr`` (zeroed by the union launch) and running the tile over its union
-        (``union_blk``, ``union_prior`` and ``union_count`` of the Triton union launch) and its local window;
+        (``union_blk``: each block's first row, ``union_prior`` and ``union_count`` of the Triton union launch) and
+        its local window;
         writes ``out`` as the Triton kernel does."""
         R: gl.constexpr = QT * G_PAD
         dt: gl.constexpr = q_ptr.dtype.element_ty
@@ -305,7 +337,7 @@ if HAVE_GLUON:
         gl.static_assert(NC == 3, "three warpgroups")
         rt = (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
               q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
-              spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV)
+              spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph)
         gl.warp_specialize([
             (_worker, (0, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
             (_worker, (1, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
@@ -313,10 +345,21 @@ if HAVE_GLUON:
         ], [4, 4], [REGS, REGS])
 
 
+def kv_row_views(cache) -> tuple:
+    """The K and V pages as ``[rows, columns]`` views of one row stride (``kv_rows``): element ``[p, t, h, c]`` of
+    the pages at row ``p rows_a_page + h rows_a_head + t``, column ``h columns_a_head + c``."""
+    kp = cache.k_pages
+    pages, ps, hkv, d = kp.shape
+    rpp, rph, cph = kv_rows(cache)
+    rows = (pages - 1) * rpp + (hkv - 1) * rph + ps
+    cols = (hkv - 1) * cph + d
+    return tuple(x.as_strided((rows, cols), (x.stride(1), 1)) for x in (kp, cache.v_pages))
+
+
 def kv_block_descriptors(cache, bs: int) -> tuple:
-    """Gluon TMA descriptors of the K and V pages as ``[pages page_size, Hkv D]`` with ``[bs, D]`` boxes: block
-    ``b`` of KV head h at ``[b bs, h D]`` (``ws_supported`` layouts only)."""
-    d = cache.k_pages.shape[3]
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=cache.k_pages.element_size() * 8, rank=2)
-    return tuple(GluonDescriptor.from_tensor(x.view(-1, x.shape[2] * d), [bs, d], layout)
-                 for x in (cache.k_pages, cache.v_pages))
+    """Gluon TMA descriptors of ``kv_row_views`` with ``[bs, D]`` boxes: block ``b`` (``PPB`` a page) of KV head h
+    at row ``(b // PPB) rows_a_page + (b % PPB) bs + h rows_a_head`` (what the union launch writes to
+    ``union_blk`` for this kernel: ``union_rows``), column ``h columns_a_head`` (``ws_supported`` layouts only)."""
+    kp = cache.k_pages
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=kp.element_size() * 8, rank=2)
+    return tuple(GluonDescriptor.from_tensor(x, [bs, kp.shape[3]], layout) for x in kv_row_views(cache))

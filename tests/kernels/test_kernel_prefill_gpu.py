@@ -53,11 +53,12 @@ ORACLE_OUT = 4e-3  # dash_reference returns bf16: one more rounding of |o| <= ~2
 
 
 class Prompt:
-    """One or more requests on a shuffled paged cache (SGLang layout), data generated on the GPU with
-    CPU copies for the oracle. Request i has ``totals[i]`` tokens of which the last ``news[i]`` are new."""
+    """One or more requests on a shuffled paged cache (SGLang's layout, or vLLM's with one head slot more than the
+    KV heads, as with an auxiliary head), data generated on the GPU with CPU copies for the oracle. Request i has
+    ``totals[i]`` tokens of which the last ``news[i]`` are new."""
 
     def __init__(self, seed, totals, news, *, hq, hkv, d, bs, ps, dtype=torch.bfloat16, params, q_corr=0.0,
-                 spare_pages=3):
+                 spare_pages=3, layout="sglang"):
         g = torch.Generator(device=DEVICE).manual_seed(seed)
         self.params, self.totals, self.news = params, list(totals), list(news)
         self.dtype = dtype
@@ -70,10 +71,13 @@ class Prompt:
             self.block_table[i, :n] = perm[off: off + n]
             off += n
         slots = num_pages * ps
-        self.k_buf = torch.zeros(slots, hkv, d, dtype=dtype, device=DEVICE)
-        self.v_buf = torch.zeros_like(self.k_buf)
-        self.cache = PagedKVCache.from_sglang(self.k_buf, self.v_buf, ps,
-                                              alloc_summaries(slots, bs, hkv, d, dtype, DEVICE))
+        summ = alloc_summaries(slots, bs, hkv, d, dtype, DEVICE)
+        if layout == "vllm":
+            kv = torch.zeros(num_pages, hkv + 1, ps, 2 * d, dtype=dtype, device=DEVICE)
+            self.cache = PagedKVCache.from_vllm(kv, hkv, d, summ)
+        else:
+            k_buf = torch.zeros(slots, hkv, d, dtype=dtype, device=DEVICE)
+            self.cache = PagedKVCache.from_sglang(k_buf, torch.zeros_like(k_buf), ps, summ)
         self.head_cls = torch.randn(hkv, d, device=DEVICE, generator=g).to(dtype)
         self.k, self.v, self.q, self.slots = [], [], [], []
         for i, total in enumerate(totals):
@@ -199,11 +203,16 @@ def test_long_extend_on_long_history_varlen():
 # --- the Gluon attention launch (Hopper) against the Triton one ------------------------------------------
 
 _MIXED = (torch.bfloat16, 12, 4, 64, [9000, 1500, 257, 70], [2500, 1500, 100, 1], dict(topk=16, scaling_factor=3.0))
-WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, routing scratch bytes a wave)
-    (*_MIXED, None),
-    (*_MIXED, 3 << 20),  # many waves
-    (torch.float16, 16, 2, 128, [6000, 800], [6000, 333], dict(scaling_factor=2.0, router="shared", local=128), None),
-    (torch.bfloat16, 8, 8, 256, [20000], [4133], dict(topk=32, scaling_factor=2.0, estimate_diagonal=True), None),
+WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, routing scratch bytes a wave, layout)
+    (*_MIXED, None, "sglang"),
+    (*_MIXED, 3 << 20, "sglang"),  # many waves
+    (torch.float16, 16, 2, 128, [6000, 800], [6000, 333], dict(scaling_factor=2.0, router="shared", local=128), None,
+     "sglang"),
+    (torch.bfloat16, 8, 8, 256, [20000], [4133], dict(topk=32, scaling_factor=2.0, estimate_diagonal=True), None,
+     "sglang"),
+    # vLLM's head-major pages, two blocks a page, a head slot more than the KV heads
+    (torch.bfloat16, 12, 4, 128, [9000, 1500, 257], [2500, 1500, 100], dict(topk=16, scaling_factor=3.0), None,
+     "vllm"),
 ]
 
 
@@ -212,13 +221,15 @@ WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, rou
 def test_gluon_attention_matches_triton(case, monkeypatch):
     """On Hopper, the warp-specialized Gluon attention (``prefill_ws``: G 3 padded to 4, G 8 with router
     ``shared``, G 1; extends starting and ending mid-block, a one-token extend; one wave, or many, whose launches
-    share the work counter's memory) against the Triton kernel on the same routing, with NaN in every cache row no
-    token wrote (the local window must not read them), and against the oracle on sampled rows."""
+    share the work counter's memory; SGLang's pages and vLLM's) against the Triton kernel on the same routing, with
+    NaN in every cache row no token wrote (the local window must not read them), and against the oracle on sampled
+    rows."""
     from dash_core.kernels import prefill_ws
 
-    dtype, hq, hkv, ps, totals, news, pk, scratch = WS_CASES[case]
+    dtype, hq, hkv, ps, totals, news, pk, scratch, layout = WS_CASES[case]
     p = DashParams(block_size=64, **pk)
-    pr = Prompt(70 + case, totals, news, hq=hq, hkv=hkv, d=128, bs=64, ps=ps, dtype=dtype, params=p, q_corr=0.8)
+    pr = Prompt(70 + case, totals, news, hq=hq, hkv=hkv, d=128, bs=64, ps=ps, dtype=dtype, params=p, q_corr=0.8,
+                layout=layout)
     if not prefill_ws.ws_supported(pr.q_new, pr.cache, p, pf._pow2(hq // hkv), pf.tile_tokens(hq, hkv, 64)):
         pytest.skip("the Gluon attention runs on sm_90 only")
     monkeypatch.setattr(prefill_ws, "WS_MIN_CAND", 0)  # on these short tables too
@@ -227,11 +238,12 @@ def test_gluon_attention_matches_triton(case, monkeypatch):
     launches = []
     descriptors = prefill_ws.kv_block_descriptors
     monkeypatch.setattr(prefill_ws, "kv_block_descriptors", lambda *a: launches.append(1) or descriptors(*a))
-    written = torch.zeros(pr.k_buf.shape[0], dtype=torch.bool, device=DEVICE)
+    pages, ps = pr.cache.k_pages.shape[:2]
+    written = torch.zeros(pages * ps, dtype=torch.bool, device=DEVICE)
     for sl in pr.slots:
         written[sl] = True
-    pr.k_buf[~written] = float("nan")
-    pr.v_buf[~written] = float("nan")
+    pr.cache.k_pages[~written.view(pages, ps)] = float("nan")
+    pr.cache.v_pages[~written.view(pages, ps)] = float("nan")
     out_ws = pr.run()
     assert len(launches) > (4 if scratch else 0), "the Gluon attention did not run (or not in several waves)"
     monkeypatch.setattr(pf, "ATTN_WS", 0)
