@@ -3,7 +3,8 @@
 The prefill benchmark's prompt (``benchmarks/prefill.py``: same generator, calibrated ``scaling_factor``), K/V
 already written; one warm-up call, then ``--iters`` profiled calls. Prints each kernel's total time per call, its
 launches per call, their sum, the time of a call by CUDA events, how long the host takes to issue it, and how long the
-GPU waits for the host (before the first kernel, and between kernels).
+GPU waits for the host (before the first kernel, and between kernels, from a trace that records the host's side too,
+which slows it: upper bounds).
 
     python benchmarks/prefill_kernels.py --context 131072 --hkv 8 --topk 64 --tune ATTN_WS=0
 """
@@ -117,10 +118,12 @@ def main(argv=None) -> int:
         print(f"== {n} tokens, Hq {a.hq}, Hkv {a.hkv}, topk {a.topk}, sf {sf:.4g} {shown}")
         for name, (ms, launches) in sorted(times.items(), key=lambda x: -x[1][0]):
             print(f"  {ms:9.2f} ms  {launches:6.0f} launches  {name[:90]}")
-        print(f"  {sum(ms for ms, _ in times.values()):9.2f} ms  in all kernels; a call takes {call_ms:.2f} ms "
+        kernels_ms = sum(ms for ms, _ in times.values())
+        print(f"  {kernels_ms:9.2f} ms  in all kernels; a call takes {call_ms:.2f} ms "
               f"(CUDA events), of which the host issues it in {host_ms:.2f} ms")
         print(f"  the GPU waits {first_ms:.2f} ms from the call's start to its first kernel and {gaps_ms:.2f} ms "
-              "between its kernels")
+              f"between its kernels (upper bounds: recording the host's side slows it); by CUDA events the call "
+              f"takes {call_ms - kernels_ms:.2f} ms more than its kernels")
     return 0
 
 
