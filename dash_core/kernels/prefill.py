@@ -535,8 +535,9 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
                 ssel_h, upos_tile, uprior_row, ublk_row, ublk_page, ublk_step, ublk_head, QT: tl.constexpr,
                 TU: tl.constexpr, TJ: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr):
     """Step 1 of ``_prefill_attn_kernel`` for one tile and KV head h: its union's size, its blocks in ``ublk_row``
-    (block b of page p as ``p ublk_page + b ublk_step + h ublk_head``) and their priors in ``uprior_row``, in four passes through ``upos_tile`` (``[ncand]`` int32 by candidate: 0,
-    then nonzero where a token kept it, then its union position plus one). Four bytes a candidate, not a row of
+    (block b of page p as ``p ublk_page + b ublk_step + h ublk_head``) and their priors in ``uprior_row``, in four
+    passes through ``upos_tile`` (``[ncand]`` int32 by candidate: 0, then nonzero where a token kept it, then its
+    union position plus one). Four bytes a candidate, not a row of
     ``QT`` priors: a 128k prompt's tiles have about a thousand candidates and a union of a few hundred."""
     offs_u = tl.arange(0, QT)
     offs_c = tl.arange(0, TU)
@@ -1121,6 +1122,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     one_block = block_u < 2 * bs and bool(ATTN_SCALAR_BASE)  # a tile within one block: one base address, no gather
     ws = (bool(ATTN_WS) and one_block and plan.max_cand >= prefill_ws.WS_MIN_CAND
           and prefill_ws.ws_supported(q, cache, params, g_pad, plan.qt))
+    geo = prefill_ws.kv_rows(cache) if ws else None  # where the Gluon launch's TMA finds the blocks
     # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
     kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs and not ws else None
     sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()
@@ -1132,7 +1134,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
         s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_pos, spos[0], spos[1],
         out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g,
         *(kv_desc[:2] if kv_desc is not None else (kp, vp)), s.tile_info, s.tile_info.stride(0), s.union_count,
-        s.ws_counter, *(prefill_ws.union_rows(cache, bs) if ws else (cache.page_size // bs, 1, 0)),
+        s.ws_counter, *(prefill_ws.union_rows(geo, bs) if ws else (cache.page_size // bs, 1, 0)),
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(_pow2(plan.max_cand), UNION_TILE // plan.qt)),
@@ -1143,12 +1145,12 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     )
     if ws:
         nc = prefill_ws.WS_WARPGROUPS
-        k_desc, v_desc = prefill_ws.kv_block_descriptors(cache, bs)
+        k_desc, v_desc = prefill_ws.kv_block_descriptors(cache, bs, geo)
         prefill_ws.prefill_attn_ws[(min(sm_count(q.device), triton.cdiv(tiles * hkv, nc)),)](
             q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
             s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
             spr[1], out, so[0], so[1], LOG2E_HOST / math.sqrt(d), g, tiles, t, hkv, s.ws_counter,
-            prefill_ws.kv_rows(cache)[2],
+            geo[2],
             QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=nc, KST=prefill_ws.WS_K_SLOTS,
             VST=prefill_ws.WS_V_SLOTS, REGS=prefill_ws.WS_REGS, num_warps=4,
             maxnreg=prefill_ws.WS_REGS)

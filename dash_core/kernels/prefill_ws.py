@@ -63,9 +63,10 @@ def sm90(device: torch.device) -> bool:
 def kv_rows(cache) -> Optional[tuple]:
     """The K and V pages ``[pages, page_size, Hkv, D]`` seen as rows of one stride (``[rows, columns]``, what a 2-D
     TMA descriptor describes), or None where they are not: ``(rows a page, rows a KV head, columns a KV head)``.
-    SGLang's layout (the heads of a token side by side in a row): ``(page_size, 0, D)``; vLLM's (``[pages, Hkv slots,
-    page_size, 2D]``, head-major, K and V in one row): ``(Hkv slots page_size, page_size, 0)``. K and V must share
-    their strides, rows must be 16-byte aligned, and the rows must number under 2^31."""
+    SGLang's layout (the heads of a token side by side in a row): ``(page_size, 0, D)``; vLLM's (``[pages, head
+    slots, page_size, C]``, head-major, K and V in one row of ``C >= 2D``): ``(head slots page_size, page_size, 0)``;
+    one KV head: ``(rows a page, 0, 0)``. K and V must share their strides, their bases and rows must be 16-byte
+    aligned, and the rows of ``kv_row_views`` (the union launch's int32 coordinates) must number under 2^31."""
     kp, vp = cache.k_pages, cache.v_pages
     pages, ps, hkv, d = kp.shape
     sp, sr, sh, sd = kp.stride()
@@ -81,13 +82,20 @@ def kv_rows(cache) -> Optional[tuple]:
         return None
     es = kp.element_size()
     aligned = all(x.data_ptr() % 16 == 0 for x in (kp, vp)) and (sr * es) % 16 == 0
-    return geo if aligned and pages * geo[0] < 2 ** 31 else None
+    return geo if aligned and _view_rows(kp.shape, geo) < 2 ** 31 else None
 
 
-def union_rows(cache, bs: int) -> tuple:
-    """``(page, step, head)`` multipliers of the union launch's ``union_blk`` entries for this kernel: block ``b`` in
-    page ``p`` of KV head h is stored as ``p page + b step + h head``, its first row in ``kv_block_descriptors``."""
-    rpp, rph, _ = kv_rows(cache)
+def _view_rows(shape, geo: tuple) -> int:
+    """Rows of ``kv_row_views``: through the last row of the last page's last head."""
+    pages, ps, hkv, _ = shape
+    return (pages - 1) * geo[0] + (hkv - 1) * geo[1] + ps
+
+
+def union_rows(geo: tuple, bs: int) -> tuple:
+    """``(page, step, head)`` multipliers of the union launch's ``union_blk`` entries for this kernel (``geo``:
+    ``kv_rows``): block ``b`` in page ``p`` of KV head h is stored as ``p page + b step + h head``, its first row in
+    ``kv_block_descriptors``."""
+    rpp, rph, _ = geo
     return rpp, bs, rph
 
 
@@ -320,8 +328,7 @@ if HAVE_GLUON:
         """Persistent grid (one program a multiprocessor): ``NC`` (3) warpgroups, each taking (tile, KV head) items
         of the wave from ``counter_ptr`` (zeroed by the union launch) and running the tile over its union
         (``union_blk``: each block's first row, ``union_prior`` and ``union_count`` of the Triton union launch) and
-        its local window;
-        writes ``out`` as the Triton kernel does."""
+        its local window; writes ``out`` as the Triton kernel does."""
         R: gl.constexpr = QT * G_PAD
         dt: gl.constexpr = q_ptr.dtype.element_ty
         q_all = gl.allocate_shared_memory(dt, [NC, R, D], k_desc.layout)
@@ -345,21 +352,18 @@ if HAVE_GLUON:
         ], [4, 4], [REGS, REGS])
 
 
-def kv_row_views(cache) -> tuple:
-    """The K and V pages as ``[rows, columns]`` views of one row stride (``kv_rows``): element ``[p, t, h, c]`` of
-    the pages at row ``p rows_a_page + h rows_a_head + t``, column ``h columns_a_head + c``."""
+def kv_row_views(cache, geo: tuple) -> tuple:
+    """The K and V pages as ``[rows, columns]`` views of one row stride (``geo``: ``kv_rows``): element ``[p, t, h,
+    c]`` of the pages at row ``p rows_a_page + h rows_a_head + t``, column ``h columns_a_head + c``."""
     kp = cache.k_pages
-    pages, ps, hkv, d = kp.shape
-    rpp, rph, cph = kv_rows(cache)
-    rows = (pages - 1) * rpp + (hkv - 1) * rph + ps
-    cols = (hkv - 1) * cph + d
-    return tuple(x.as_strided((rows, cols), (x.stride(1), 1)) for x in (kp, cache.v_pages))
+    cols = (kp.shape[2] - 1) * geo[2] + kp.shape[3]
+    return tuple(x.as_strided((_view_rows(kp.shape, geo), cols), (x.stride(1), 1)) for x in (kp, cache.v_pages))
 
 
-def kv_block_descriptors(cache, bs: int) -> tuple:
+def kv_block_descriptors(cache, bs: int, geo: tuple) -> tuple:
     """Gluon TMA descriptors of ``kv_row_views`` with ``[bs, D]`` boxes: block ``b`` (``PPB`` a page) of KV head h
     at row ``(b // PPB) rows_a_page + (b % PPB) bs + h rows_a_head`` (what the union launch writes to
     ``union_blk`` for this kernel: ``union_rows``), column ``h columns_a_head`` (``ws_supported`` layouts only)."""
     kp = cache.k_pages
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=kp.element_size() * 8, rank=2)
-    return tuple(GluonDescriptor.from_tensor(x, [bs, kp.shape[3]], layout) for x in kv_row_views(cache))
+    return tuple(GluonDescriptor.from_tensor(x, [bs, kp.shape[3]], layout) for x in kv_row_views(cache, geo))

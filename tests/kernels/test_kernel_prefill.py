@@ -470,6 +470,52 @@ def test_extends_match_oracle_on_most_rows():
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
+def test_union_launch_stores_the_gluon_rows(monkeypatch):
+    """For the Gluon attention (``prefill_ws``), the union launch stores each union block as its first row in
+    ``kv_row_views`` (``union_rows``; vLLM's head-major pages with a spare head slot, two blocks a page): the blocks
+    the Triton attention's launch lists as ids, in the same order. The Gluon launch is replaced by a recorder (the
+    interpreter cannot run it)."""
+    from dash_core.kernels import prefill_ws
+
+    p = DashParams(block_size=64, topk=4, scaling_factor=2.0)
+    case = make_prefill_case(5, [(700, 300), (400, 400)], hq=8, hkv=2, d=64, bs=64, pages_per_block=2,
+                             layout="vllm", params=p).to(DEV)
+    plan, scratch = plan_and_scratch(case)
+    (tile0, tiles), = plan.waves()
+    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, tile0, tiles)
+    args = (case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, torch.empty_like(case.q),
+            tile0, tiles)
+    pf.attend_wave(*args)  # the Triton attention: block ids
+    ids = scratch.union_blk.clone()
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(grid)
+
+    monkeypatch.setattr(prefill_ws, "WS_MIN_CAND", 0)
+    monkeypatch.setattr(prefill_ws, "ws_supported", lambda *a: True)
+    monkeypatch.setattr(prefill_ws, "kv_block_descriptors", lambda *a: (None, None))
+    monkeypatch.setattr(prefill_ws, "prefill_attn_ws", Recorder(), raising=False)
+    pf.attend_wave(*args)
+    assert launched, "the wave did not take the Gluon path"
+    geo = prefill_ws.kv_rows(case.cache)
+    page_m, step_m, head_m = prefill_ws.union_rows(geo, 64)
+    assert geo[1] > 0 and case.cache.page_size == 128  # head-major, two blocks a page
+    ppb, checked = 2, 0
+    info = scratch.tile_info
+    for w in range(tiles):
+        if info[w, prefill_ws.INFO_P_LO.value] >= info[w, prefill_ws.INFO_P_HI.value]:
+            continue  # a tile past the last one: no union (its count is not written)
+        for h in range(2):
+            n = int(scratch.union_count[w, h])
+            blk = ids[w, h, :n].long()
+            want = (blk // ppb) * page_m + (blk % ppb) * step_m + h * head_m
+            assert torch.equal(scratch.union_blk[w, h, :n].long(), want), (w, h)
+            checked += n
+    assert checked > 2 * tiles
+
+
 def test_waves_take_every_tile_once_from_the_last(monkeypatch):
     """``PrefillPlan.waves``: consecutive tiles, each in one wave, the partial last wave issued first (or, without
     ``WAVES_LAST_FIRST``, in tile order)."""

@@ -32,8 +32,13 @@ def test_each_block_at_its_row_and_column(make, geo):
     cache = make()
     bs = 64
     assert prefill_ws.kv_rows(cache) == geo
-    page_m, step_m, head_m = prefill_ws.union_rows(cache, bs)
-    k2, v2 = prefill_ws.kv_row_views(cache)
+    page_m, step_m, head_m = prefill_ws.union_rows(geo, bs)
+    k2, v2 = prefill_ws.kv_row_views(cache, geo)
+    if prefill_ws.HAVE_GLUON:  # the descriptors describe these views, with [bs, D] boxes
+        for desc, view in zip(prefill_ws.kv_block_descriptors(cache, bs, geo), (k2, v2)):
+            assert (desc.base.data_ptr(), desc.base.shape, desc.base.stride()) == (view.data_ptr(), view.shape,
+                                                                                    view.stride())
+            assert list(desc.block_shape) == [bs, cache.k_pages.shape[3]]
     pages, ps, hkv, d = cache.k_pages.shape
     for p in range(pages):
         for b in range(ps // bs):
@@ -53,3 +58,16 @@ def test_layouts_without_one_row_stride_are_refused():
     padded = torch.randn(4 * 64, 2, 72)[..., :64]  # heads 72 elements apart, rows of 144 (576 bytes)
     cache = PagedKVCache.from_sglang(padded, torch.randn(4 * 64, 2, 72)[..., :64], 64)
     assert prefill_ws.kv_rows(cache) == (64, 0, 72)
+
+
+def test_rows_past_int32_are_refused():
+    """Pages stored head by head (``[Hkv, pages, page_size, D]``): the views span Hkv times the rows of the pages, and
+    the union launch stores rows as int32, so a cache whose views would reach 2^31 rows is refused, one below is not
+    (meta tensors: only shapes and strides)."""
+    def head_outer(pages):
+        k = torch.empty(8, pages, 64, 128, dtype=torch.bfloat16, device="meta").permute(1, 2, 0, 3)
+        return PagedKVCache(k, k, None, None)
+
+    pages = 2 ** 22  # 2^28 rows of pages; the views 8 times that, less one head's
+    assert prefill_ws.kv_rows(head_outer(pages // 2)) == (64, pages // 2 * 64, 0)
+    assert prefill_ws.kv_rows(head_outer(pages)) is None
