@@ -537,8 +537,8 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
     """Step 1 of ``_prefill_attn_kernel`` for one tile and KV head h: its union's size, its blocks in ``ublk_row``
     (block b of page p as ``p ublk_page + b ublk_step + h ublk_head``) and their priors in ``uprior_row``, in four
     passes through ``upos_tile`` (``[ncand]`` int32 by candidate: 0, then nonzero where a token kept it, then its
-    union position plus one). Four bytes a candidate, not a row of
-    ``QT`` priors: a 128k prompt's tiles have about a thousand candidates and a union of a few hundred."""
+    union position plus one). Four bytes a candidate, not a row of ``QT`` priors: a 128k prompt's tiles have about a
+    thousand candidates and a union of a few hundred."""
     offs_u = tl.arange(0, QT)
     offs_c = tl.arange(0, TU)
     offs_j = tl.arange(0, TJ)

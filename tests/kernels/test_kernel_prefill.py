@@ -501,13 +501,13 @@ def test_union_launch_stores_the_gluon_rows(monkeypatch):
     assert launched, "the wave did not take the Gluon path"
     geo = prefill_ws.kv_rows(case.cache)
     page_m, step_m, head_m = prefill_ws.union_rows(geo, 64)
-    assert geo[1] > 0 and case.cache.page_size == 128  # head-major, two blocks a page
-    ppb, checked = 2, 0
+    ppb, checked = case.cache.page_size // 64, 0
+    assert geo[1] > 0 and ppb == 2  # head-major, two blocks a page
     info = scratch.tile_info
     for w in range(tiles):
         if info[w, prefill_ws.INFO_P_LO.value] >= info[w, prefill_ws.INFO_P_HI.value]:
             continue  # a tile past the last one: no union (its count is not written)
-        for h in range(2):
+        for h in range(case.cache.num_kv_heads):
             n = int(scratch.union_count[w, h])
             blk = ids[w, h, :n].long()
             want = (blk // ppb) * page_m + (blk % ppb) * step_m + h * head_m
