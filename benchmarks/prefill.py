@@ -127,15 +127,20 @@ def prompt_sf(pr: Prompt, bs: int, fraction: float) -> float:
     return calibrate_sf(tail, pr.q[pr.n - rows:], pr.n, DashParams(block_size=bs), fraction)
 
 
+def _owner(name: str):
+    """The kernel module holding constant ``name``: ``dash_core.kernels.prefill``, else its Gluon ``prefill_ws``."""
+    return pf if hasattr(pf, name) else pf.prefill_ws
+
+
 def tunings(ap, texts: list) -> list:
-    """The settings ``--tune`` names (``NAME=VALUE,...`` each, constants of ``dash_core.kernels.prefill``), after the
-    defaults (``{}``)."""
+    """The settings ``--tune`` names (``NAME=VALUE,...`` each, constants of ``dash_core.kernels.prefill``
+    or ``prefill_ws``), after the defaults (``{}``)."""
     out = [{}]
     for t in texts:
         kv = dict(x.split("=", 1) for x in t.split(","))
-        unknown = [k for k in kv if not hasattr(pf, k)]
+        unknown = [k for k in kv if not hasattr(_owner(k), k)]
         if unknown:
-            ap.error(f"--tune: {unknown} are not constants of dash_core.kernels.prefill")
+            ap.error(f"--tune: {unknown} are not constants of dash_core.kernels.prefill or prefill_ws")
         out.append({k: int(v) for k, v in kv.items()})
     return out
 
@@ -143,14 +148,14 @@ def tunings(ap, texts: list) -> list:
 @contextlib.contextmanager
 def tuned(settings: dict):
     """The kernels' constants set to ``settings`` (one of ``tunings``) inside the block, restored after it."""
-    saved = {k: getattr(pf, k) for k in settings}
+    saved = {k: getattr(_owner(k), k) for k in settings}
     for k, v in settings.items():
-        setattr(pf, k, v)
+        setattr(_owner(k), k, v)
     try:
         yield
     finally:
         for k, v in saved.items():
-            setattr(pf, k, v)
+            setattr(_owner(k), k, v)
 
 
 def prefill_op(cuda):
@@ -660,7 +665,7 @@ def main(argv=None) -> int:
                     help="also time calls sharing a PrefillWorkspace (later layers of a step) up to this length")
     ap.add_argument("--tune", action="append", default=[],
                     help="extra DASH kernel settings to time, e.g. --tune ATTN_ROWS=128,ATTN_WARPS=8 (repeatable; "
-                         "names of dash_core.kernels.prefill constants)")
+                         "names of constants of dash_core.kernels.prefill or prefill_ws)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     add_output_args(ap, "prefill")
     a = ap.parse_args(argv)
