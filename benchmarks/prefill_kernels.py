@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--topk", default="64")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--tune", action="append", default=[], help="NAME=VALUE,... of dash_core.kernels.prefill or prefill_ws")
+    ap.add_argument("--tune", action="append", default=[],
+                    help="NAME=VALUE,... of dash_core.kernels.prefill or prefill_ws")
     a = ap.parse_args(argv)
     n, d, bs = a.context, 128, 64
     pr = Prompt(n, a.hq, a.hkv, d, bs, bs, torch.bfloat16, torch.device("cuda"), seed=11, q_corr=0.95, cuda=True)

@@ -1120,9 +1120,9 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     g_pad = _pow2(g)
     block_u = ATTN_KEYS if d <= 128 else min(bs, 32)
     one_block = block_u < 2 * bs and bool(ATTN_SCALAR_BASE)  # a tile within one block: one base address, no gather
-    ws = (bool(ATTN_WS) and one_block and plan.max_cand >= prefill_ws.WS_MIN_CAND
-          and prefill_ws.ws_supported(q, cache, params, g_pad, plan.qt))
-    geo = prefill_ws.kv_rows(cache) if ws else None  # where the Gluon launch's TMA finds the blocks
+    geo = (prefill_ws.ws_supported(q, cache, params, g_pad, plan.qt)  # where the Gluon launch's TMA finds the blocks
+           if ATTN_WS and one_block and plan.max_cand >= prefill_ws.WS_MIN_CAND else None)
+    ws = geo is not None
     # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
     kv_desc = _kv_descriptors(cache, block_u) if one_block and block_u == bs and not ws else None
     sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()

@@ -99,12 +99,14 @@ def union_rows(geo: tuple, bs: int) -> tuple:
     return rpp, bs, rph
 
 
-def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int) -> bool:
-    """Whether ``prefill_attn_ws`` can run this call's attention (see the module's docstring)."""
+def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int) -> Optional[tuple]:
+    """Where ``prefill_attn_ws`` can run this call's attention (see the module's docstring): the pages' rows
+    (``kv_rows``, where its TMA finds the blocks), else None."""
     kp, vp = cache.k_pages, cache.v_pages
-    return (HAVE_GLUON and sm90(q.device) and kp.shape[3] == 128 and params.block_size == 64 and kp.shape[1] % 64 == 0
-            and g_pad * qt == ROWS and q.dtype in (torch.bfloat16, torch.float16) and kp.dtype == q.dtype
-            and vp.dtype == q.dtype and kv_rows(cache) is not None)
+    ok = (HAVE_GLUON and sm90(q.device) and kp.shape[3] == 128 and params.block_size == 64 and kp.shape[1] % 64 == 0
+          and g_pad * qt == ROWS and q.dtype in (torch.bfloat16, torch.float16) and kp.dtype == q.dtype
+          and vp.dtype == q.dtype)
+    return kv_rows(cache) if ok else None
 
 
 if HAVE_GLUON:

@@ -494,7 +494,7 @@ def test_union_launch_stores_the_gluon_rows(monkeypatch):
             return lambda *a, **kw: launched.append(grid)
 
     monkeypatch.setattr(prefill_ws, "WS_MIN_CAND", 0)
-    monkeypatch.setattr(prefill_ws, "ws_supported", lambda *a: True)
+    monkeypatch.setattr(prefill_ws, "ws_supported", lambda q, cache, *a: prefill_ws.kv_rows(cache))  # any device
     monkeypatch.setattr(prefill_ws, "kv_block_descriptors", lambda *a: (None, None))
     monkeypatch.setattr(prefill_ws, "prefill_attn_ws", Recorder(), raising=False)
     pf.attend_wave(*args)
