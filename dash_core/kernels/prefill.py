@@ -60,7 +60,7 @@ from . import prefill_ws
 from .prefill_ws import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
                          INFO_TOK_BASE)
 from .launcher import check_indexer_query, check_kernel_query, check_step_tensors, sm_count
-from .routing import (append_positive, halley_step, halley_sums, mp_key_range, positive_part, route_tile,
+from .routing import (append_positive, halley_step, mp_key_range, positive_part, route_tile,
                       select_kept)
 
 logger = logging.getLogger(__name__)
@@ -111,6 +111,10 @@ WAVES_LAST_FIRST = 1
 # table of priors by candidate that the int32 table replaced)
 UNION_TILE = 4096
 UNION_LIST_TILE = 2048  # elements of its [QT, TJ] tiles of the tokens' lists (4096 spills uncapped at D 128)
+# The Halley passes count the entries above tau as a sum of min(x - tau, COUNT_UNIT): exactly COUNT_UNIT (the
+# smallest normal fp32) each, times 2^126 at the end; two instructions an entry instead of about three for a compare,
+# a select and an integer sum. Only an entry above tau by a subnormal (both under about 2^-102) counts as less.
+COUNT_UNIT = tl.constexpr(2.0 ** -126)
 # Globals a compiled kernel reads must be constexpr objects.
 LOG2E_HOST = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E_HOST)
@@ -159,15 +163,26 @@ def _tile_bounds(tile, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_
 
 
 @triton.jit
-def _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT: tl.constexpr, G_PAD: tl.constexpr):
-    """The ``QT * G_PAD`` query rows (token u, head g of the group) of a tile and its ``QT`` units.
+def _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT: tl.constexpr, G_PAD: tl.constexpr,
+               PAIRED: tl.constexpr = False):
+    """The ``QT * G_PAD`` query rows (token u, head g of the group) of a tile and its ``QT`` units: row
+    ``u G_PAD + g``, or with PAIRED (64 rows, ``G_PAD >= 2``) row ``16 w + 8 h + i`` holds token
+    ``w L + i % L`` and head ``2 (i // L) + h`` (``L = 16 // G_PAD``): a warpgroup MMA's accumulator gives each
+    thread rows ``r`` and ``r + 8``, here two heads of one token, and a token's heads lie in ``G_PAD / 2`` threads
+    of one warp, so sums over a token's heads (``_group_sums_tile``) take fewer shuffles.
 
     Returns ``u_m, g_m, pos_m, tok_m [M]`` (token of the tile, head in the group, position, token row
     int64), ``in_m [M]`` (a new token of the tile and ``g < G``, whether or not its request is ``ok``)
     and ``unit_ok [QT]`` (a new token of an ``ok`` request)."""
     offs_m = tl.arange(0, QT * G_PAD)
-    u_m = offs_m // G_PAD
-    g_m = offs_m % G_PAD
+    if PAIRED:
+        L: tl.constexpr = 16 // G_PAD
+        i = offs_m % 8
+        u_m = offs_m // 16 * L + i % L
+        g_m = 2 * (i // L) + offs_m // 8 % 2
+    else:
+        u_m = offs_m // G_PAD
+        g_m = offs_m % G_PAD
     pos_m = a0 + u_m
     tok_m = (tok_base + pos_m).to(tl.int64)
     in_m = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & (g_m < G)
@@ -318,21 +333,64 @@ def _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d):
 
 
 @triton.jit
-def _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d,
-                      D: tl.constexpr, HKV: tl.constexpr, BLOCK_N: tl.constexpr, CS_TMA: tl.constexpr):
-    """``([M, BLOCK_N] fp32 scores, candidates [BLOCK_N])`` of query rows ``qs [M, D]`` against candidates ``c0 ..
-    c0 + BLOCK_N - 1`` of the summary copy (``gather_summaries``: candidate c of KV head h at row ``cs_row0 + c``,
-    column ``h D``), ``-inf`` past ``ncand`` (one FMA an entry: the scale plus 0 or ``-inf``; rows are the
-    caller's to mask). CS_TMA: a box of ``cs_desc``, else pointer loads (both at addresses of the loop index
-    only, so the loads pipeline)."""
+def _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, offs_d, D: tl.constexpr, HKV: tl.constexpr,
+                        BLOCK_N: tl.constexpr, CS_TMA: tl.constexpr, LAST: tl.constexpr):
+    """``([M, BLOCK_N] fp32 products <qs, s>, candidates [BLOCK_N])`` of query rows ``qs [M, D]`` against candidates
+    ``c0 .. c0 + BLOCK_N - 1`` of the summary copy (``gather_summaries``: candidate c of KV head h at row ``cs_row0 +
+    c``, column ``h D``); the score is the product times ``x_scale``, which the caller folds into its first use (one
+    FMA an entry: ``<qs, s> x_scale - tau``). LAST: a pass's last tile, which may end past ``ncand``: ``-inf``
+    there (the tiles before it need no select an entry); rows are the caller's to mask. CS_TMA: a box of ``cs_desc``, else pointer
+    loads (both at addresses of the loop index only, so the loads pipeline)."""
     c = c0 + tl.arange(0, BLOCK_N)
     if CS_TMA:
         summ = cs_desc.load([(cs_row0 + c0).to(tl.int32), h * D])
     else:
         summ = tl.load(cs_ptr + (cs_row0 + c)[:, None] * (HKV * D) + h * D + offs_d[None, :],
                        mask=(c < ncand)[:, None], other=0.0)
-    past = tl.where(tl.arange(0, BLOCK_N) < ncand - c0, 0.0, float("-inf"))  # c < ncand, one compare less an entry
-    return tl.dot(qs, tl.trans(summ)) * x_scale + past[None, :], c
+    acc = tl.dot(qs, tl.trans(summ))
+    if LAST:
+        acc = tl.where(tl.arange(0, BLOCK_N)[None, :] < ncand - c0, acc, float("-inf"))
+    return acc, c
+
+
+@triton.jit
+def _column_classes(v, SUM: tl.constexpr):
+    """``[M, 4]``: the sum (SUM) or maximum of each row of ``v [M, N]`` (N a multiple of 8) over the columns of each
+    class ``(c // 2) % 4``. On the MMA accumulator's layout each class of a row lies in one thread, so a pass
+    reduces its tiles within threads and across them once at its end."""
+    M: tl.constexpr = v.shape[0]
+    N: tl.constexpr = v.shape[1]
+    by_class = tl.reshape(tl.permute(tl.reshape(v, [M, N // 8, 4, 2]), (0, 2, 1, 3)), [M, 4, N // 4])
+    if SUM:
+        return tl.sum(by_class, axis=2)
+    else:
+        return tl.max(by_class, axis=2)
+
+
+@triton.jit
+def _halley_tile(acc, x_scale, tau, ssq, sdf, cnt):
+    """``halley_sums`` of the scores ``acc x_scale`` of a tile above ``tau [M]``, added by column class
+    (``_column_classes``) to ``ssq, sdf, cnt [M, 4]``; ``x - tau`` in one FMA an entry."""
+    diff = positive_part(acc * x_scale - tau[:, None])
+    return (ssq + _column_classes(diff * diff, True), sdf + _column_classes(diff, True),
+            cnt + _column_classes(tl.minimum(diff, COUNT_UNIT), True))
+
+
+@triton.jit
+def _group_sums_tile(acc, x_scale, tau, dst, ok, QT: tl.constexpr, G_PAD: tl.constexpr, PAIRED: tl.constexpr):
+    """Store at ``dst [QT, N]`` (where ``ok``) each unit's sum over its ``G_PAD`` rows of ``(x - tau)^2`` over
+    ``tau`` (the mp pass; the scores ``acc x_scale`` of a tile, ``x - tau`` in one FMA an entry; rows in
+    ``_tile_rows``' order)."""
+    diff = positive_part(acc * x_scale - tau[:, None])
+    N: tl.constexpr = acc.shape[1]
+    if G_PAD == 1:  # rows are units (the reshape below gave wrong selections compiled: H200, triton 3.6)
+        msum = diff * diff
+    elif PAIRED:  # row 16 w + 8 h + L g_hi + i_lo: token w L + i_lo, head 2 g_hi + h
+        by_row = tl.reshape(diff * diff, [4, 2, G_PAD // 2, 16 // G_PAD, N])
+        msum = tl.sum(tl.reshape(tl.permute(by_row, (0, 3, 2, 1, 4)), [QT, G_PAD, N]), axis=1)
+    else:
+        msum = tl.sum(tl.reshape(diff * diff, [QT, G_PAD, N]), axis=1)
+    tl.store(dst, msum, mask=ok)
 
 
 @triton.jit
@@ -342,16 +400,17 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
                      topk, inv_sigma, QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                      PS: tl.constexpr, BLOCK_N: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
                      HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, TL: tl.constexpr, CS_TMA: tl.constexpr,
-                     HKV: tl.constexpr, STAGE_Q: tl.constexpr):
+                     HKV: tl.constexpr, STAGE_Q: tl.constexpr, PAIRED: tl.constexpr):
     """Route a tile's ``QT`` units (token, KV head h) with no score scratch: each of five passes over the
     candidates (row maxima, the three Halley steps, mp with its lists) computes the scores again from the
-    summary copy (``_scores_from_copy``); the same entmax arithmetic as ``route_tile`` (``halley_sums``,
-    ``halley_step``, ``append_positive``), then its cap and compaction (``select_kept``). Rows not ``row_ok``
-    (zero queries) are left out of the sums and the mp by a threshold of ``+inf``; their maxima are set to 0 so that
-    their steps stay finite. The mp pass writes the sum of each unit's probabilities over its group (G times its mp)
-    by candidate into the scores' storage (unit u at ``x_ptr + slot u * sx_n + h * sx_h``; no score is stored on
-    this path), and a second pass reads them back to divide by G and build the lists: there the scan that numbers a
-    tile's positive entries runs on a plain layout, not on the MMA's (far fewer instructions; PERFORMANCE.md).
+    summary copy (``_products_from_copy``); the same entmax arithmetic as ``route_tile`` (``halley_step``,
+    ``append_positive``; ``halley_sums``' sums, accumulated by column class and reduced once a pass), then its cap
+    and compaction (``select_kept``). Rows not ``row_ok`` (zero queries) are left out of the sums and the mp by a
+    threshold of ``+inf``; their maxima are set to 0 so that their steps stay finite. The mp pass writes the sum
+    of each unit's probabilities over its group (G times its mp) by candidate into the scores' storage (unit u at
+    ``x_ptr + slot u * sx_n + h * sx_h``; no score is stored on this path), and a second pass reads them back to
+    divide by G and build the lists: there the scan that numbers a tile's positive entries runs on a plain layout,
+    not on the MMA's (far fewer instructions; PERFORMANCE.md).
     STAGE_Q: the scaled queries go through the units' mp rows (free until the lists are written) and are loaded
     back, so that the MMAs read them from shared memory; computed in registers, Triton reloads them into registers
     for every score tile (PERFORMANCE.md, run 28)."""
@@ -366,28 +425,39 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
         tl.debug_barrier()  # loaded back by other threads of this program
         qs = tl.load(q_rows[:, None] + offs_d[None, :])
     cs_row0 = req.to(tl.int64) * cs_req
-    m = tl.full([M], float("-inf"), tl.float32)
-    for c0 in range(0, ncand, BLOCK_N):
-        x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d, D, HKV,
-                                  BLOCK_N, CS_TMA)
-        m = tl.maximum(m, tl.max(x, axis=1))
+    # Row maxima of the products; x_scale > 0 and rounding is monotone, so the maximum of the products times
+    # x_scale is the maximum of the scores, bit for bit.
+    # Each pass runs its whole tiles, then the one that ends past ncand, if any.
+    n_full = ncand // BLOCK_N * BLOCK_N
+    m4 = tl.full([M, 4], float("-inf"), tl.float32)
+    for c0 in range(0, n_full, BLOCK_N):
+        acc, _c = _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, offs_d, D, HKV, BLOCK_N, CS_TMA,
+                                      False)
+        m4 = tl.maximum(m4, _column_classes(acc, False))
+    if n_full < ncand:
+        acc, _c = _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, n_full, ncand, offs_d, D, HKV, BLOCK_N,
+                                      CS_TMA, True)
+        m4 = tl.maximum(m4, _column_classes(acc, False))
+    m = tl.max(m4, axis=1) * x_scale
     m = tl.where(row_ok & (ncand > 0), m, 0.0)
     lo = m - 1.0
     hi = m
     tau = (lo + hi) * 0.5
     tau_r = tl.where(row_ok, tau, float("inf"))  # the threshold the sums use: nothing above it on rows not ok
     for _ in tl.static_range(3):
-        ssq = tl.zeros([M], tl.float32)
-        sdf = tl.zeros([M], tl.float32)
-        cnt = tl.zeros([M], tl.float32)
-        for c0 in range(0, ncand, BLOCK_N):
-            x, _c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d, D, HKV,
-                                      BLOCK_N, CS_TMA)
-            t_ssq, t_sdf, t_cnt = halley_sums(x, tau_r[:, None])
-            ssq += t_ssq
-            sdf += t_sdf
-            cnt += t_cnt
-        tau, lo, hi = halley_step(ssq, sdf, cnt, tau, lo, hi)
+        ssq = tl.zeros([M, 4], tl.float32)
+        sdf = tl.zeros([M, 4], tl.float32)
+        cnt = tl.zeros([M, 4], tl.float32)
+        for c0 in range(0, n_full, BLOCK_N):
+            acc, _c = _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, offs_d, D, HKV, BLOCK_N,
+                                          CS_TMA, False)
+            ssq, sdf, cnt = _halley_tile(acc, x_scale, tau_r, ssq, sdf, cnt)
+        if n_full < ncand:
+            acc, _c = _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, n_full, ncand, offs_d, D, HKV, BLOCK_N,
+                                          CS_TMA, True)
+            ssq, sdf, cnt = _halley_tile(acc, x_scale, tau_r, ssq, sdf, cnt)
+        tau, lo, hi = halley_step(tl.sum(ssq, axis=1), tl.sum(sdf, axis=1), tl.sum(cnt, axis=1) * (1.0 / COUNT_UNIT),
+                                  tau, lo, hi)
         tau_r = tl.where(row_ok, tau, float("inf"))
 
     slot_u = slot0 + tl.arange(0, QT)
@@ -395,15 +465,15 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
     mp_unit = slot_u * smp_n + h * smp_h
     mp_dense = x_ptr + (slot_u * sx_n + h * sx_h)[:, None]
     g_f = G * 1.0
-    for c0 in range(0, ncand, BLOCK_N):
-        x, c = _scores_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, x_scale, offs_d, D, HKV,
-                                 BLOCK_N, CS_TMA)
-        diff = positive_part(x - tau_r[:, None])
-        if G_PAD == 1:  # rows are units (the reshape below gave wrong selections compiled: H200, triton 3.6)
-            msum = diff * diff
-        else:
-            msum = tl.sum(tl.reshape(diff * diff, [QT, G_PAD, BLOCK_N]), axis=1)
-        tl.store(mp_dense + c[None, :], msum, mask=c[None, :] < ncand_u[:, None])
+    for c0 in range(0, n_full, BLOCK_N):
+        acc, c = _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, offs_d, D, HKV, BLOCK_N, CS_TMA,
+                                     False)
+        _group_sums_tile(acc, x_scale, tau_r, mp_dense + c[None, :], unit_ok[:, None], QT, G_PAD, PAIRED)
+    if n_full < ncand:
+        acc, c = _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, n_full, ncand, offs_d, D, HKV, BLOCK_N,
+                                     CS_TMA, True)
+        _group_sums_tile(acc, x_scale, tau_r, mp_dense + c[None, :], c[None, :] < ncand_u[:, None], QT, G_PAD,
+                         PAIRED)
     tl.debug_barrier()  # the group sums are read back by other threads of this program
     npos = tl.zeros([QT], tl.int32)
     key_min = tl.full([QT], 0x7F800000, tl.int32)
@@ -458,9 +528,11 @@ def _prefill_route_kernel(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
     if p_lo < p_hi:  # tiles past the last one do nothing
         M: tl.constexpr = QT * G_PAD
+        PAIRED: tl.constexpr = RECOMPUTE and M == 64 and G_PAD >= 2  # the summary copy's mp pass sums heads
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
-        u_m, g_m, pos_m, tok_m, in_m, unit_ok = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD)
+        u_m, g_m, pos_m, tok_m, in_m, unit_ok = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD,
+                                                           PAIRED)
         row_ok = in_m & ok
         slot0 = w.to(tl.int64) * QT
         if RECOMPUTE:
@@ -469,7 +541,7 @@ def _prefill_route_kernel(
                              cs_ptr, cs_desc, cs_req, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
                              sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                              topk, inv_sigma, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL,
-                             CS_TMA, HKV_C, STAGE_Q)
+                             CS_TMA, HKV_C, STAGE_Q, PAIRED)
         else:  # the stored scores
             bt_row = bt_ptr + req.to(tl.int64) * sbt_n
             x_tok = x_ptr + (slot0 + u_m) * sx_n
