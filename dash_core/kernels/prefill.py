@@ -478,10 +478,11 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
     npos = tl.zeros([QT], tl.int32)
     key_min = tl.full([QT], 0x7F800000, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
+    inv_g = 1.0 / g_f
     for c0 in range(0, ncand, TL):
         c = c0 + tl.arange(0, TL)
         cok = c[None, :] < ncand_u[:, None]
-        mp = tl.load(mp_dense + c[None, :], mask=cok, other=0.0) / g_f  # the mean over the group, divided here
+        mp = tl.load(mp_dense + c[None, :], mask=cok, other=0.0) * inv_g  # the mean over the group
         npos_before = npos
         npos, key_min, key_max = mp_key_range(mp, cok, npos, key_min, key_max)
         append_positive(mp, c, cok, mp_ptr, ck_ptr, mp_unit, npos_before)
