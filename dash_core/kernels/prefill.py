@@ -339,8 +339,8 @@ def _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, offs_d, D: t
     ``c0 .. c0 + BLOCK_N - 1`` of the summary copy (``gather_summaries``: candidate c of KV head h at row ``cs_row0 +
     c``, column ``h D``); the score is the product times ``x_scale``, which the caller folds into its first use (one
     FMA an entry: ``<qs, s> x_scale - tau``). LAST: a pass's last tile, which may end past ``ncand``: ``-inf``
-    there (the tiles before it need no select an entry); rows are the caller's to mask. CS_TMA: a box of ``cs_desc``, else pointer
-    loads (both at addresses of the loop index only, so the loads pipeline)."""
+    there (the tiles before it need no select an entry); rows are the caller's to mask. CS_TMA: a box of
+    ``cs_desc``, else pointer loads (both at addresses of the loop index only, so the loads pipeline)."""
     c = c0 + tl.arange(0, BLOCK_N)
     if CS_TMA:
         summ = cs_desc.load([(cs_row0 + c0).to(tl.int32), h * D])
@@ -425,9 +425,8 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
         tl.debug_barrier()  # loaded back by other threads of this program
         qs = tl.load(q_rows[:, None] + offs_d[None, :])
     cs_row0 = req.to(tl.int64) * cs_req
-    # Row maxima of the products; x_scale > 0 and rounding is monotone, so the maximum of the products times
-    # x_scale is the maximum of the scores, bit for bit.
-    # Each pass runs its whole tiles, then the one that ends past ncand, if any.
+    # Each pass runs its whole tiles, then the one that ends past ncand, if any. Row maxima of the products:
+    # x_scale > 0 and rounding is monotone, so their maximum times x_scale is the scores' maximum, bit for bit.
     n_full = ncand // BLOCK_N * BLOCK_N
     m4 = tl.full([M, 4], float("-inf"), tl.float32)
     for c0 in range(0, n_full, BLOCK_N):
