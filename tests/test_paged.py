@@ -8,8 +8,8 @@ from dash_core import DashParams, dash_reference
 from dash_core.layout import (PAGE_SIZE_ERROR, PagedKVCache, alloc_summaries, block_table_from_req_to_token,
                               slots_of)
 from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill
-from dash_core.reference import block_summaries, entmax15_threshold, route, routing_scores
-from tests.kernels._kernel_scenarios import EXCUSE
+from dash_core.reference import block_summaries, route, routing_scores
+from tests.kernels._kernel_scenarios import near_decisions
 
 HQ, HKV, D = 4, 2, 16
 
@@ -74,9 +74,9 @@ class Requests:
         return op(cat(self.q), cat(self.k), cat(self.v), cache, bt, cu, seq, slots, self.hc, params)
 
     def routed_apart(self, i, params, n):
-        """``[n] bool``: rows of request i whose routing SPEC.md section 7 lets fp32 and float64 decide apart: a
-        head's score within EXCUSE of its threshold, or two of a unit's mp within EXCUSE (relative) of its
-        ``topk``-th largest (seeds exist where two blocks tie at the cap in fp32 and not in float64)."""
+        """``[n] bool``: rows of request i whose routing SPEC.md section 7 lets fp32 and float64 decide apart
+        (``near_decisions``): an entry near a head's threshold, or two of a unit's mp near its ``topk``-th largest
+        (seeds exist where two blocks tie at the cap in fp32 and not in float64)."""
         k, q = heads_first(self.k[i, :n])[0], heads_first(self.q[i, :n])[0]
         ncand = (torch.arange(n) // params.block_size - params.local_blocks + 1).clamp(min=0)
         apart = torch.zeros(n, dtype=torch.bool)
@@ -86,16 +86,12 @@ class Requests:
         summ = block_summaries(k, self.hc, params.block_size)[:, :nblk]
         qs = (params.scaling_factor * q).to(q.dtype)
         rt, x = route(qs, summ, ncand, params), routing_scores(qs, summ)
+        g = x.shape[0] // rt.mp.shape[0]  # query heads a unit routes for
         for r in range(n):
             c = int(ncand[r])
-            if c == 0:
-                continue
-            tau = entmax15_threshold(x[:, r, :c], torch.ones_like(x[:, r, :c], dtype=torch.bool))
-            apart[r] = bool(((x[:, r, :c] - tau[:, None]).abs() <= EXCUSE).any())
-            for mp in rt.mp[:, r, :c]:
-                if params.topk is not None and int((mp > 0).sum()) > params.topk:
-                    mk = torch.sort(mp, descending=True).values[params.topk - 1]
-                    apart[r] |= int(((mp - mk).abs() <= EXCUSE * mk).sum()) > 1
+            for u in range(rt.mp.shape[0] if c else 0):
+                near_tau, near_k = near_decisions(x[u * g: (u + 1) * g, r, :c], rt.mp[u, r, :c], params.topk)
+                apart[r] |= bool(near_tau.any()) or int(near_k.sum()) > 1
         return apart
 
     def oracle(self, i, params, lo, hi):

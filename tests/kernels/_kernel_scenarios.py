@@ -160,6 +160,21 @@ def x_scale(d: int) -> float:
 EXCUSE = 1e-6  # SPEC.md section 7: near-threshold entries that fp32 and float64 may decide apart
 
 
+def near_decisions(x: torch.Tensor, mp: torch.Tensor, topk: Optional[int]):
+    """The entries of one unit's candidates that SPEC.md section 7 lets two implementations decide apart, as
+    ``(near_tau, near_k)`` ``[c]`` bool: ``|x - tau| <= EXCUSE`` for some head (``x [heads, c]`` float64 scores,
+    ``tau`` each head's 1.5-entmax threshold), and ``mp [c]`` within EXCUSE (relative) of the ``topk``-th largest."""
+    from dash_core.reference import entmax15_threshold
+
+    tau = entmax15_threshold(x, torch.ones_like(x, dtype=torch.bool))
+    near_tau = ((x - tau[:, None]).abs() <= EXCUSE).any(0)
+    near_k = torch.zeros_like(near_tau)
+    if topk is not None and int((mp > 0).sum()) > topk:
+        mp_k = torch.sort(mp, descending=True).values[topk - 1]
+        near_k = (mp - mp_k).abs() <= EXCUSE * mp_k
+    return near_tau, near_k
+
+
 def summary_tolerance(dtype) -> dict:
     """Summaries are rounded to the KV dtype: an fp32 kernel and the float64 oracle may land one
     unit in the last place apart (2^-7 relative for bf16, 2^-10 for fp16); 1e-5 absolute covers
@@ -169,8 +184,8 @@ def summary_tolerance(dtype) -> dict:
 
 def oracle_route(sc: Scenario, i: int, summaries: Optional[torch.Tensor] = None):
     """The oracle's routing of request i's decode row, fed ``summaries`` (default: the stored ones)
-    and the kernels' ``sf * q``. Returns ``(routing, x [Hq, ncand], tau [Hq], ncand)``."""
-    from dash_core.reference import entmax15_threshold, route
+    and the kernels' ``sf * q``. Returns ``(routing, x [Hq, ncand], ncand)``."""
+    from dash_core.reference import route
 
     p = sc.params
     L = int(sc.seq_lens[i])
@@ -180,11 +195,10 @@ def oracle_route(sc: Scenario, i: int, summaries: Optional[torch.Tensor] = None)
     hq, d = qs.shape[0], qs.shape[2]
     g = hq // summ.shape[0]
     if ncand == 0:
-        return None, torch.zeros(hq, 0, dtype=torch.float64), torch.zeros(hq, dtype=torch.float64), 0
+        return None, torch.zeros(hq, 0, dtype=torch.float64), 0
     rt = route(qs, summ, torch.tensor([ncand]), p)
     x = 0.5 * torch.einsum("hd,hjd->hj", qs[:, 0].double(), summ.repeat_interleave(g, 0)) / math.sqrt(d)
-    tau = entmax15_threshold(x, torch.ones_like(x, dtype=torch.bool))
-    return rt, x, tau, ncand
+    return rt, x, ncand
 
 
 def unit_rows(sc: Scenario, u: int) -> slice:
@@ -195,22 +209,14 @@ def unit_rows(sc: Scenario, u: int) -> slice:
     return slice(u * g, (u + 1) * g)
 
 
-def selection_mismatches(sc: Scenario, i: int, u: int, kernel_kept: set, rt, x, tau) -> list:
+def selection_mismatches(sc: Scenario, i: int, u: int, kernel_kept: set, rt, x) -> list:
     """Blocks on which the kernel's kept set and the oracle's differ, less the entries SPEC.md
-    section 7 exempts: ``|x - tau| <= 1e-6`` for some head of the unit, or ``mp`` within 1e-6
-    (relative) of the ``topk``-th largest."""
+    section 7 exempts (``near_decisions``)."""
     oracle_kept = set(torch.nonzero(rt.kept[u, 0]).flatten().tolist()) if rt is not None else set()
     diff = sorted(kernel_kept ^ oracle_kept)
     if not diff:
         return []
-    rows = unit_rows(sc, u)
-    near_tau = ((x[rows] - tau[rows, None]).abs() <= EXCUSE).any(0)
-    mp = rt.mp[u, 0]
-    topk = sc.params.topk
-    near_k = torch.zeros_like(near_tau)
-    if topk is not None and (mp > 0).sum() > topk:
-        mp_k = torch.sort(mp, descending=True).values[topk - 1]
-        near_k = (mp - mp_k).abs() <= EXCUSE * mp_k
+    near_tau, near_k = near_decisions(x[unit_rows(sc, u)], rt.mp[u, 0], sc.params.topk)
     return [j for j in diff if not (near_tau[j] or near_k[j])]
 
 

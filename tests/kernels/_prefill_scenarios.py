@@ -16,7 +16,7 @@ import torch
 from dash_core import DashParams
 from dash_core.kernels import prefill as pf
 from dash_core.reference import Routing, block_summaries, dash_rows, route, routing_scores
-from tests.kernels._kernel_scenarios import EXCUSE, Scenario, make_scenario
+from tests.kernels._kernel_scenarios import Scenario, make_scenario, near_decisions
 
 
 @dataclass
@@ -150,23 +150,14 @@ def oracle_routing(case: PrefillCase, i: int, summaries: Optional[torch.Tensor] 
 
 
 def exempt(case: PrefillCase, rt: Routing, x: torch.Tensor, unit: int, row: int, ncand: int) -> torch.Tensor:
-    """``[nblk]`` bool: entries SPEC.md section 7 lets two implementations decide apart (``|x - tau|``
-    within 1e-6 for a head of the unit, or ``mp`` within 1e-6 relative of the topk-th largest)."""
-    from dash_core.reference import entmax15_threshold
-
+    """``[nblk]`` bool: entries SPEC.md section 7 lets two implementations decide apart (``near_decisions``)."""
     p = case.params
     hq = x.shape[0]
     g = hq // case.cache.num_kv_heads
     heads = slice(0, hq) if p.router == "shared" else slice(unit * g, (unit + 1) * g)
-    xr = x[heads, row, :ncand]
-    tau = entmax15_threshold(xr, torch.ones_like(xr, dtype=torch.bool))
-    near = ((xr - tau[:, None]).abs() <= EXCUSE).any(0)
-    mp = rt.mp[unit, row, :ncand]
-    if p.topk is not None and int((mp > 0).sum()) > p.topk:
-        mk = torch.sort(mp, descending=True).values[p.topk - 1]
-        near = near | ((mp - mk).abs() <= EXCUSE * mk)
+    near_tau, near_k = near_decisions(x[heads, row, :ncand], rt.mp[unit, row, :ncand], p.topk)
     out = torch.zeros(rt.mp.shape[-1], dtype=torch.bool)
-    out[:ncand] = near
+    out[:ncand] = near_tau | near_k
     return out
 
 

@@ -23,14 +23,14 @@ def check_routing(sc, bufs) -> None:
     p = sc.params
     hsel = bufs.sel_count.shape[1]
     for i in range(sc.n):
-        rt, x, tau, ncand = oracle_route(sc, i)
+        rt, x, ncand = oracle_route(sc, i)
         for u in range(hsel):
             idx, blk, bias = kernel_selection(bufs, i, u)
             assert idx == sorted(set(idx)), f"row {i} unit {u}: kept blocks not increasing/unique: {idx}"
             assert all(0 <= j < ncand for j in idx), f"row {i} unit {u}: {idx} outside 0..{ncand - 1}"
             if p.topk is not None:
                 assert len(idx) <= p.topk
-            bad = selection_mismatches(sc, i, u, set(idx), rt, x, tau)
+            bad = selection_mismatches(sc, i, u, set(idx), rt, x)
             assert not bad, (f"row {i} unit {u}: blocks {bad} differ (kernel {idx}, oracle "
                              f"{torch.nonzero(rt.kept[u, 0]).flatten().tolist() if rt is not None else []})")
             if not idx:
