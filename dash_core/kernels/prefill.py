@@ -463,7 +463,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
     ncand_u = tl.where(unit_ok, ncand, 0)
     mp_unit = slot_u * smp_n + h * smp_h
     mp_dense = x_ptr + (slot_u * sx_n + h * sx_h)[:, None]
-    g_f = G * 1.0
+    inv_g = 1.0 / (G * 1.0)  # the mean over the group is a multiply
     for c0 in range(0, n_full, BLOCK_N):
         acc, c = _products_from_copy(qs, cs_ptr, cs_desc, cs_row0, h, c0, ncand, offs_d, D, HKV, BLOCK_N, CS_TMA,
                                      False)
@@ -477,7 +477,6 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
     npos = tl.zeros([QT], tl.int32)
     key_min = tl.full([QT], 0x7F800000, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
-    inv_g = 1.0 / g_f
     for c0 in range(0, ncand, TL):
         c = c0 + tl.arange(0, TL)
         cok = c[None, :] < ncand_u[:, None]
