@@ -139,6 +139,16 @@ def _kept_entries(mp_ptr, ck_ptr, mp_unit, j, n_u, n_load, LIST: tl.constexpr):
 
 
 @triton.jit
+def _list_keys(mp_ptr, mp_unit, j, n_u, n_load):
+    """``[QT, 1, T]``: the bits (int32) of entries ``j [T]`` of each unit's mp as ``_kept_entries`` loads them (0 past
+    ``n_u``), shaped for ``select_kept``'s pivot counts, which compare keys only (loaded so, they need no layout
+    conversion before the compare, so a load one tile ahead stays in flight)."""
+    jj = j[None, None, :]
+    mpv = tl.load(mp_ptr + mp_unit[:, None, None] + jj, mask=jj < n_load[:, None, None], other=0.0)
+    return tl.where(jj < n_u[:, None, None], mpv, 0.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def append_positive(mp, c, ok, mp_ptr, ck_ptr, mp_unit, npos):
     """Append the positive entries of an ``[QT, T]`` mp tile (candidates ``c [T]``, entries where
     ``ok``) to each unit's list (``select_kept``'s LIST layout) after its ``npos [QT]`` entries;
@@ -208,6 +218,8 @@ def select_kept(
             hi_k = lo_k + 1
         # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k
         # (until a pivot splits them exactly: below).
+        if not ONE_TILE:
+            key_first = _list_keys(mp_ptr, mp_unit, offs_s, n_u, n_load)
         while tl.max(hi_k - lo_k, axis=0) > 1:
             # Even steps of the span in int32 (any pivots inside it narrow it: at least one is while it exceeds 1;
             # those past it change nothing); the exact split of an int64 product took about 100 instructions a pass.
@@ -215,12 +227,13 @@ def select_kept(
             piv = lo_k[:, None] + step[:, None] * (offs_p[None, :] + 1)
             if ONE_TILE:
                 ge = tl.sum((key_all[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
-            else:
+            else:  # each tile's keys loaded one tile ahead, the first tile's kept from the first pass
                 ge = tl.zeros([QT, NPIV], tl.int32)
+                key_next = key_first
                 for c0 in range(0, n_hi, TS):
-                    mpv, _c, valid = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_s, n_u, n_load, LIST)
-                    key = mpv.to(tl.int32, bitcast=True)
-                    ge += tl.sum((key[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
+                    key = key_next
+                    key_next = _list_keys(mp_ptr, mp_unit, c0 + TS + offs_s, n_u, n_load)
+                    ge += tl.sum((key >= piv[:, :, None]).to(tl.int32), axis=2)
             enough = ge >= topk
             new_lo = tl.max(tl.where(enough, piv, lo_k[:, None]), axis=1)
             new_hi = tl.min(tl.where(enough, hi_k[:, None], piv), axis=1)
