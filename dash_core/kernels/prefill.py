@@ -634,12 +634,18 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
     tl.debug_barrier()
     nu = 0
     ppb_u: tl.constexpr = PS // BS
-    for c0 in range(0, ncand, TU):  # the marked candidates compacted in increasing order, no token's prior yet
+    # The marked candidates compacted in increasing order, no token's prior yet; each tile's marks and pages loaded
+    # one tile ahead (a tile's stores below touch only its own candidates' marks).
+    marks = tl.load(upos_tile + offs_c, mask=offs_c < ncand, other=0)
+    pages = tl.load(bt_row + offs_c // ppb_u, mask=offs_c < ncand, other=0)
+    for c0 in range(0, ncand, TU):
         c = c0 + offs_c
-        kept = tl.load(upos_tile + c, mask=c < ncand, other=0) != 0
+        kept = marks != 0
+        page = pages
+        marks = tl.load(upos_tile + c + TU, mask=c + TU < ncand, other=0)
+        pages = tl.load(bt_row + (c + TU) // ppb_u, mask=c + TU < ncand, other=0)
         kept_i = kept.to(tl.int32)
         j = nu + tl.cumsum(kept_i, axis=0) - kept_i
-        page = tl.load(bt_row + c // ppb_u, mask=kept, other=0)
         tl.store(ublk_row + j, page * ublk_page + (c % ppb_u) * ublk_step + h * ublk_head, mask=kept)
         # position plus one: still nonzero for a thread holding a copy of c that loads it after this store
         tl.store(upos_tile + c, j + 1, mask=kept)
