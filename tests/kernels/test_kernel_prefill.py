@@ -691,13 +691,16 @@ def test_chunked_prompt_every_boundary_class():
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-def test_tail_rows_and_inconsistent_requests_are_zero():
+@pytest.mark.parametrize("programs", [pf.ZERO_TAIL_PROGRAMS, 1])
+def test_tail_rows_and_inconsistent_requests_are_zero(monkeypatch, programs):
     """Token rows past ``cu_seqlens_q[n]`` and rows of a request whose new tokens outnumber its length
-    are written as zeros (never NaN, never left stale)."""
+    are written as zeros (never NaN, never left stale); with one program a head, the tail launch loops over
+    the 40 tail rows in chunks of 16."""
+    monkeypatch.setattr(pf, "ZERO_TAIL_PROGRAMS", programs)
     p = DashParams(block_size=16, scaling_factor=2.0)
     case = make_prefill_case(8, [(40, 20), (30, 10)], params=p).to(DEV)
     t = case.q.shape[0]
-    q = torch.cat([case.q, torch.randn(3, *case.q.shape[1:]).to(case.q)])
+    q = torch.cat([case.q, torch.randn(40, *case.q.shape[1:]).to(case.q)])
     seq = case.seq_lens.clone()
     seq[1] = 5  # 10 new tokens cannot end at length 5
     out = torch.full_like(q, float("nan"))
@@ -706,7 +709,7 @@ def test_tail_rows_and_inconsistent_requests_are_zero():
     out = out.cpu()
     assert torch.equal(out[20:], torch.zeros_like(out[20:]))
     assert torch.isfinite(out[:20]).all() and out[:20].abs().sum() > 0
-    assert out.shape[0] == t + 3
+    assert out.shape[0] == t + 40
 
 
 def test_validation_errors_before_any_write():
