@@ -843,7 +843,7 @@ def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr
     end = tl.load(cu_end_ptr).to(tl.int64)
     offs = tl.arange(0, D)
     for r0 in range(end + tl.program_id(0) * ROWS, num_tokens, tl.num_programs(0) * ROWS):
-        r = r0 + tl.arange(0, ROWS)
+        r = (r0 + tl.arange(0, ROWS)).to(tl.int64)  # int64 already (end is): offsets of long outputs
         tl.store(o_ptr + r[:, None] * so_t + hd * so_h + offs[None, :],
                  tl.zeros([ROWS, D], tl.float32).to(o_ptr.dtype.element_ty), mask=(r < num_tokens)[:, None])
 

@@ -122,7 +122,7 @@ def radix_kth(keys, kvalid, topk):
 
 @triton.jit
 def _kept_entries(mp_ptr, ck_ptr, mp_unit, j, n_u, n_load, LIST: tl.constexpr):
-    """Entries ``j [T]`` of each unit's mp (T: a tile width, TS or TL): ``(mp [QT, T], candidate [QT, T]
+    """Entries ``j [T]`` of each unit's mp (T: a tile width, TL): ``(mp [QT, T], candidate [QT, T]
     int32, valid [QT, T])``, loaded up to ``n_load [QT] >= n_u`` (whole groups of 4 make 16-byte loads) and
     zero past ``n_u``.
     LIST: ``mp_ptr + mp_unit[u] + j`` holds the unit's positive mp in increasing candidate order and
@@ -139,7 +139,7 @@ def _kept_entries(mp_ptr, ck_ptr, mp_unit, j, n_u, n_load, LIST: tl.constexpr):
 
 
 @triton.jit
-def _list_keys(mp_ptr, mp_unit, j, n_u, n_load):
+def _mp_keys(mp_ptr, mp_unit, j, n_u, n_load):
     """``[QT, 1, T]``: the bits (int32) of entries ``j [T]`` of each unit's mp as ``_kept_entries`` loads them (0 past
     ``n_u``), shaped for ``select_kept``'s pivot counts, which compare keys only (loaded so, they need no layout
     conversion before the compare, so a load one tile ahead stays in flight)."""
@@ -219,7 +219,7 @@ def select_kept(
         # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k
         # (until a pivot splits them exactly: below).
         if not ONE_TILE:
-            key_first = _list_keys(mp_ptr, mp_unit, offs_s, n_u, n_load)
+            key_first = _mp_keys(mp_ptr, mp_unit, offs_s, n_u, n_load)
         while tl.max(hi_k - lo_k, axis=0) > 1:
             # Even steps of the span in int32 (any pivots inside it narrow it: at least one is while it exceeds 1;
             # those past it change nothing); the exact split of an int64 product took about 100 instructions a pass.
@@ -227,12 +227,12 @@ def select_kept(
             piv = lo_k[:, None] + step[:, None] * (offs_p[None, :] + 1)
             if ONE_TILE:
                 ge = tl.sum((key_all[:, None, :] >= piv[:, :, None]).to(tl.int32), axis=2)
-            else:  # each tile's keys loaded one tile ahead, the first tile's kept from the first pass
+            else:  # each tile's keys loaded one tile ahead; the first tile's, loaded once before the passes
                 ge = tl.zeros([QT, NPIV], tl.int32)
                 key_next = key_first
                 for c0 in range(0, n_hi, TS):
                     key = key_next
-                    key_next = _list_keys(mp_ptr, mp_unit, c0 + TS + offs_s, n_u, n_load)
+                    key_next = _mp_keys(mp_ptr, mp_unit, c0 + TS + offs_s, n_u, n_load)
                     ge += tl.sum((key >= piv[:, :, None]).to(tl.int32), axis=2)
             enough = ge >= topk
             new_lo = tl.max(tl.where(enough, piv, lo_k[:, None]), axis=1)

@@ -691,11 +691,11 @@ def test_chunked_prompt_every_boundary_class():
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-@pytest.mark.parametrize("programs", [pf.ZERO_TAIL_PROGRAMS, 1])
+@pytest.mark.parametrize("programs", [pf.ZERO_TAIL_PROGRAMS, 2, 1])
 def test_tail_rows_and_inconsistent_requests_are_zero(monkeypatch, programs):
     """Token rows past ``cu_seqlens_q[n]`` and rows of a request whose new tokens outnumber its length
-    are written as zeros (never NaN, never left stale); with one program a head, the tail launch loops over
-    the 40 tail rows in chunks of 16."""
+    are written as zeros (never NaN, never left stale); with one or two programs a head, the tail launch loops
+    over the 40 tail rows in chunks of 16."""
     monkeypatch.setattr(pf, "ZERO_TAIL_PROGRAMS", programs)
     p = DashParams(block_size=16, scaling_factor=2.0)
     case = make_prefill_case(8, [(40, 20), (30, 10)], params=p).to(DEV)
