@@ -135,19 +135,34 @@ if HAVE_GLUON:
         return softmax_scaled(qk, 1.0, 0.0, m_i, l_i)
 
     @gluon.jit
-    def issue_block(desc, buf, bar, ublk, j, nu, col):
-        """TMA of union block ``j``'s K (or V) rows into one ring slot; nothing when ``j >= nu``: the box at row
-        ``ublk[j]`` (the block's first row, ``kv_rows``), column ``col`` (the KV head's first)."""
-        pred = j < nu
-        row = gl.load(ublk + j, mask=pred, other=0)
+    def issue_row(desc, buf, bar, row, pred, col):
+        """TMA of the K (or V) rows of a block into one ring slot where ``pred``: the box at row ``row`` (the block's
+        first, ``kv_rows``), column ``col`` (the KV head's first)."""
         mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(desc, [row, col], bar, buf, pred=pred)
+
+    @gluon.jit
+    def issue_block(desc, buf, bar, ublk, j, nu, col):
+        """``issue_row`` of union block ``j`` (its first row ``ublk[j]``); nothing when ``j >= nu``."""
+        pred = j < nu
+        issue_row(desc, buf, bar, gl.load(ublk + j, mask=pred, other=0), pred, col)
 
     @gluon.jit
     def _issue_at(desc, ring, bars, ublk, j, n0, nu, col, c: gl.constexpr, ST: gl.constexpr):
         """``issue_block`` of the tile's block j into warpgroup c's ring of ``ST`` slots, after ``n0`` blocks."""
         slot = c * ST + (n0 + j) % ST
         issue_block(desc, ring.index(slot), bars.index(slot), ublk, j, nu, col)
+
+    @gluon.jit
+    def _issue_row_at(desc, ring, bars, row, j, n0, nu, col, c: gl.constexpr, ST: gl.constexpr):
+        """``issue_row`` of the tile's block j (first row ``row``, loaded ahead) into warpgroup c's ring."""
+        slot = c * ST + (n0 + j) % ST
+        issue_row(desc, ring.index(slot), bars.index(slot), row, j < nu, col)
+
+    @gluon.jit
+    def _row_of(ublk, j, nu):
+        """Union block j's first row, 0 past the union."""
+        return gl.load(ublk + j, mask=j < nu, other=0)
 
     @gluon.jit
     def _load_rows(ptr, row_off, row_ok, D: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
@@ -179,17 +194,24 @@ if HAVE_GLUON:
         if nu > 0:  # block 0's QK (acc is still zero: no rescale)
             ks = c * KST + n0 % KST
             prior = gl.load(prow)
+            row_k = _row_of(ublk, KST, nu)
+            # what the next block takes (its prior, the rows its refills load) is loaded a block ahead: loaded in
+            # the block that uses it, it stalled the refills and the softmax behind them
+            prior_next = gl.load(prow + QT, mask=nu > 1, other=0.0)
+            row_k_next = _row_of(ublk, 1 + KST, nu)
+            row_v_next = _row_of(ublk, VST, nu)
             mbarrier.wait(kbar.index(ks), (n0 // KST) & 1)
             s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
             gl.thread_barrier()
-            _issue_at(k_desc, k_all, kbar, ublk, KST, n0, nu, col, c, KST)
+            _issue_row_at(k_desc, k_all, kbar, row_k, KST, n0, nu, col, c, KST)
             p, alpha, m_i, l_i = softmax_scaled(s_cur, qk_scale, prior, m_i, l_i)
             for j in range(1, nu):
                 ks = c * KST + (n0 + j) % KST
                 vs = c * VST + (n0 + j - 1) % VST
-                # loaded before the MMAs and their waits (loaded after them, it stalled the softmax: this kernel took
-                # 64.3 against 58.8 ms at 128k, topk 64, Hkv 8 on the H200)
-                prior = gl.load(prow + j * QT)
+                prior, row_k, row_v = prior_next, row_k_next, row_v_next
+                prior_next = gl.load(prow + (j + 1) * QT, mask=j + 1 < nu, other=0.0)
+                row_k_next = _row_of(ublk, j + 1 + KST, nu)
+                row_v_next = _row_of(ublk, j + VST, nu)
                 p_op = gl.convert_layout(p.to(dt), p_layout)
                 mbarrier.wait(kbar.index(ks), ((n0 + j) // KST) & 1)
                 mbarrier.wait(vbar.index(vs), ((n0 + j - 1) // VST) & 1)
@@ -197,11 +219,11 @@ if HAVE_GLUON:
                 acc = warpgroup_mma(p_op, v_all.index(vs), acc, is_async=True)
                 s_cur = warpgroup_mma_wait(1, deps=[s_cur])
                 gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
-                _issue_at(k_desc, k_all, kbar, ublk, j + KST, n0, nu, col, c, KST)
+                _issue_row_at(k_desc, k_all, kbar, row_k, j + KST, n0, nu, col, c, KST)
                 p, alpha, m_i, l_i = softmax_scaled(s_cur, qk_scale, prior, m_i, l_i)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 gl.thread_barrier()  # and every warp's PV with the V slot
-                _issue_at(v_desc, v_all, vbar, ublk, j - 1 + VST, n0, nu, col, c, VST)
+                _issue_row_at(v_desc, v_all, vbar, row_v, j - 1 + VST, n0, nu, col, c, VST)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             vs = c * VST + (n0 + nu - 1) % VST  # the last block's PV
             mbarrier.wait(vbar.index(vs), ((n0 + nu - 1) // VST) & 1)
