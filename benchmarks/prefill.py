@@ -488,9 +488,11 @@ def _published_child(a, cases, device: str, bw: float, results) -> None:
     """Child process: every published case in order, each record sent as soon as it is measured."""
     for n, hkv, sf in cases:
         recs: list = []
-        run_published(a, n, hkv, sf, torch.device(device), bw, recs)
-        for r in recs:
-            results.put(r)
+        try:
+            run_published(a, n, hkv, sf, torch.device(device), bw, recs)
+        finally:  # sent even when the cleanup after a crash raises (a dead CUDA context), with the crash's reason
+            for r in recs:
+                results.put(r)
     results.put(None)
 
 
