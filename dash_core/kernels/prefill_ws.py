@@ -142,27 +142,21 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(desc, [row, col], bar, buf, pred=pred)
 
     @gluon.jit
-    def issue_block(desc, buf, bar, ublk, j, nu, col):
-        """``issue_row`` of union block ``j`` (its first row ``ublk[j]``); nothing when ``j >= nu``."""
-        pred = j < nu
-        issue_row(desc, buf, bar, gl.load(ublk + j, mask=pred, other=0), pred, col)
+    def _row_of(ublk, j, nu):
+        """Union block j's first row (``ublk[j]``), 0 past the union."""
+        return gl.load(ublk + j, mask=j < nu, other=0)
 
     @gluon.jit
-    def _issue_at(desc, ring, bars, ublk, j, n0, nu, col, c: gl.constexpr, ST: gl.constexpr):
-        """``issue_block`` of the tile's block j into warpgroup c's ring of ``ST`` slots, after ``n0`` blocks."""
-        slot = c * ST + (n0 + j) % ST
-        issue_block(desc, ring.index(slot), bars.index(slot), ublk, j, nu, col)
+    def issue_block(desc, buf, bar, ublk, j, nu, col):
+        """``issue_row`` of union block ``j`` (``_row_of``); nothing when ``j >= nu``."""
+        issue_row(desc, buf, bar, _row_of(ublk, j, nu), j < nu, col)
 
     @gluon.jit
     def _issue_row_at(desc, ring, bars, row, j, n0, nu, col, c: gl.constexpr, ST: gl.constexpr):
-        """``issue_row`` of the tile's block j (first row ``row``, loaded ahead) into warpgroup c's ring."""
+        """``issue_row`` of the tile's block j (first row ``row``) into warpgroup c's ring of ``ST`` slots, after
+        ``n0`` blocks; nothing when ``j >= nu``."""
         slot = c * ST + (n0 + j) % ST
         issue_row(desc, ring.index(slot), bars.index(slot), row, j < nu, col)
-
-    @gluon.jit
-    def _row_of(ublk, j, nu):
-        """Union block j's first row, 0 past the union."""
-        return gl.load(ublk + j, mask=j < nu, other=0)
 
     @gluon.jit
     def _load_rows(ptr, row_off, row_ok, D: gl.constexpr, R: gl.constexpr, layout: gl.constexpr):
@@ -188,9 +182,9 @@ if HAVE_GLUON:
         acc = gl.zeros([R, D], gl.float32, o_layout)
         dt: gl.constexpr = q_s.dtype
         for s in gl.static_range(KST):
-            _issue_at(k_desc, k_all, kbar, ublk, s, n0, nu, col, c, KST)
+            _issue_row_at(k_desc, k_all, kbar, _row_of(ublk, s, nu), s, n0, nu, col, c, KST)
         for s in gl.static_range(VST):
-            _issue_at(v_desc, v_all, vbar, ublk, s, n0, nu, col, c, VST)
+            _issue_row_at(v_desc, v_all, vbar, _row_of(ublk, s, nu), s, n0, nu, col, c, VST)
         if nu > 0:  # block 0's QK (acc is still zero: no rescale)
             ks = c * KST + n0 % KST
             prior = gl.load(prow)
