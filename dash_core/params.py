@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Optional
+
+from .limits import BLOCK_SIZE_RANGE, kernel_block_size_error
 
 ROUTERS = ("kv_head", "shared")
 ATTENTION_BACKENDS = ("TRITON", "FLASH_ATTN", "FLASHINFER")
@@ -69,8 +71,9 @@ class DashParams:
 
     def __post_init__(self) -> None:
         bs = self.block_size
-        if not _is_int(bs) or bs < 16 or bs > 256 or bs & (bs - 1):
-            raise _bad("block_size", bs, "a power of two in 16..256")
+        lo, hi = BLOCK_SIZE_RANGE
+        if not _is_int(bs) or bs < lo or bs > hi or bs & (bs - 1):
+            raise _bad("block_size", bs, f"a power of two in {lo}..{hi}")
         if self.topk is not None and (not _is_int(self.topk) or self.topk < 1):
             raise _bad("topk", self.topk, "None or an integer >= 1")
         if self.local is None:
@@ -99,6 +102,26 @@ class DashParams:
     def local_blocks(self) -> int:
         """Blocks in the local window (``local // block_size``)."""
         return self.local // self.block_size
+
+    def cap(self, num_candidates: int) -> int:
+        """Blocks one unit may keep out of ``num_candidates``: ``min(topk, num_candidates)``, or all of them
+        without ``topk``."""
+        return num_candidates if self.topk is None else min(self.topk, num_candidates)
+
+    def selection_units(self, num_kv_heads: int) -> int:
+        """Selections per token: one per KV head (router ``kv_head``) or one for all heads (``shared``)."""
+        return 1 if self.router == "shared" else num_kv_heads
+
+    def routed_by(self, indexer: bool) -> "DashParams":
+        """The routing settings of a step: an indexer's selection serves every KV head, so it routes with router
+        ``shared`` (docs/semantics.md section 9); without one, these."""
+        return replace(self, router="shared") if indexer and self.router != "shared" else self
+
+    def check_kernel_support(self) -> None:
+        """Raise ``ValueError`` unless the Triton kernels (GPU) run these settings (``dash_core.limits``)."""
+        problem = kernel_block_size_error(self.block_size)
+        if problem:
+            raise ValueError(problem)
 
     @classmethod
     def dense_equivalent(cls, block_size: int = 64, local: Optional[int] = None) -> "DashParams":

@@ -50,8 +50,12 @@ from typing import Optional, Tuple
 import torch
 
 from .layout import PagedKVCache
+from .limits import HAVE_TRITON
 from .params import ATTENTION_BACKENDS, DashParams
 from .plan_cache import PlanCache, PlanKey, default_plan_cache
+
+if HAVE_TRITON:  # the Triton segment kernel (Linux); the PyTorch segment attention serves without it
+    from .kernels.segment_attention import segment_attention_triton
 
 logger = logging.getLogger(__name__)
 
@@ -460,8 +464,6 @@ def flash_dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used
     if geo.n == 0:
         return q.new_zeros(q.shape)
     if backend == "TRITON" and q.device.type != "cpu":
-        from .kernels.segment_attention import segment_attention_triton
-
         o, lse = segment_attention_triton(q, k, v, used, geo)
     elif backend in ("TRITON", "TORCH"):
         o, lse = segment_attention_torch(q, k, v, used, geo)

@@ -30,26 +30,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
-from .params import DashParams
-
-
-def prefill_scratch_bytes(num_tokens: int, max_requests: int, max_context: int, num_q_heads: int,
-                          num_kv_heads: int, params: DashParams, *, indexer_heads: Optional[int] = None) -> int:
-    """The most routing scratch, in bytes, one CUDA ``paged_dash_prefill`` call (and so a workspace) holds for up
-    to ``num_tokens`` new tokens of up to ``max_requests`` requests whose block tables cover up to
-    ``max_context`` tokens (page-table width times page size): at most the byte budget
-    ``dash_core.kernels.prefill.SCRATCH_BYTES`` (896 MiB), or one query tile's scratch where that is larger. Where
-    tables are long enough for routing to recompute its scores from a copy of the summaries (router ``kv_head``, no
-    indexer), the larger of that and the same for that path's smaller tiles plus ``SUMMARY_COPY_BYTES`` (16 MiB).
-    indexer_heads: the indexer's query heads when it routes (the selection is then shared by the KV heads).
-    Engines that size their KV cache from a profiled peak add it (the vLLM adapter does).
-    """
-    from .kernels.launcher import indexer_routing
-    from .kernels.prefill import scratch_bound
-    if indexer_heads:
-        params = indexer_routing(params)
-    return scratch_bound(num_tokens, max_requests, max_context, num_q_heads, num_kv_heads, params,
-                         route_heads=indexer_heads)
+from .kernels.prefill.config import PrefillConfig
 
 
 _RESERVED: Dict[torch.device, torch.Tensor] = {}  # the scratch a memory profile holds, per device
@@ -85,10 +66,15 @@ def check_workspace(workspace: Any) -> None:
 class PrefillWorkspace:
     """The plan and scratch of one batch's prefill calls (see the module docstring).
 
-    builds: how many times a call had to make them (1 when every call of the batch reused them).
+    config: the prefill launches' tuning (``dash_core.kernels.prefill.config.PrefillConfig``; None: the defaults
+    of the device's architecture). builds: how many times a call had to make them (1 when every call of the batch
+    reused them).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, config: Optional[PrefillConfig] = None) -> None:
+        if config is not None and not isinstance(config, PrefillConfig):
+            raise TypeError(f"config must be a PrefillConfig or None, got {type(config).__name__}")
+        self.config = config
         self._key: Optional[Hashable] = None
         self._lens: Tuple[Any, ...] = ()
         self._value: Any = None

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.layout import PagedKVCache
 from dash_core.ops import paged_dash_decode
 from dash_core.params import DashParams
@@ -64,8 +65,6 @@ class DecodeGraphBuffers:
         z = lambda *shape, dt=dtype: torch.zeros(*shape, dtype=dt, device=dev)
         scratch = None
         if kernel:
-            from dash_core.kernels.launcher import DecodeBuffers
-
             scratch = DecodeBuffers.allocate(max_batch, num_q_heads, num_kv_heads, head_dim, page_size, max_pages,
                                              params, dev, indexer_heads=indexer_heads)
         return cls(

@@ -28,12 +28,11 @@ from typing import ClassVar, Optional
 import torch
 
 from dash_core.layout import PagedKVCache
-from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill
+from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill, prefill_scratch_bytes
 from dash_core.model_config import AuxConfig, serving_params
 from dash_core.params import DashParams
 from dash_core.rope import PageRopeSettings
-from dash_core.workspace import (PrefillWorkspace, prefill_scratch_bytes, release_prefill_scratch,
-                                 reserve_prefill_scratch)
+from dash_core.workspace import PrefillWorkspace, release_prefill_scratch, reserve_prefill_scratch
 from graphs.decode import DecodeGraphBuffers
 
 try:

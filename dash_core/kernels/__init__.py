@@ -1,5 +1,8 @@
-"""Triton kernels for paged DASH decode: K/V + summary write, routing, sparse attention.
+"""The Triton (and, on Hopper, Gluon) kernels of DASH: K/V + summary writes, routing, sparse attention.
 
-Import ``dash_core.kernels.launcher`` for the host entry points (``paged_dash_decode_triton``,
-``cache_dash_prefill_triton``, ``DecodeBuffers``); the submodules hold one stage each.
+One folder a stage: ``decode/`` and ``prefill/`` (their configs, launches and kernels), with what both share beside
+them: ``common`` (paging index math, online softmax, host helpers), ``kv_write`` (every K/V and summary write),
+``routing`` (the routing routine), ``segment_attention`` (the Triton segment backend) and ``checks`` (what the
+kernels support). The ops (``dash_core.ops``) validate and call the launches; nothing here imports the ops, the
+segment backends or the PyTorch path.
 """

@@ -1,5 +1,5 @@
 """What the DASH Triton kernels share: the index math of paging and decode bounds, the routing scores' query rows,
-and the online softmax's rescale (one place for each).
+the online softmax's rescale, and the host helpers every launch uses (one place for each).
 
 A request's block ``b`` (tokens ``b*bs .. b*bs + bs - 1``) lives in page
 ``block_table[req, b // (ps // bs)]`` at rows ``(b % (ps // bs)) * bs ..``; its summary is at index
@@ -9,8 +9,10 @@ All offsets that scale with the cache size are computed in int64.
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -20,9 +22,50 @@ LOG2E = tl.constexpr(LOG2E_F)  # usable inside kernels
 LN2 = tl.constexpr(LN2_F)
 
 
+DEFAULT_NUM_SMS = 132  # the H200's multiprocessors: grids are sized for it under the interpreter
+
+
 def interpreting() -> bool:
     """Whether kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pow2(x: int) -> int:
+    """The smallest power of two ``>= x`` (1 for ``x <= 1``)."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA ``device`` (``DEFAULT_NUM_SMS`` elsewhere: the Triton interpreter)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _cuda_sms(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index) -> int:
+    return torch.cuda.get_device_properties(torch.device("cuda", index)).multi_processor_count
+
+
+def tma_supported(device) -> bool:
+    """NVIDIA Hopper or later, or the interpreter (which emulates descriptors: the CPU tests run the TMA paths)."""
+    if interpreting():
+        return True
+    device = torch.device(device)
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def sm90(device) -> bool:
+    """An NVIDIA Hopper GPU (compiled code, not the interpreter)."""
+    device = torch.device(device)
+    return (not interpreting() and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 @triton.jit

@@ -163,7 +163,7 @@ def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     decode=True: one launch, a program per token and KV head; each token's block holds no other token of
     this batch (one new token per request). decode=False: a write launch, then a summary launch, of
     ``ROWS`` tokens a program (prefill, any batch). ``k, v`` None: the summaries only.
-    Arguments are assumed validated (``dash_core.kernels.launcher``); nothing is synchronised.
+    Arguments are assumed validated (``dash_core.checks``); nothing is synchronised.
     """
     t = slot_mapping.shape[0]
     if t == 0 or (k is None and cache.summaries is None):
@@ -189,3 +189,20 @@ def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor],
         rows(True, False, max(4, ROWS * d // 2048))  # [ROWS, D] K and V tiles
     if summarize:  # after the write: a block's keys may come from several programs
         rows(False, True, num_warps)
+
+
+def write_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, slot_mapping: torch.Tensor,
+                  params, head_cls: Optional[torch.Tensor]) -> None:
+    """Write ``k, v [T, Hkv, D]`` at ``slot_mapping [T]`` and summarise the blocks completed (prefill: any batch).
+    Arguments validated by the op."""
+    k = k if k.stride(-1) == 1 else k.contiguous()  # the kernel reads whole [D] rows
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=False)
+
+
+def write_indexer_summaries(cache: PagedKVCache, slot_mapping: torch.Tensor, head_cls_i: torch.Tensor,
+                            params) -> None:
+    """Summarise with ``head_cls_i [D]`` the stored indexer keys of the blocks ``slot_mapping`` completes, into
+    the cache's 1-head summary store (the auxiliary head; ``cache.indexer_view()``)."""
+    write_kv_and_summaries(None, None, cache.indexer_view(), slot_mapping, head_cls_i[None], params.block_size,
+                           decode=False)

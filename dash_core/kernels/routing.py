@@ -4,17 +4,8 @@ Stage 2 and the prior of SPEC.md (sections 4-5). ``route_tile`` is the one routi
 takes the scores ``x = 0.5 * <sf q, s> / sqrt(D)`` of a tile of selection *units* (a unit is what
 gets one selection: a (request, KV head) for router ``kv_head``, a request for ``shared``; a
 prefill tile is several query tokens), each with ``nrows`` score rows (its query heads), from a
-scratch buffer, and writes each unit's kept blocks. Decode calls it with one unit per program;
-prefill kernels call it with a tile of query tokens.
-
-Decode uses two kernels:
-
-- ``_decode_scores_kernel``, grid ``(n, Hkv, splits)``: each program scores a contiguous share of
-  one request's candidates for the G query heads of one KV head (summaries read through the page
-  table) into the score scratch, and writes the row maxima of its share (split over the
-  candidates for occupancy: 2048 summaries per KV head at 128k / bs 64). It can also write the
-  step's new K/V (``kv_write.write_token``), which this step's routing never reads.
-- ``_decode_select_kernel``, grid ``(n, Hsel)``: one unit per program, calls ``route_tile``.
+scratch buffer, and writes each unit's kept blocks. Decode (``decode/route.py``) calls it with one
+unit per program; prefill (``prefill/route.py``) with a tile of query tokens.
 
 All arithmetic is fp32 (scores accumulate fp32 from products of the query/summary dtype). The
 entmax reads the score rows from the scratch (L2-resident at decode sizes) once when a unit's
@@ -28,16 +19,10 @@ the list too); ties go to the lower block.
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
-import torch
 import triton
 import triton.language as tl
 
 from .. import reference
-from .common import decode_bounds, load_group_query, scaled_query, summary_scores
-from .kv_write import write_token
 
 PRIOR_EPS = 1e-20  # SPEC.md section 5
 HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # SPEC.md section 4 (globals kernels read are constexprs)
@@ -415,183 +400,3 @@ def route_tile(
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
                     X_IN_REGS=False, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS)
-
-
-@triton.jit
-def _decode_scores_kernel(
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT,
-    w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
-    w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
-    w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-    G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr,
-):
-    """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates.
-
-    Loads ``sf * q`` rounded to the query dtype for the G heads of KV head h (``[G_PAD, D]``),
-    summaries ``[BLOCK_N, D]`` per step through the page table, writes
-    ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
-    maximum of its share per head to ``pmax [n, Hq, NSPLIT]`` (-inf for an empty share).
-    FUSE_WRITE: program (i, h, 0) also writes the new K/V of request i, head h (and the summary of
-    the block it completes): nothing in this step's routing reads them (that block is in the local
-    window), and the attention launch that does comes after this kernel.
-    """
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    if FUSE_WRITE:
-        if s == 0:
-            write_token(i, h, w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
-                        w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
-                        w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-                        D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
-    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
-    per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
-    c_start = s * per
-    c_end = tl.minimum(ncand, c_start + per)
-    offs_n = tl.arange(0, BLOCK_N)
-    q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
-    qs = scaled_query(q, sf)
-    bt_row = bt_ptr + i.to(tl.int64) * sbt_n
-    x_rows = x_ptr + i.to(tl.int64) * sx_n + heads[:, None].to(tl.int64) * sx_h
-    mx = tl.full([G_PAD], float("-inf"), tl.float32)
-    for c0 in range(c_start, c_end, BLOCK_N):
-        c = c0 + offs_n
-        cm = c < c_end
-        x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-        tl.store(x_rows + c[None, :], x, mask=g_ok[:, None] & cm[None, :])
-        mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-    tl.store(pmax_ptr + i * spm_n + heads * spm_h + s, mx, mask=g_ok)
-
-
-@triton.jit
-def _decode_select_kernel(
-    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-    mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
-    count_ptr, scnt_n, NROWS, topk, inv_sigma,
-    NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
-    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr,
-):
-    """Grid ``(n, Hsel)``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
-
-    Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile``.
-    """
-    i = tl.program_id(0)
-    u = tl.program_id(1)
-    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
-    offs_r = tl.arange(0, NH_PAD)
-    offs_s = tl.arange(0, NS_PAD)
-    rows = u * NROWS + offs_r
-    r_ok = offs_r < NROWS
-    pm = tl.load(pmax_ptr + i * spm_n + rows[:, None] * spm_h + offs_s[None, :],
-                 mask=r_ok[:, None] & (offs_s[None, :] < NSPLIT), other=float("-inf"))
-    m = tl.max(pm, axis=1)
-    m = tl.where(r_ok & (ncand > 0), m, 0.0)
-    one = tl.zeros([1], tl.int64)
-    i64 = i.to(tl.int64)
-    route_tile(
-        x_ptr, one + i64 * sx_n + u * NROWS * sx_h, sx_h, NROWS, one.to(tl.int32) + ncand, m[None, :],
-        mp_ptr, one + i64 * smp_n + u * smp_h, mp_ptr, bt_ptr, one + i64 * sbt_n,  # (no mp lists in decode)
-        sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
-        count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
-        QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-        ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS,
-    )
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
-    """Placeholders for the score kernel's write arguments (never dereferenced)."""
-    return (q, q, 0, 0, 0, 0, q, q, 0, 0, 0, 0, 0, 0, q, 0, 0, q, 0, dummy, 0, 1.0)
-
-
-# Elements of the largest register tile of the select kernel (8 warps, no spills at sm_90 for G <= 8;
-# halved for 16+ score rows).
-SELECT_TILE_BUDGET = 8192
-NUM_PIVOTS = 16
-ONE_TILE_MAX = 8192  # up to this many candidates the cap keeps every mp in registers
-
-
-def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
-                 sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
-                 *, num_splits: int, write: Optional[tuple] = None, write_summarize: bool = False,
-                 only: Optional[str] = None) -> None:
-    """Route one decode token per request (two launches, no host synchronisation).
-
-    q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
-    ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token, 0 = padded row).
-    Scratch (rows ``>= n`` untouched): scores ``[>= n, Hq, max_cand]`` fp32, pmax
-    ``[>= n, Hq, >= num_splits]`` fp32, mp ``[>= n, Hsel, max_cand]`` fp32 with
-    ``max_cand = max_pages * page_size // bs``. Outputs: ``sel_idx, sel_blk`` int32 and
-    ``sel_bias`` fp32 ``[>= n, Hsel, cap]``, ``sel_count [>= n, Hsel]`` int32: per unit, the kept
-    candidate blocks (logical index, physical block, log prior) in increasing order.
-    ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
-    bounded by the number of candidates).
-    write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
-    the summaries they complete when ``write_summarize``) in the score launch.
-    only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark).
-    """
-    n, hq, _ = q.shape
-    hkv = summaries.shape[1]
-    max_cand = block_table.shape[1] * page_size // params.block_size
-    shared = params.router == "shared"
-    if n == 0:
-        return
-    if only != "select":
-        _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                      write_summarize, max_cand)
-    if only == "scores":
-        return
-    _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
-                   sel_bias, sel_count, hq if shared else hq // hkv, 1 if shared else hkv, max_cand, n)
-
-
-def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                  write_summarize, max_cand) -> None:
-    n, hq, d = q.shape
-    hkv = summaries.shape[1]
-    g = hq // hkv
-    bs = params.block_size
-    max_pages = block_table.shape[1]
-    block_n = max(16, min(64 if d <= 128 else 32, _pow2(max_cand)))
-    _decode_scores_kernel[(n, hkv, num_splits)](
-        q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
-        block_table, block_table.stride(0), seq_lens, max_pages * page_size,
-        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
-        params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
-        *(write if write is not None else _NO_WRITE(q, seq_lens)),
-        G_PAD=max(16, _pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
-        FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, num_warps=4, num_stages=3,
-    )
-
-
-def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
-                   sel_bias, sel_count, nrows, hsel, max_cand, n) -> None:
-    bs = params.block_size
-    max_pages = block_table.shape[1]
-    nh_pad = _pow2(nrows)
-    budget = SELECT_TILE_BUDGET if nh_pad < 16 else SELECT_TILE_BUDGET // 2  # wide 3-D tiles spill otherwise
-    tc = max(16, min(_pow2(max_cand), budget // nh_pad))
-    one_tile = _pow2(max_cand) <= ONE_TILE_MAX
-    if one_tile:  # all candidates in one [TS] tile; fewer pivots per pass keep [NPIV, TS] in budget
-        ts = max(16, _pow2(max_cand))
-        npiv = max(1, min(NUM_PIVOTS, budget // ts))
-    else:
-        ts = max(16, min(_pow2(max_cand), budget // (2 * NUM_PIVOTS)))
-        npiv = NUM_PIVOTS
-    topk = params.topk if params.topk is not None else 0
-    _decode_select_kernel[(n, hsel)](
-        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
-        block_table, block_table.stride(0), seq_lens, max_pages * page_size,
-        mp, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
-        sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma,
-        NH_PAD=nh_pad, NS_PAD=_pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
-        HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, BS=bs, PS=page_size,
-        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, num_warps=SELECT_WARPS,
-    )

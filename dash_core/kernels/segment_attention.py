@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 # LN2 is a tl.constexpr: kernels may read it
-from .common import LN2, LOG2E_F as LOG2E, interpreting, max_or_zero, raise_max
+from .common import LN2, LOG2E_F as LOG2E, interpreting, max_or_zero, pow2, raise_max
 
 
 @triton.jit
@@ -86,10 +86,6 @@ def _segment_attn_kernel(
     tl.store(lse_ptr + out_rows, lse, mask=gm)
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def segment_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
                              geo) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-segment attention of a validated gathered call (``dash_core.segments.check_segments``).
@@ -105,13 +101,13 @@ def segment_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     c = geo.num_segments
     o = torch.empty(geo.n, geo.hsel, c, hu, geo.d, dtype=torch.float32, device=q.device)
     lse = torch.empty(geo.n, geo.hsel, c, hu, dtype=torch.float32, device=q.device)
-    d_pad = max(16, _pow2(geo.d))
+    d_pad = max(16, pow2(geo.d))
     ieee = q.dtype == torch.float32 or (interpreting() and q.dtype == torch.bfloat16)
     _segment_attn_kernel[(geo.requests, geo.hk)](
         q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         used, used.stride(0), used.stride(1), used.stride(2), o, lse,
         LOG2E / math.sqrt(geo.d), geo.hsel, hu, g, geo.unit_tokens, geo.topk,
-        BS=geo.bs, LOCAL=geo.local, MAXCAP=max(geo.bs, geo.local), G_PAD=max(16, _pow2(g)),
+        BS=geo.bs, LOCAL=geo.local, MAXCAP=max(geo.bs, geo.local), G_PAD=max(16, pow2(g)),
         D=geo.d, D_PAD=d_pad, BLOCK_N=32 if d_pad <= 128 else 16, IEEE=ieee,
         num_warps=4,
     )

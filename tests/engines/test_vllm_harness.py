@@ -175,7 +175,7 @@ def test_a_forward_without_metadata_reserves_the_prefill_scratch(tmp_path, monke
     on block tables of ``max_model_len`` rounded up to whole pages, until the next forward with metadata
     releases it."""
     import adapters.vllm.backend as backend
-    from dash_core.workspace import prefill_scratch_bytes
+    from dash_core.ops import prefill_scratch_bytes
 
     calls = []
     monkeypatch.setattr(backend, "reserve_prefill_scratch", lambda nbytes, device: calls.append((nbytes, device)))

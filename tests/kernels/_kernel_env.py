@@ -39,7 +39,7 @@ def _interpreted_here() -> bool:
     import triton.language.standard as std
     from triton.runtime.interpreter import InterpretedFunction
 
-    ours = sys.modules.get("dash_core.kernels.routing")
+    ours = sys.modules.get("dash_core.kernels.decode.route")
     return isinstance(std.max, InterpretedFunction) and (
         ours is None or isinstance(ours._decode_select_kernel, InterpretedFunction))
 

@@ -1,7 +1,7 @@
 """Compile every prefill kernel launch for sm_90 (H200) on a machine without a GPU.
 
 The prefill counterpart of ``_kernel_compile_check`` (whose recorder and compiler it reuses): records
-the launches ``paged_dash_prefill_triton`` (K/V already written; the Gluon attention of ``prefill_ws`` where it
+the launches ``paged_dash_prefill_triton`` (K/V already written; the Gluon attention of ``prefill/gluon.py`` where it
 serves on the H200) and the prefill K/V write make for a set of supported configurations (kernels replaced by
 recorders), compiles each distinct one for ``cuda:90`` and prints one JSON line per variant (shared memory, ptxas
 registers and spills).
@@ -17,13 +17,18 @@ import sys
 import torch
 
 from dash_core import DashParams
-from dash_core.kernels import kv_write, prefill as pf, prefill_ws
+from dash_core.kernels import kv_write
+from dash_core.kernels.prefill import attention as pf_attention, gluon, route as pf_route, tiles as pf_tiles
+from dash_core.kernels.prefill.config import PrefillConfig
+from dash_core.kernels.prefill.launch import paged_dash_prefill_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
-PREFILL_KERNELS = {"_prefill_route_kernel": pf, "_prefill_attn_kernel": pf, "_zero_tail_kernel": pf,
-                   "_gather_summaries_kernel": pf,
-                   "_tile_tables_kernel": pf, "_kv_rows_kernel": kv_write, "prefill_attn_ws": prefill_ws}
+PREFILL_KERNELS = {"_prefill_route_kernel": pf_route, "_prefill_attn_kernel": pf_attention,
+                   "_zero_tail_kernel": pf_attention, "_gather_summaries_kernel": pf_route,
+                   "_tile_tables_kernel": pf_tiles, "_kv_rows_kernel": kv_write, "prefill_attn_ws": gluon}
+# The device queries the launches make, answered as on the H200 while recording (module attribute -> stand-in).
+AS_ON_H200 = {"tma_supported": lambda device: True, "sm90": lambda device: True, "sm_count": lambda device: 132}
 kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 
 CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
@@ -53,10 +58,13 @@ def record_launches() -> dict:
     saved = {name: getattr(mod, name) for name, mod in PREFILL_KERNELS.items()}
     for name, mod in PREFILL_KERNELS.items():
         setattr(mod, name, kc._Recorder(name, saved[name], calls))
-    # compiled for sm_90: as on the H200 (where the Gluon attention serves the configurations it supports)
-    tma_supported, pf._tma_supported = pf._tma_supported, lambda device: True
-    sm90, sm_count = prefill_ws.sm90, pf.sm_count
-    prefill_ws.sm90, pf.sm_count = (lambda device: True), (lambda device: 132)
+    # compiled for sm_90: as on the H200 (where the Gluon attention serves the configurations it supports); every
+    # kernel module that took one of these names answers as there
+    patched = [(mod, name, getattr(mod, name)) for mod in list(sys.modules.values())
+               if getattr(mod, "__name__", "").startswith("dash_core.kernels") for name in AS_ON_H200
+               if hasattr(mod, name)]
+    for mod, name, _ in patched:
+        setattr(mod, name, AS_ON_H200[name])
     try:
         configs = [c + (None,) for c in CONFIGS] + INDEXER_CONFIGS
         for dtype, hq, hkv, d, bs, ps, max_pages, pk, hi in configs:
@@ -73,13 +81,14 @@ def record_launches() -> dict:
                 seq = torch.full((n,), t, dtype=torch.int32)
                 hc = None if hi else torch.zeros(hkv, d, dtype=dtype)
                 iq = torch.zeros(t, hi, d, dtype=dtype) if hi else None
-                pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, scratch_bytes=1 << 24,
-                                             iq=iq)
+                paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
+                                          config=PrefillConfig(scratch_bytes=1 << 24))
                 if not hi:  # cache_dash_prefill's write and summary launches
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
                     kv_write.write_kv_and_summaries(kv, kv, cache, torch.arange(t), hc, bs, decode=False)
     finally:
-        pf._tma_supported, prefill_ws.sm90, pf.sm_count = tma_supported, sm90, sm_count
+        for mod, name, value in patched:
+            setattr(mod, name, value)
         for name, mod in PREFILL_KERNELS.items():
             setattr(mod, name, saved[name])
     return calls

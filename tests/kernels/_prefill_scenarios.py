@@ -14,7 +14,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from dash_core import DashParams
-from dash_core.kernels import prefill as pf
+from dash_core.kernels.prefill import launch as pf_launch, route as pf_route, tiles as pf_tiles
+from dash_core.kernels.prefill.config import PrefillConfig
 from dash_core.reference import Routing, block_summaries, dash_rows, route, routing_scores
 from tests.kernels._kernel_scenarios import Scenario, make_scenario, near_decisions
 
@@ -173,20 +174,22 @@ def oracle_rows(case: PrefillCase, i: int) -> torch.Tensor:
 # --- the kernels' stages, one wave covering every tile ----------------------------------------------
 
 
-def plan_and_scratch(case: PrefillCase, scratch_bytes: Optional[int] = None, recompute: Optional[bool] = None):
-    """The plan and scratch of one call; recompute: route without a score scratch (from the summary copy, made
-    here as the op makes it), None: where the op would (``pf.recompute_routing``)."""
+def plan_and_scratch(case: PrefillCase, config: Optional[PrefillConfig] = None, recompute: Optional[bool] = None):
+    """The plan and scratch of one call; config: the kernels' tuning (default: one wave covering every tile);
+    recompute: route without a score scratch (from the summary copy, made here as the op makes it), None: where the
+    op would (``pf_route.recompute_routing``)."""
     p = case.params
-    plan, scratch = pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
-                                        scratch_bytes if scratch_bytes is not None else 1 << 40, recompute=recompute)
-    pf.gather_summaries(case.cache, case.block_table, case.seq_lens, p, scratch)
+    config = PrefillConfig(scratch_bytes=1 << 40) if config is None else config
+    plan, scratch = pf_launch.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
+                                               config, recompute=recompute)
+    pf_route.gather_summaries(case.cache, case.block_table, case.seq_lens, p, scratch)
     return plan, scratch
 
 
 def token_slots(case: PrefillCase, plan) -> dict:
     """``{(request, position): slot}`` for the one-wave layout (slot ``tile * QT + position - a0``)."""
     slots = {}
-    for w, (i, a0, lo, hi, _) in enumerate(pf.tile_layout_host(case.cu, case.seq_lens, plan.qt)):
+    for w, (i, a0, lo, hi, _) in enumerate(pf_tiles.tile_layout_host(case.cu, case.seq_lens, plan.qt)):
         assert w < plan.num_tiles
         for pos in range(lo, hi):
             slots[(i, pos)] = w * plan.qt + pos - a0

@@ -1,22 +1,22 @@
 """The Triton path with the auxiliary head (SPEC.md section 9): indexer routing (iq over the 1-head
 store of ik summaries, router shared) and page mode (page RoPE and the auxiliary rows as tensor ops
 before the launches), prefill then decode, against the float64 oracle; under the interpreter on the
-CPU (the op's CUDA branch spelled out: ``paged.prepare_aux``, ``launcher.write_new_triton``, then the
-launches with ``iq``), through the public ops when compiled on a GPU (``-m gpu``), where decode must
-not synchronise with the host."""
+CPU (the ops on the kernels' path: ``tests.kernels._kernel_ops``), through the public ops when compiled on a GPU
+(``-m gpu``), where decode must not synchronise with the host."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dash_core import DashParams, ops, paged
-from dash_core.kernels import launcher
-from dash_core.kernels import prefill as pf
+from dash_core import DashParams, limits, ops, paged
+from dash_core.kernels.checks import check_write_config
+from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries, decode_aux
 from dash_core.reference import block_summaries, dash_rows
 from dash_core.rope import PageRopeSettings, RotarySettings, page_coordinates, page_rope
 from tests.kernels._kernel_env import KERNEL_DEVICE
+from tests.kernels._kernel_ops import kernel_decode, kernel_prefill
 from tests.kernels._kernel_scenarios import summary_tolerance
 from tests.kernels.test_kernel_decode_attention import TOL
 
@@ -34,21 +34,14 @@ PLAIN = [0] * 41
 
 
 def step(op, cache, q, k, v, iq, ik, hc, hci, bt, cu, sl, slots, params, roles=None, positions=None, pr=None):
-    """One op call on the Triton path: the public op on CUDA, its CUDA branch spelled out otherwise."""
+    """One op call on the Triton path: the public op on CUDA, the op on the kernels' path under the interpreter."""
     ind = dict(iq=iq, ik=ik, head_cls_i=hci) if iq is not None else {}
-    if DEV == "cuda":
-        if op == "decode":
-            return ops.paged_dash_decode(q, k, v, cache, bt, sl, slots, hc, params, positions=positions,
-                                         page_rope=pr, **ind)
-        return ops.paged_dash_prefill(q, k, v, cache, bt, cu, sl, slots, hc, params, roles=roles,
-                                      positions=positions, page_rope=pr, **ind)
-    if positions is None:
-        positions = paged.token_positions(cu, sl, q.shape[0], q.device)
-    q, k, iq, ik, rows = paged.prepare_aux(cache, q, k, iq, ik, roles, positions, pr, bt, cu)
-    launcher.write_new_triton(cache, k, v, slots, params, hc, hci, rows)
     if op == "decode":
-        return launcher.paged_dash_decode_triton(q, None, None, cache, bt, sl, None, hc, params, iq=iq)
-    return pf.paged_dash_prefill_triton(q, None, None, cache, bt, cu, sl, None, hc, params, iq=iq)
+        decode = ops.paged_dash_decode if DEV == "cuda" else kernel_decode
+        return decode(q, k, v, cache, bt, sl, slots, hc, params, positions=positions, page_rope=pr, **ind)
+    prefill = ops.paged_dash_prefill if DEV == "cuda" else kernel_prefill
+    return prefill(q, k, v, cache, bt, cu, sl, slots, hc, params, roles=roles, positions=positions, page_rope=pr,
+                   **ind)
 
 
 def make(dtype, seed, lens, gen, hi=HI):
@@ -149,23 +142,24 @@ def test_indexer_launch_checks():
     bt = torch.zeros(1, 4, dtype=torch.int32, device=DEV)
     sl = torch.ones(1, dtype=torch.int32, device=DEV)
     iq = torch.zeros(1, HI, D, dtype=dtype, device=DEV)
-    with pytest.raises(ValueError, match="k = v = slot_mapping = None"):
-        launcher.paged_dash_decode_triton(q, q[:, :HKV], q[:, :HKV], cache, bt, sl, torch.zeros(1, dtype=torch.long,
-                                          device=DEV), None, p, iq=iq)
+    hci = torch.zeros(D, dtype=dtype, device=DEV)
+    with pytest.raises(ValueError, match="go together"):  # new K/V need their ik
+        kernel_decode(q, q[:, :HKV], q[:, :HKV], cache, bt, sl, torch.zeros(1, dtype=torch.long, device=DEV),
+                      None, p, iq=iq, head_cls_i=hci)
     with pytest.raises(ValueError, match="iq must be"):
-        launcher.paged_dash_decode_triton(q, None, None, cache, bt, sl, None, None, p, iq=iq.float())
-    bufs = launcher.DecodeBuffers.for_step(q, cache, bt, p)
+        kernel_decode(q, None, None, cache, bt, sl, None, None, p, iq=iq.float(), head_cls_i=hci)
+    bufs = DecodeBuffers.for_step(q, cache, bt, p)
     with pytest.raises(ValueError, match="indexer_heads"):
-        launcher.paged_dash_decode_triton(q, None, None, cache, bt, sl, None, None, p, iq=iq, buffers=bufs)
+        kernel_decode(q, None, None, cache, bt, sl, None, None, p, iq=iq, head_cls_i=hci, buffers=bufs)
 
 
 def test_indexer_write_checks_the_summary_launch_before_writing():
-    """``cache_dash_prefill`` with an indexer on CUDA (``launcher.write_new_triton``): a block size the
-    Triton summary kernel does not support is refused before K/V or rows are written (the K/V write
-    itself has no summaries to check, the ik summaries into the 1-head store do)."""
+    """``cache_dash_prefill`` with an indexer on CUDA: a block size the Triton summary kernel does not support is
+    refused before K/V or rows are written (the K/V write itself has no summaries to check, the ik summaries into
+    the 1-head store do; under the interpreter, the check the op runs on CUDA)."""
     dtype = torch.bfloat16
     p = DashParams(block_size=256)
-    assert p.block_size not in launcher.BLOCK_SIZES
+    assert p.block_size not in limits.KERNEL_BLOCK_SIZES
     slots_n = 512
     cache = PagedKVCache.from_sglang(torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV),
                                      torch.zeros(slots_n, HKV, D, dtype=dtype, device=DEV), 256,
@@ -174,8 +168,11 @@ def test_indexer_write_checks_the_summary_launch_before_writing():
     k = torch.ones(256, HKV, D, dtype=dtype, device=DEV)
     rows = torch.ones(256, 2 * D, dtype=dtype, device=DEV)
     with pytest.raises(ValueError, match="block_size = 256"):
-        launcher.write_new_triton(cache, k, k, torch.arange(256, device=DEV), p, None,
-                                  torch.ones(D, dtype=dtype, device=DEV), rows)
+        if DEV == "cuda":
+            ops.cache_dash_prefill(k, k, cache, torch.arange(256, device=DEV), p, ik=rows[:, :D],
+                                   head_cls_i=torch.ones(D, dtype=dtype, device=DEV))
+        else:
+            check_write_config(cache.indexer_view(), p)
     assert not cache.k_pages.any() and not cache.aux.any() and not cache.summaries.any()
 
 
@@ -202,11 +199,11 @@ def test_graph_buffers_serve_an_indexer_decode():
     sl = torch.tensor([n + 1 for n in lens], dtype=torch.int32, device=DEV)
     q, k, v, iq, ik = (torch.cat([d[j] for d in data]) for j in range(5))
     _, _, _, _, rows = paged.prepare_aux(cache, None, k, None, ik, None, pos, None, bt, cu)  # ik into the rows
-    launcher.write_new_triton(cache, k, v, slots, p, hc, hci, rows)
+    ops._write(cache, k, v, slots, p, hc, hci, rows, kernels=True)
     last = cu[1:].long() - 1
     gb = DecodeGraphBuffers.allocate(4, bt.shape[1], HQ, HKV, D, PS, p, dtype, DEV, io=False, indexer_heads=HI)
-    outs = [launcher.paged_dash_decode_triton(q[last], None, None, cache, bt, sl, None, hc, p, iq=iq[last],
-                                              buffers=b) for b in (None, gb.kernel)]
+    outs = [kernel_decode(q[last], None, None, cache, bt, sl, None, hc, p, iq=iq[last], head_cls_i=hci, buffers=b)
+            for b in (None, gb.kernel)]
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
@@ -244,7 +241,7 @@ def test_captured_decode_with_indexer_and_page_mode():
         ops.paged_dash_prefill(cat(0, [0, 0], lens), cat(1, [0, 0], lens), cat(2, [0, 0], lens), c, bt, cu,
                                torch.tensor(lens, dtype=torch.int32, device=DEV), prompt_slots, hc, p, iq=cat(3, [0, 0], lens), ik=cat(4, [0, 0], lens), head_cls_i=hci,
                                roles=torch.tensor(ROLES + PLAIN, device=DEV), positions=prompt_pos, page_rope=PR)
-    bufs = launcher.DecodeBuffers.allocate(2, HQ, HKV, D, PS, bt.shape[1], p, DEV, indexer_heads=HI)
+    bufs = DecodeBuffers.allocate(2, HQ, HKV, D, PS, bt.shape[1], p, DEV, indexer_heads=HI)
     static = {}
     graph = None
     for s in range(gen):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from dash_core import DashParams
-from dash_core.kernels import prefill as pf
+from dash_core.kernels.prefill import route as pf_route
 from dash_core.kernels.routing import append_positive, mp_key_range, select_kept
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._prefill_scenarios import make_prefill_case, plan_and_scratch, token_slots
@@ -158,7 +158,7 @@ def test_prefill_route_lists_keep_the_oracle_blocks(router, topk):
     case = make_prefill_case(23, [(16 * 45 + 5, 20), (300, 12)], hq=4, hkv=2, params=p, q_scale=1.5).to(DEV)
     plan, scratch = plan_and_scratch(case)
     scratch.mp_cand.fill_(-1)
-    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0, plan.num_tiles)
     check_routing(case, plan, scratch)
     cand = scratch.mp_cand.cpu()
     mp = scratch.mp.cpu()

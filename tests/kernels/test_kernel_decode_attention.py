@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dash_core import DashParams
-from dash_core.kernels import launcher
+from dash_core.kernels.decode import launch as decode_launch
+from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.reference import Routing, attend
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import make_scenario, oracle_route, write_decode_token_torch
@@ -51,10 +52,10 @@ def fill_selection(sc, bufs) -> list:
 
 def check_attention(sc, splits) -> None:
     write_decode_token_torch(sc)
-    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, sc.params, splits=(1, splits))
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, sc.params, splits=(1, splits))
     routings = fill_selection(sc, bufs)
     out = torch.full_like(sc.q, float("nan"))
-    launcher.attend(sc.q, sc.cache, sc.block_table, sc.seq_lens, sc.params, bufs, out)
+    decode_launch.attend(sc.q, sc.cache, sc.block_table, sc.seq_lens, sc.params, bufs, out)
     out = out.cpu()
     for i in range(sc.n):
         L = int(sc.seq_lens[i])

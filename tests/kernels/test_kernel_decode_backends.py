@@ -14,9 +14,9 @@ import torch
 
 from dash_core import DashParams
 from dash_core import segments
-from dash_core.kernels import launcher
 from dash_core.ops import paged_dash_decode
 from tests.kernels._kernel_env import CUDA, KERNEL_DEVICE
+from tests.kernels._kernel_ops import kernel_decode
 from tests.kernels._kernel_scenarios import make_scenario
 from tests.kernels.test_kernel_decode_e2e import MAX_DIFFERING_ROWS, row_errors
 
@@ -53,9 +53,9 @@ def test_segment_backend_equals_fused_kernel_and_oracle(backend, case):
         sk = dict(sk, device=DEV)
     fused = make_scenario(300 + case, lens, params=p, **sk).to(DEV)
     seg = make_scenario(300 + case, lens, params=p, **sk).to(DEV)
-    out_fused = launcher.paged_dash_decode_triton(fused.q, fused.k_new, fused.v_new, fused.cache, fused.block_table,
+    out_fused = kernel_decode(fused.q, fused.k_new, fused.v_new, fused.cache, fused.block_table,
                                                   fused.seq_lens, fused.slot_mapping, fused.head_cls, p)
-    out_seg = launcher.paged_dash_decode_triton(seg.q, seg.k_new, seg.v_new, seg.cache, seg.block_table,
+    out_seg = kernel_decode(seg.q, seg.k_new, seg.v_new, seg.cache, seg.block_table,
                                                 seg.seq_lens, seg.slot_mapping, seg.head_cls, p, backend=backend)
     # bf16 outputs of two fp32-accumulated summations of the same terms: a few bf16 ulps apart
     torch.testing.assert_close(out_seg.float().cpu(), out_fused.float().cpu(), atol=2e-2, rtol=2e-2)

@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dash_core import DashParams
-from dash_core.kernels import launcher
+from dash_core.kernels.decode.buffers import DecodeBuffers
 from tests.kernels._kernel_env import KERNEL_DEVICE
+from tests.kernels._kernel_ops import kernel_decode
 from tests.kernels._kernel_scenarios import forget_summaries_from, make_scenario, oracle_decode_rows, truncated
 from tests.kernels.test_kernel_decode_attention import TOL
 
@@ -23,7 +24,7 @@ MAX_DIFFERING_ROWS = 0.05
 
 
 def decode(sc, **kw):
-    return launcher.paged_dash_decode_triton(sc.q, sc.k_new, sc.v_new, sc.cache, sc.block_table, sc.seq_lens,
+    return kernel_decode(sc.q, sc.k_new, sc.v_new, sc.cache, sc.block_table, sc.seq_lens,
                                              sc.slot_mapping, sc.head_cls, sc.params, **kw)
 
 
@@ -81,7 +82,7 @@ def test_sparse_decode_matches_oracle_on_most_rows():
     for n, (lens, pk, sk) in enumerate(CASES):
         p = DashParams(block_size=16, **pk)
         sc = make_scenario(100 + n, lens, params=p, **sk).to(DEV)
-        c, b = row_errors(sc, decode(sc, buffers=launcher.DecodeBuffers.for_step(
+        c, b = row_errors(sc, decode(sc, buffers=DecodeBuffers.for_step(
             sc.q, sc.cache, sc.block_table, p, splits=(2, 3))))
         checked, bad = checked + c, bad + b
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
@@ -95,7 +96,7 @@ def test_decode_steps_cross_block_boundaries():
     start = [60, 45, 0]
     full = make_scenario(7, [s + steps if s else 0 for s in start], params=p, shared_prefix_pages=2).to(DEV)
     forget_summaries_from(full, start)
-    bufs = launcher.DecodeBuffers.for_step(full.q, full.cache, full.block_table, p, splits=(2, 2))
+    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p, splits=(2, 2))
     checked = bad = 0
     for t in range(steps + 1):  # row 0 crosses 64 and 80, row 1 crosses 48 and 64
         sc = truncated(full, [s + t if s else 0 for s in start], seed=t)

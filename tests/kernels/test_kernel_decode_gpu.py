@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dash_core import DashParams, dash_reference, ops
-from dash_core.kernels import launcher
+from dash_core.kernels.decode import launch as decode_launch
+from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from tests.kernels._kernel_scenarios import (forget_summaries_from, make_scenario, summary_tolerance,
                                              truncated)
@@ -49,8 +50,8 @@ def test_128k_context_sampled_rows(topk, est):
         idx = sc.slots(i)[: (L - 1) // 64 * 64: 64] // 64
         torch.testing.assert_close(sc.cache.summaries[idx.cuda()].double(), oracle_summ[idx.cuda()].double(),
                                    **summary_tolerance(torch.bfloat16))
-    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p)
-    launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p)
+    decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
     check_routing(sc, bufs)
     check_attention(sc, bufs.splits(sc.n)[1])
     out = decode_op(sc).cpu()
@@ -86,7 +87,7 @@ def test_cuda_graph_replay_equals_eager():
                          params=p, extra_pages=6).to("cuda")
     forget_summaries_from(full, start)
     spare = _spare_pages(full)
-    bufs = launcher.DecodeBuffers.for_step(full.q, full.cache, full.block_table, p)
+    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p)
     static = truncated(full, start, seed=0)
     q_s, k_s, v_s = static.q.clone(), static.k_new.clone(), static.v_new.clone()
     sl_s, slot_s = static.seq_lens.clone(), static.slot_mapping.clone()
@@ -121,7 +122,7 @@ def test_cuda_graph_replay_equals_eager():
             dst.copy_(src)
         graph.replay()
         replayed = out_s.clone()
-        eager = decode_op(sc, buffers=launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p))
+        eager = decode_op(sc, buffers=DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p))
         assert torch.equal(replayed, eager), f"step {t}: replay differs from eager"
         assert torch.equal(replayed[1], torch.zeros_like(replayed[1])), "padded row must be zeros"
         if t % 10 == 0 or t == steps:
@@ -134,7 +135,7 @@ def test_cuda_graph_replay_equals_eager():
 def test_decode_step_never_synchronises(with_buffers):
     p = DashParams(block_size=64, topk=16, scaling_factor=2.0)
     sc = make_scenario(9, [5000, 0, 700], hq=8, hkv=2, d=128, bs=64, params=p).to("cuda")
-    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p) if with_buffers else None
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p) if with_buffers else None
     decode_op(sc, buffers=bufs)  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

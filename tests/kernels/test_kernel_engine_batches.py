@@ -6,7 +6,7 @@ head sizes the kernels do not support (the CPU engine tests use tiny models) are
 page ids are relabelled onto a compact pool (same order) so that the cache stays small. Decode
 batches are compared with the torch paged path on the same cache and stored summaries (only
 near-threshold routing may differ, SPEC.md section 7); prefill batches' K/V + summary writes with
-the torch write. On the GPU the ops dispatch to the kernels; here the launcher is called directly.
+the torch write. On the GPU the ops dispatch to the kernels; here the op runs on the kernels' path under the interpreter.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ import pytest
 import torch
 
 from dash_core import DashParams, ops, paged
-from dash_core.kernels import launcher
+from dash_core import limits
+from dash_core.kernels import checks as kchecks, kv_write
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
 from tests.kernels._kernel_env import KERNEL_DEVICE
+from tests.kernels._kernel_ops import kernel_decode
 from tests.kernels._kernel_scenarios import summary_tolerance
 
 DEV = KERNEL_DEVICE
@@ -54,7 +56,7 @@ def replay(rec, seed):
     """Returns (decode rows checked, decode rows differing) for one record."""
     p = DashParams(**{k: v for k, v in rec["params"].items() if k in DashParams.__dataclass_fields__})
     hq, hkv, ps = rec["num_heads"], rec["num_kv_heads"], rec["page_size"]
-    d = rec["head_dim"] if rec["head_dim"] in launcher.HEAD_DIMS else 64
+    d = rec["head_dim"] if rec["head_dim"] in limits.KERNEL_HEAD_DIMS else 64
     dtype = torch.float16 if rec.get("dtype") == "float16" else torch.bfloat16
     bt, lens, sm, npages = _compact(rec, ps)
     g = torch.Generator().manual_seed(seed)
@@ -64,7 +66,7 @@ def replay(rec, seed):
     hc = torch.randn(hkv, d, generator=g).to(dtype)
     cache = PagedKVCache.from_sglang(kb.to(DEV), vb.to(DEV), ps, alloc_summaries(slots, p.block_size, hkv, d, dtype, DEV))
     try:
-        launcher.check_kernel_config(dtype, hq, cache, p)
+        kchecks.check_kernel_config(dtype, hq, cache, p)
     except ValueError:
         return None  # a configuration the kernels reject (test_kernel_validation.py)
     # summaries of every block of the random cache, written by the kernel
@@ -80,7 +82,7 @@ def replay(rec, seed):
             v = torch.randn(n, hkv, d, generator=g).to(dtype)
         to = (lambda t: None if t is None else t.to(DEV))  # noqa: E731
         args = (to(q), to(k), to(v), cache, to(bt), to(lens), to(sm), hc.to(DEV), p)
-        out = (ops.paged_dash_decode(*args) if cuda else launcher.paged_dash_decode_triton(*args)).cpu()
+        out = (ops.paged_dash_decode(*args) if cuda else kernel_decode(*args)).cpu()
         if k is not None:
             paged.write_kv(mirror, k, v, sm)
             paged.write_summaries(mirror, sm, hc, p)
@@ -97,7 +99,7 @@ def replay(rec, seed):
     if cuda:
         ops.cache_dash_prefill(k.to(DEV), v.to(DEV), cache, sm.to(DEV), p, head_cls=hc.to(DEV))
     else:
-        launcher.cache_dash_prefill_triton(k, v, cache, sm, p, hc)
+        kv_write.write_prefill(k, v, cache, sm, p, hc)
     paged.write_kv(mirror, k, v, sm)
     paged.write_summaries(mirror, sm, hc, p)
     assert torch.equal(cache.k_pages.cpu(), mirror.k_pages) and torch.equal(cache.v_pages.cpu(), mirror.v_pages)

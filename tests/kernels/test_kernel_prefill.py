@@ -19,16 +19,22 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dash_core import DashParams
-from dash_core.kernels import launcher
-from dash_core.kernels import prefill as pf
+from dash_core.kernels import common, kv_write
 from dash_core.kernels.kv_write import write_kv_and_summaries
+from dash_core.kernels.prefill import (attention as pf_attention, gluon, launch as pf_launch, plan as pf_plan,
+                                       route as pf_route, tiles as pf_tiles)
+from dash_core.kernels.prefill.config import GluonConfig, PrefillConfig
+from dash_core.ops import prefill_scratch_bytes
 from dash_core.reference import attend, block_summaries
-from dash_core.workspace import PrefillWorkspace, prefill_scratch_bytes
+from dash_core.workspace import PrefillWorkspace
 from tests.kernels._kernel_env import KERNEL_DEVICE
+from tests.kernels._kernel_ops import kernel_decode, kernel_prefill
 from tests.kernels._kernel_scenarios import summary_tolerance
 from tests.kernels._prefill_scenarios import (exempt, make_prefill_case, oracle_routing, oracle_rows, plan_and_scratch,
                                               stored_summaries, token_slots, wipe_new_tokens)
 from tests.kernels.test_kernel_decode_attention import TOL
+from dash_core.kernels.decode import launch as decode_launch
+from dash_core.kernels.decode.buffers import DecodeBuffers
 
 EXAMPLES = int(os.environ.get("DASH_PREFILL_EXAMPLES", "3"))
 DEV = KERNEL_DEVICE
@@ -38,13 +44,15 @@ DEV = KERNEL_DEVICE
 MAX_DIFFERING_ROWS = 0.05
 
 
-def prefill(case, scratch_bytes=None, write=True, workspace=None, lens=None):
-    """The op on ``case`` (``lens``: the ``(cu_seqlens_q, seq_lens)`` tensors to pass, default the case's)."""
+def prefill(case, config=None, write=True, workspace=None, lens=None):
+    """The op on ``case`` on the kernels' path (``config``: the kernels' tuning, through a workspace of this call's
+    own; ``lens``: the ``(cu_seqlens_q, seq_lens)`` tensors to pass, default the case's)."""
     args = (case.k, case.v, case.slot_mapping) if write else (None, None, None)
     cu, seq_lens = lens if lens is not None else (case.cu, case.seq_lens)
-    return pf.paged_dash_prefill_triton(case.q, args[0], args[1], case.cache, case.block_table, cu, seq_lens,
-                                        args[2], case.head_cls, case.params, scratch_bytes=scratch_bytes,
-                                        workspace=workspace)
+    if workspace is None and config is not None:
+        workspace = PrefillWorkspace(config)
+    return kernel_prefill(case.q, args[0], args[1], case.cache, case.block_table, cu, seq_lens, args[2],
+                          case.head_cls, case.params, workspace=workspace)
 
 
 def count_differing_rows(case, out) -> tuple:
@@ -78,7 +86,7 @@ def test_summaries_identical_whichever_path(chunks):
     start = 0
     for c in chunks:  # prefill path, chunk by chunk (the cache keeps earlier chunks)
         sl = slice(start, start + c)
-        launcher.cache_dash_prefill_triton(case.k[sl], case.v[sl], case.cache, case.slot_mapping[sl], case.params,
+        kv_write.write_prefill(case.k[sl], case.v[sl], case.cache, case.slot_mapping[sl], case.params,
                                            case.head_cls)
         start += c
     by_prefill = case.cache.summaries.clone()
@@ -109,14 +117,14 @@ def test_summaries_identical_prefill_and_decode_op(bs, d):
     case = make_prefill_case(6, [(total, total)], bs=bs, hq=4, hkv=2, d=d, params=p).to(DEV)
     wipe_new_tokens(case)
     summ0 = case.cache.summaries.clone()
-    launcher.cache_dash_prefill_triton(case.k, case.v, case.cache, case.slot_mapping, p, case.head_cls)
+    kv_write.write_prefill(case.k, case.v, case.cache, case.slot_mapping, p, case.head_cls)
     by_prefill = case.cache.summaries.clone()
     case.cache.summaries.copy_(summ0)
     wipe_new_tokens(case)
     bt = case.block_table[:1]
     for t in range(total):
         seq = torch.tensor([t + 1], dtype=torch.int32, device=case.q.device)
-        launcher.paged_dash_decode_triton(case.q[t:t + 1], case.k[t:t + 1], case.v[t:t + 1], case.cache, bt, seq,
+        kernel_decode(case.q[t:t + 1], case.k[t:t + 1], case.v[t:t + 1], case.cache, bt, seq,
                                           case.slot_mapping[t:t + 1], case.head_cls, p)
     assert torch.equal(case.cache.summaries, by_prefill), "summaries differ between the prefill write and decode"
 
@@ -183,19 +191,19 @@ def test_routing_matches_oracle(seed, reqs, router, topk, est, sigma, sf, local_
                              dtype=dtype, params=p, shared_prefix_pages=1).to(DEV)
     plan, scratch = plan_and_scratch(case, recompute=router == "kv_head" and not stored)
     assert (scratch.summary_copy is not None) == (router == "kv_head" and not stored)
-    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
     check_routing(case, plan, scratch)
 
 
-def test_routing_wide_rows_and_caps(monkeypatch):
+def test_routing_wide_rows_and_caps():
     """More candidates than one route tile (several tiles per pass), topk below and above the support,
     a GQA group of 4 (one tile = 16 tokens x 4 heads), and a scratch full of NaN past each unit's list."""
     # 16-wide score tiles over 44 candidates; 4-wide tiles for the cap's pivot search and 8-wide tiles for
     # its ties and compaction, over lists of up to 44 positive mp (20+ with topk 3)
-    monkeypatch.setattr(pf, "ROUTE_TILE_BUDGET", 256)
-    monkeypatch.setattr(pf, "ROUTE_SCORE_TILE", 16)  # the passes that compute the scores again: 16 a tile too
-    monkeypatch.setattr(pf, "ROUTE_PIVOT_BUDGET", 4 * 16 * pf.ROUTE_PIVOTS)
-    monkeypatch.setattr(pf, "ROUTE_LIST_BUDGET", 8 * 16)
+    pivots = PrefillConfig().route_pivots
+    config = PrefillConfig(scratch_bytes=1 << 40, route_tile_budget=256, route_pivot_budget=4 * 16 * pivots,
+                           route_list_budget=8 * 16,
+                           route_score_tile=16)  # the passes that compute the scores again: 16 a tile too
     # estimate_diagonal (sigma 1: the default 1e6 flattens the prior): the priors also depend on the geometric
     # mean of the kept mp, which the ties pass sums over the list tiles (exact ties at the threshold are the cap
     # tests' job: test_kernel_cap_lists)
@@ -203,12 +211,12 @@ def test_routing_wide_rows_and_caps(monkeypatch):
             ((None, False), (3, False), (30, False), (3, True), (30, True)), (False, True)):
         p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0)
         case = make_prefill_case(21, [(16 * 45 + 5, 20), (40, 40)], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
-        plan, scratch = plan_and_scratch(case, recompute=recompute)
+        plan, scratch = plan_and_scratch(case, config, recompute=recompute)
         # the cap reads each unit's list in groups of 4: what lies past its end must not count
         scratch.mp.fill_(float("nan"))
         scratch.scores.fill_(float("nan"))  # the stored scores' rows, or the group sums of the copy path
         scratch.mp_cand.fill_(1 << 30)
-        pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
+        pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
                       plan.num_tiles)
         check_routing(case, plan, scratch)
 
@@ -219,38 +227,37 @@ def test_routing_wide_rows_and_caps(monkeypatch):
 @pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("topk,est", [(None, False), (3, True)])
 @pytest.mark.parametrize("tma", [1, 0])  # the copy loaded by TMA boxes, or by pointers
-def test_routing_from_the_summary_copy(group, topk, est, tma, monkeypatch):
+def test_routing_from_the_summary_copy(group, topk, est, tma):
     """Routing that computes its scores again in every pass, from the summary copy: several 16-candidate tiles
     per pass, pages of two blocks, a local window of two blocks, a padded request, and a copy full of NaN before
     the gather (which zeroes the rows past each request's complete blocks: the last TMA box of a pass reads them,
     and adds ``-inf`` to their scores)."""
-    monkeypatch.setattr(pf, "ROUTE_SCORE_TILE", 16)
-    monkeypatch.setattr(pf, "ROUTE_COPY_TMA", tma)
+    config = PrefillConfig(route_score_tile=16, copy_tma=bool(tma))
     p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0, local=32)
     case = make_prefill_case(7, [(16 * 64 + 5, 12), (0, 0), (16 * 20 + 3, 9)], hq=2 * group, hkv=2, bs=16,
                              pages_per_block=2, params=p, q_scale=1.5).to(DEV)
-    plan, scratch = pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
-                                        recompute=True)
-    assert pf.stages_queries(group, case.q, scratch) == (group < 3)
+    plan, scratch = pf_launch.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
+                                               config, recompute=True)
+    assert pf_route.stages_queries(group, case.q, scratch) == (group < 3)
     assert (scratch.summary_desc is not None) == bool(tma)
     if case.q.shape[1] > 4:  # a scratch sized for the copy (rows for the union tables only) but without it
-        bare = pf.PrefillScratch.allocate(plan.wave, plan.qt, case.q.shape[1], 2, plan.max_cand, p, DEV, True)
+        bare = pf_plan.PrefillScratch.allocate(plan.wave, plan.qt, case.q.shape[1], 2, plan.max_cand, p, DEV, True)
         with pytest.raises(RuntimeError, match="score rows"):
-            pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, bare, 0, 1)
+            pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, bare, 0, 1)
     scratch.summary_copy.fill_(float("nan"))
     with pytest.raises(RuntimeError, match="gather_summaries"):  # the copy is not this call's yet
-        pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, 1)
-    pf.gather_summaries(case.cache, case.block_table, case.seq_lens, p, scratch)
+        pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, 1)
+    pf_route.gather_summaries(case.cache, case.block_table, case.seq_lens, p, scratch)
     copy = scratch.summary_copy.float().cpu()
     for i, length in enumerate(case.seq_lens.tolist()):
         done = length // p.block_size
         assert not copy[i, :done].isnan().any() and not copy[i, done:].any()
     narrow = dataclasses.replace(scratch, scores=scratch.scores[:, :1])  # no room for the second KV head's sums
     with pytest.raises(RuntimeError, match="group sums"):
-        pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, narrow, 0, 1)
+        pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, narrow, 0, 1)
     scratch.scores.fill_(float("nan"))  # the group sums' pass reads back only what the mp pass wrote
     scratch.mp.fill_(float("nan"))  # and the MMAs only the queries staged there
-    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
     check_routing(case, plan, scratch)
 
 
@@ -285,7 +292,7 @@ def check_attention(case) -> None:
     plan, scratch = plan_and_scratch(case)
     routings = fill_selection(case, plan, scratch)
     out = torch.full_like(case.q, float("nan"))
-    pf.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, out, 0,
+    pf_attention.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, out, 0,
                    plan.num_tiles)
     out = out.cpu()
     for i, (total, new) in enumerate(case.reqs):
@@ -328,23 +335,22 @@ def _restrided(x: torch.Tensor, pad: int, start: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["sglang", "vllm"])
-def test_tma_loads_follow_the_cache_layout(layout, monkeypatch):
+def test_tma_loads_follow_the_cache_layout(layout):
     """The attention launch's TMA descriptors (emulated by the interpreter) describe the pages as they are where
     they are nested rows (SGLang's layout, and a copy with padded rows), head-major where the head stride exceeds
     the row stride (vLLM's layout, and a head-major copy with padded rows), and are refused for a base or a
-    stride off 16 bytes in either order; every variant gives the output of the pointer loads (``ATTN_TMA`` 0),
+    stride off 16 bytes in either order; every variant gives the output of the pointer loads (``attn_tma`` off),
     bit for bit. Two blocks per page, so that boxes start mid-page."""
-    if not pf._tma_supported(torch.device(DEV)):
+    if not common.tma_supported(torch.device(DEV)):
         pytest.skip("no TMA on this device")
     p = DashParams(block_size=64, topk=2, scaling_factor=1.0)
     case = make_prefill_case(7, [(5 * 64 + 5, 100), (3 * 64, 3)], hq=8, hkv=2, d=128, bs=64, pages_per_block=2,
                              layout=layout, params=p).to(DEV)
     prefill(case)  # writes K/V and summaries
-    monkeypatch.setattr(pf, "ATTN_TMA", 0)
+    pointers = PrefillConfig(attn_tma=False)
     cache = case.cache
-    assert pf._kv_descriptors(cache, 64) is None
-    want = prefill(case, write=False)
-    monkeypatch.setattr(pf, "ATTN_TMA", 1)
+    assert pf_attention._kv_descriptors(cache, 64, pointers) is None
+    want = prefill(case, write=False, workspace=PrefillWorkspace(pointers))
 
     def copy(pad, start, head_major=False):
         def one(x):
@@ -357,10 +363,10 @@ def test_tma_loads_follow_the_cache_layout(layout, monkeypatch):
     variants = [(cache, layout == "vllm"), (copy(16, 0), False), (copy(16, 0, True), True),
                 (copy(8, 1), None), (copy(8, 1, True), None), (copy(1, 0), None), (copy(1, 0, True), None)]
     for c, head_major in variants:  # padded rows, a base 2 bytes off 16, rows of 129 elements
-        desc = pf._kv_descriptors(c, 64)
+        desc = pf_attention._kv_descriptors(c, 64, PrefillConfig())
         assert (None if desc is None else desc[2]) == head_major
-        got = pf.paged_dash_prefill_triton(case.q, None, None, c, case.block_table, case.cu, case.seq_lens, None,
-                                           case.head_cls, p)
+        got = pf_launch.paged_dash_prefill_triton(case.q, None, None, c, case.block_table, case.cu, case.seq_lens,
+                                                  None, case.head_cls, p)
         assert torch.equal(got, want)
 
 
@@ -374,19 +380,19 @@ def test_prefill_row_equals_decode_step():
     p = DashParams(block_size=16, scaling_factor=3.0, topk=3, estimate_diagonal=True, sigma=2.0)
     case = make_prefill_case(9, [(102, 12)], hq=8, hkv=2, params=p, q_scale=1.3).to(DEV)
     plan, scratch = plan_and_scratch(case)
-    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
     out_pf = torch.empty_like(case.q)
-    pf.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, out_pf, 0,
+    pf_attention.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, out_pf, 0,
                    plan.num_tiles)
     # a decode batch with one row per new position (90 .. 101), all on request 0's pages
     pos = case.positions(0)
     n = pos.numel()
     bt = case.block_table[:1].expand(n, -1).contiguous()
     seq = (pos + 1).to(torch.int32).to(DEV)
-    bufs = launcher.DecodeBuffers.for_step(case.q, case.cache, bt, p, splits=(2, 2))
-    launcher.route(case.q, case.cache, bt, seq, p, bufs)
+    bufs = DecodeBuffers.for_step(case.q, case.cache, bt, p, splits=(2, 2))
+    decode_launch.route(case.q, case.cache, bt, seq, p, bufs)
     out_dec = torch.empty_like(case.q)
-    launcher.attend(case.q, case.cache, bt, seq, p, bufs, out_dec)
+    decode_launch.attend(case.q, case.cache, bt, seq, p, bufs, out_dec)
     slots = token_slots(case, plan)
     rt, x = oracle_routing(case, 0)
     hsel = bufs.sel_count.shape[1]
@@ -462,30 +468,29 @@ def test_extends_match_oracle_on_most_rows():
         c, b = count_differing_rows(case, out)
         checked, bad = checked + c, bad + b
         if n == 0:  # two tiles per wave
-            plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p)
-            per_tile = pf.PrefillScratch.bytes_per_tile(plan.qt, case.q.shape[1], case.cache.num_kv_heads,
+            plan = pf_plan.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
+                                             PrefillConfig())
+            per_tile = pf_plan.PrefillScratch.bytes_per_tile(plan.qt, case.q.shape[1], case.cache.num_kv_heads,
                                                         plan.max_cand, p, plan.recompute)
-            again = prefill(case, scratch_bytes=2 * per_tile, write=False)
+            again = prefill(case, PrefillConfig(scratch_bytes=2 * per_tile), write=False)
             assert torch.equal(again, out)
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
 def test_union_launch_stores_the_gluon_rows(monkeypatch):
-    """For the Gluon attention (``prefill_ws``), the union launch stores each union block as its first row in
+    """For the Gluon attention (``gluon.py``), the union launch stores each union block as its first row in
     ``kv_row_views`` (``union_rows``; vLLM's head-major pages with a spare head slot, two blocks a page): the blocks
     the Triton attention's launch lists as ids, in the same order. The Gluon launch is replaced by a recorder (the
     interpreter cannot run it)."""
-    from dash_core.kernels import prefill_ws
-
     p = DashParams(block_size=64, topk=4, scaling_factor=2.0)
     case = make_prefill_case(5, [(700, 300), (400, 400)], hq=8, hkv=2, d=64, bs=64, pages_per_block=2,
                              layout="vllm", params=p).to(DEV)
-    plan, scratch = plan_and_scratch(case)
+    plan, scratch = plan_and_scratch(case, PrefillConfig(scratch_bytes=1 << 40, gluon=GluonConfig(min_candidates=0)))
     (tile0, tiles), = plan.waves()
-    pf.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, tile0, tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, tile0, tiles)
     args = (case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, torch.empty_like(case.q),
             tile0, tiles)
-    pf.attend_wave(*args)  # the Triton attention: block ids
+    pf_attention.attend_wave(*args)  # the Triton attention: block ids
     ids = scratch.union_blk.clone()
     launched = []
 
@@ -493,19 +498,18 @@ def test_union_launch_stores_the_gluon_rows(monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **kw: launched.append(grid)
 
-    monkeypatch.setattr(prefill_ws, "WS_MIN_CAND", 0)
-    monkeypatch.setattr(prefill_ws, "ws_supported", lambda q, cache, *a: prefill_ws.kv_rows(cache))  # any device
-    monkeypatch.setattr(prefill_ws, "kv_block_descriptors", lambda *a: (None, None))
-    monkeypatch.setattr(prefill_ws, "prefill_attn_ws", Recorder(), raising=False)
-    pf.attend_wave(*args)
+    monkeypatch.setattr(gluon, "ws_supported", lambda q, cache, *a: gluon.kv_rows(cache))  # any device
+    monkeypatch.setattr(gluon, "kv_block_descriptors", lambda *a: (None, None))
+    monkeypatch.setattr(gluon, "prefill_attn_ws", Recorder(), raising=False)
+    pf_attention.attend_wave(*args)
     assert launched, "the wave did not take the Gluon path"
-    geo = prefill_ws.kv_rows(case.cache)
-    page_m, step_m, head_m = prefill_ws.union_rows(geo, 64)
+    geo = gluon.kv_rows(case.cache)
+    page_m, step_m, head_m = gluon.union_rows(geo, 64)
     ppb, checked = case.cache.page_size // 64, 0
     assert geo[1] > 0 and ppb == 2  # head-major, two blocks a page
     info = scratch.tile_info
     for w in range(tiles):
-        if info[w, prefill_ws.INFO_P_LO.value] >= info[w, prefill_ws.INFO_P_HI.value]:
+        if info[w, gluon.INFO_P_LO.value] >= info[w, gluon.INFO_P_HI.value]:
             continue  # a tile past the last one: no union (its count is not written)
         for h in range(case.cache.num_kv_heads):
             n = int(scratch.union_count[w, h])
@@ -516,16 +520,16 @@ def test_union_launch_stores_the_gluon_rows(monkeypatch):
     assert checked > 2 * tiles
 
 
-def test_waves_take_every_tile_once_from_the_last(monkeypatch):
+def test_waves_take_every_tile_once_from_the_last():
     """``PrefillPlan.waves``: consecutive tiles, each in one wave, the partial last wave issued first (or, without
-    ``WAVES_LAST_FIRST``, in tile order)."""
-    plan = pf.PrefillPlan(qt=16, num_tiles=10, wave=4, max_cand=1, tile_req=None, tile_off=None)
+    ``waves_last_first``, in tile order)."""
+    plan = pf_plan.PrefillPlan(qt=16, num_tiles=10, wave=4, max_cand=1, tile_req=None, tile_off=None)
     assert plan.waves() == [(8, 2), (4, 4), (0, 4)]
-    monkeypatch.setattr(pf, "WAVES_LAST_FIRST", 0)
+    plan = dataclasses.replace(plan, config=PrefillConfig(waves_last_first=False))
     assert plan.waves() == [(0, 4), (4, 4), (8, 2)]
 
 
-def _allocated(scratch: pf.PrefillScratch) -> int:
+def _allocated(scratch: pf_plan.PrefillScratch) -> int:
     """Bytes of the distinct storages a scratch's tensors view."""
     storages = {}
     for f in dataclasses.fields(scratch):
@@ -542,29 +546,30 @@ def _allocated(scratch: pf.PrefillScratch) -> int:
     (8, 2, "kv_head", 2, 300_000),  # the byte budget binds: a wave of fewer tiles
 ])
 @pytest.mark.parametrize("min_cand", [1, 1 << 20])  # tables long enough for the summary copy, or never
-def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk, budget, min_cand, monkeypatch):
+def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk, budget, min_cand):
     """``scratch_bound`` (``workspace.prefill_scratch_bytes``, what the vLLM adapter reserves while vLLM profiles
     memory) against the scratch a call allocates: equal for ``max_requests`` requests on the widest block table
     where the budget does not bind, the budget where it binds; never below a call with fewer requests or a
     narrower table; never smaller for a wider one."""
-    monkeypatch.setattr(pf, "RECOMPUTE_MIN_CAND", min_cand)
+    config = PrefillConfig(recompute_min_candidates=min_cand, **({} if budget is None else {"scratch_bytes": budget}))
     p = DashParams(block_size=16, topk=topk, scaling_factor=1.0, router=router)
     for reqs in ([(150, 150), (40, 7), (90, 33)], [(300, 190)]):
         case = make_prefill_case(3, reqs, hq=hq, hkv=hkv, bs=16, params=p).to(DEV)
         t, width = case.q.shape[0], case.block_table.shape[1] * case.cache.page_size
-        plan, scratch = pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, budget)
+        plan, scratch = pf_launch.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
+                                                   config)
         total = _allocated(scratch)  # the routing scratch and the summary copy, as the op allocates them
-        # the summary copy of routing without a score scratch: bounded apart (SUMMARY_COPY_BYTES), outside the budget
+        # the summary copy of routing without a score scratch: bounded apart (summary_copy_bytes), outside the budget
         recompute = scratch.summary_copy is not None
         assert recompute == plan.recompute == (router == "kv_head" and plan.max_cand >= min_cand)
         made = scratch.summary_copy.untyped_storage().nbytes() if recompute else 0
-        copy = pf.SUMMARY_COPY_BYTES if recompute else 0
+        copy = config.summary_copy_bytes if recompute else 0
         assert 0 < made <= copy or not recompute
         # the same call routing from stored scores: larger tiles, no copy
-        stored = _allocated(pf.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
-                                                budget, recompute=False)[1])
+        stored = _allocated(pf_launch.plan_and_scratch(case.q, case.cache, case.block_table, case.cu, case.seq_lens,
+                                                       p, config, recompute=False)[1])
         assert total - made <= stored and (total - made < stored or not recompute or hq < 2 * hkv)
-        full = pf.scratch_bound(t, len(reqs), width, hq, hkv, p, scratch_bytes=budget)
+        full = pf_plan.scratch_bound(t, len(reqs), width, hq, hkv, p, config)
         assert total <= full and stored <= full
         if budget is None:  # the larger of the two paths, the copy at its bound
             assert full == max(stored, total - made + copy)
@@ -572,31 +577,31 @@ def test_scratch_bound_is_what_the_largest_call_allocates(hq, hkv, router, topk,
             assert full <= max(budget, stored) + copy
 
         def bound(requests, context):
-            return pf.scratch_bound(t, requests, context, hq, hkv, p, scratch_bytes=budget)
+            return pf_plan.scratch_bound(t, requests, context, hq, hkv, p, config)
 
         assert full <= bound(3, width) and full <= bound(len(reqs), 2 * width)
         for context in (width // 2, width - 16):
             assert bound(len(reqs), context) <= full
             assert bound(len(reqs), context) < full or budget is not None
-    assert prefill_scratch_bytes(t, 3, width, hq, hkv, p) == pf.scratch_bound(t, 3, width, hq, hkv, p)
+    assert (prefill_scratch_bytes(t, 3, width, hq, hkv, p, config)
+            == pf_plan.scratch_bound(t, 3, width, hq, hkv, p, config))
 
 
-def test_scratch_bound_where_the_copy_fits_fewer_requests(monkeypatch):
-    """The summary copy may fit for one request and not for three (``SUMMARY_COPY_BYTES``): one call then routes from
+def test_scratch_bound_where_the_copy_fits_fewer_requests():
+    """The summary copy may fit for one request and not for three (``summary_copy_bytes``): one call then routes from
     the copy (smaller tiles plus the copy), the other from stored scores; the bound for three requests covers both."""
-    monkeypatch.setattr(pf, "RECOMPUTE_MIN_CAND", 1)
     p = DashParams(block_size=16, topk=2, scaling_factor=1.0)
     cases = [make_prefill_case(3, reqs, hq=8, hkv=2, bs=16, params=p).to(DEV)
              for reqs in ([(150, 150)], [(150, 150), (40, 7), (90, 33)])]
     width = cases[0].block_table.shape[1] * cases[0].cache.page_size
     assert all(c.block_table.shape[1] * c.cache.page_size == width for c in cases)
     summ = cases[0].cache.summaries
-    one_copy = pf._max_cand(width, p) * 2 * summ.shape[-1] * summ.element_size()  # [1, max_cand, Hkv, D]
-    monkeypatch.setattr(pf, "SUMMARY_COPY_BYTES", one_copy)
-    made = [pf.plan_and_scratch(c.q, c.cache, c.block_table, c.cu, c.seq_lens, p)[1] for c in cases]
+    one_copy = pf_plan._max_cand(width, p) * 2 * summ.shape[-1] * summ.element_size()  # [1, max_cand, Hkv, D]
+    config = PrefillConfig(recompute_min_candidates=1, summary_copy_bytes=one_copy)
+    made = [pf_launch.plan_and_scratch(c.q, c.cache, c.block_table, c.cu, c.seq_lens, p, config)[1] for c in cases]
     assert made[0].summary_copy is not None and made[1].summary_copy is None
     t = max(c.q.shape[0] for c in cases)
-    bound = pf.scratch_bound(t, 3, width, 8, 2, p)
+    bound = pf_plan.scratch_bound(t, 3, width, 8, 2, p, config)
     assert all(_allocated(s) <= bound for s in made)
     assert bound == _allocated(made[1])  # here the stored path's scratch is the larger: the bound is tight
 
@@ -608,9 +613,9 @@ def test_scratch_bound_of_an_indexer():
     case = make_prefill_case(3, [(150, 150), (90, 33)], hq=8, hkv=2, bs=16, params=p).to(DEV)
     t, width = case.q.shape[0], case.block_table.shape[1] * case.cache.page_size
     shared = dataclasses.replace(p, router="shared")
-    plan = pf.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, shared,
-                                route_heads=hi)
-    got = _allocated(pf.PrefillScratch.allocate(plan.wave, plan.qt, max(8, hi), 2, plan.max_cand, shared,
+    plan = pf_plan.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, shared,
+                                     PrefillConfig(), route_heads=hi)
+    got = _allocated(pf_plan.PrefillScratch.allocate(plan.wave, plan.qt, max(8, hi), 2, plan.max_cand, shared,
                                                 case.q.device))
     assert prefill_scratch_bytes(t, 2, width, 8, 2, p, indexer_heads=hi) == got
 
@@ -635,34 +640,35 @@ def test_the_profile_reservation_holds_the_largest_until_released():
 
 
 @pytest.mark.parametrize("min_cand", [1, 1 << 20])  # routing from each layer's summary copy, or stored scores
-def test_workspace_shared_by_the_layers_of_a_batch(min_cand, monkeypatch):
+def test_workspace_shared_by_the_layers_of_a_batch(min_cand):
     """Layers of one batch (different caches and queries, the same length tensors) sharing a workspace: the
     first call makes the plan and scratch, the second reuses them (in three waves, over the first layer's
     leftover scratch; the summary copy made again from its own cache) and both outputs equal calls without a
     workspace exactly. A new length tensor or another token count makes them again."""
-    monkeypatch.setattr(pf, "RECOMPUTE_MIN_CAND", min_cand)
     p = DashParams(block_size=16, scaling_factor=2.0, topk=3)
     reqs = [(70, 40), (0, 0), (33, 33), (50, 7)]
     layers = [make_prefill_case(60 + i, reqs, params=p).to(DEV) for i in range(2)]
     for case in layers:
         assert torch.equal(case.cu, layers[0].cu) and torch.equal(case.seq_lens, layers[0].seq_lens)
-    plan = pf.PrefillPlan.build(layers[0].q, layers[0].cache, layers[0].block_table, layers[0].cu,
-                                layers[0].seq_lens, p)
+    config = PrefillConfig(recompute_min_candidates=min_cand)
+    plan = pf_plan.PrefillPlan.build(layers[0].q, layers[0].cache, layers[0].block_table, layers[0].cu,
+                                     layers[0].seq_lens, p, config)
     assert plan.recompute == (min_cand == 1)
-    budget = -(-plan.num_tiles // 3) * pf.PrefillScratch.bytes_per_tile(
+    budget = -(-plan.num_tiles // 3) * pf_plan.PrefillScratch.bytes_per_tile(
         plan.qt, layers[0].q.shape[1], layers[0].cache.num_kv_heads, plan.max_cand, p, plan.recompute)
-    alone = [prefill(case, scratch_bytes=budget) for case in layers]
-    ws = PrefillWorkspace()
+    config = dataclasses.replace(config, scratch_bytes=budget)
+    alone = [prefill(case, config) for case in layers]
+    ws = PrefillWorkspace(config)
     lens = (layers[0].cu, layers[0].seq_lens)
-    shared = [prefill(case, scratch_bytes=budget, write=False, workspace=ws, lens=lens) for case in layers]
+    shared = [prefill(case, write=False, workspace=ws, lens=lens) for case in layers]
     assert ws.builds == 1
     for a, b in zip(alone, shared):
         assert torch.equal(a, b)
-    again = prefill(layers[1], scratch_bytes=budget, write=False, workspace=ws, lens=(lens[0].clone(), lens[1]))
+    again = prefill(layers[1], write=False, workspace=ws, lens=(lens[0].clone(), lens[1]))
     assert ws.builds == 2 and torch.equal(again, alone[1])
     short = make_prefill_case(62, [(70, 40), (33, 33)], params=p).to(DEV)
-    out = prefill(short, scratch_bytes=budget, workspace=ws)
-    assert ws.builds == 3 and torch.equal(out, prefill(short, scratch_bytes=budget, write=False))
+    out = prefill(short, workspace=ws)
+    assert ws.builds == 3 and torch.equal(out, prefill(short, config, write=False))
     with pytest.raises(TypeError, match="PrefillWorkspace"):
         prefill(short, workspace=object())
 
@@ -684,19 +690,18 @@ def test_chunked_prompt_every_boundary_class():
         sl = slice(start, start + c)
         cu = torch.tensor([0, c], dtype=torch.int32, device=full.q.device)
         seq = torch.tensor([start + c], dtype=torch.int32, device=full.q.device)
-        out[sl] = pf.paged_dash_prefill_triton(full.q[sl], full.k[sl], full.v[sl], full.cache, full.block_table,
-                                               cu, seq, full.slot_mapping[sl], full.head_cls, p)
+        out[sl] = kernel_prefill(full.q[sl], full.k[sl], full.v[sl], full.cache, full.block_table, cu, seq,
+                                 full.slot_mapping[sl], full.head_cls, p)
         start += c
     checked, bad = count_differing_rows(full, out)
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-@pytest.mark.parametrize("programs", [pf.ZERO_TAIL_PROGRAMS, 2, 1])
-def test_tail_rows_and_inconsistent_requests_are_zero(monkeypatch, programs):
+@pytest.mark.parametrize("programs", [PrefillConfig().zero_tail_programs, 2, 1])
+def test_tail_rows_and_inconsistent_requests_are_zero(programs):
     """Token rows past ``cu_seqlens_q[n]`` and rows of a request whose new tokens outnumber its length
     are written as zeros (never NaN, never left stale); with one or two programs a head, the tail launch loops
     over the 40 tail rows in chunks of 16."""
-    monkeypatch.setattr(pf, "ZERO_TAIL_PROGRAMS", programs)
     p = DashParams(block_size=16, scaling_factor=2.0)
     case = make_prefill_case(8, [(40, 20), (30, 10)], params=p).to(DEV)
     t = case.q.shape[0]
@@ -704,8 +709,8 @@ def test_tail_rows_and_inconsistent_requests_are_zero(monkeypatch, programs):
     seq = case.seq_lens.clone()
     seq[1] = 5  # 10 new tokens cannot end at length 5
     out = torch.full_like(q, float("nan"))
-    pf.paged_dash_prefill_triton(q, None, None, case.cache, case.block_table, case.cu, seq, None, case.head_cls, p,
-                                 out=out)
+    pf_launch.paged_dash_prefill_triton(q, None, None, case.cache, case.block_table, case.cu, seq, None,
+                                        case.head_cls, p, out=out, config=PrefillConfig(zero_tail_programs=programs))
     out = out.cpu()
     assert torch.equal(out[20:], torch.zeros_like(out[20:]))
     assert torch.isfinite(out[:20]).all() and out[:20].abs().sum() > 0
@@ -721,8 +726,8 @@ def test_validation_errors_before_any_write():
 
     def call(**kw):
         a = dict(good, **kw)
-        return pf.paged_dash_prefill_triton(a["q"], a["k"], a["v"], a["cache"], a["block_table"], a["cu_seqlens_q"],
-                                            a["seq_lens"], a["slot_mapping"], a["head_cls"], a["params"])
+        return kernel_prefill(a["q"], a["k"], a["v"], a["cache"], a["block_table"], a["cu_seqlens_q"],
+                              a["seq_lens"], a["slot_mapping"], a["head_cls"], a["params"])
 
     bad = [
         (dict(q=case.q.float()), "dtype"),
@@ -753,8 +758,8 @@ def test_scratch_bytes_are_the_allocation(hq, hkv, router, recompute):
     more than the two tables."""
     p = DashParams(block_size=16, topk=4, router=router)
     qt, tiles, max_cand = 4, 3, 10
-    s = pf.PrefillScratch.allocate(tiles, qt, hq, hkv, max_cand, p, "cpu", recompute)
-    assert _allocated(s) == tiles * pf.PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, p, recompute)
+    s = pf_plan.PrefillScratch.allocate(tiles, qt, hq, hkv, max_cand, p, "cpu", recompute)
+    assert _allocated(s) == tiles * pf_plan.PrefillScratch.bytes_per_tile(qt, hq, hkv, max_cand, p, recompute)
     storage = s.scores.untyped_storage()
     start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     spans = {name: (t.data_ptr(), t.data_ptr() + 4 * t.numel())
@@ -771,11 +776,15 @@ def test_waves_fill_whole_rounds():
     """Waves are sized in whole rounds of resident programs, within the budget; a prompt whose tiles all
     fit runs in one wave."""
     cpu, per, hkv = torch.device("cpu"), 1000, 8
-    slots = launcher.DEFAULT_NUM_SMS * pf.RESIDENT_CTAS
-    w = pf.wave_tiles(8194, per, hkv, cpu, scratch_bytes=140 * per)  # the 128k prompt's shape
+    slots = common.DEFAULT_NUM_SMS * PrefillConfig().resident_ctas
+
+    def budget(nbytes):
+        return PrefillConfig(scratch_bytes=nbytes)
+
+    w = pf_plan.wave_tiles(8194, per, hkv, cpu, budget(140 * per))  # the 128k prompt's shape
     assert w <= 140 and (w * hkv) % slots == 0
-    assert pf.wave_tiles(500, per, hkv, cpu, scratch_bytes=1 << 40) == 500
-    assert pf.wave_tiles(10, per, hkv, cpu, scratch_bytes=3 * per) == 3  # under one round: the budget
+    assert pf_plan.wave_tiles(500, per, hkv, cpu, budget(1 << 40)) == 500
+    assert pf_plan.wave_tiles(10, per, hkv, cpu, budget(3 * per)) == 3  # under one round: the budget
 
 
 @pytest.mark.parametrize("n, seed", [(1, 0), (5, 1), (1500, 2)])  # 1500: the offsets' running sum crosses chunks
@@ -789,8 +798,8 @@ def test_tile_tables_place_the_host_layout(n, seed):
     cu = torch.zeros(n + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(qlen, 0)
     t, qt = int(cu[-1]) + 3, 16
-    tile_req, tile_off, nt = pf.tile_tables(cu.to(DEV), seq.to(torch.int32).to(DEV), t, qt)
-    layout = pf.tile_layout_host(cu, seq, qt)
+    tile_req, tile_off, nt = pf_tiles.tile_tables(cu.to(DEV), seq.to(torch.int32).to(DEV), t, qt)
+    layout = pf_tiles.tile_layout_host(cu, seq, qt)
     want = torch.full((nt,), n, dtype=torch.int32)
     want[:len(layout)] = torch.tensor([req for req, *_ in layout], dtype=torch.int32)
     assert torch.equal(tile_req.cpu(), want)

@@ -12,6 +12,8 @@ blocks at long context: at most ``MAX_DIFFERING_ROWS_PURE``, as the decode 128k 
 
 from __future__ import annotations
 
+import dataclasses
+
 import glob
 import os
 import pathlib
@@ -21,13 +23,15 @@ import torch
 
 from benchmarks.common import ar1_walk
 from dash_core import DashParams, dash_reference, ops, paged
-from dash_core.kernels import prefill as pf
+from dash_core.kernels.common import pow2
+from dash_core.kernels.prefill import gluon, launch as pf_launch, route as pf_route, tiles as pf_tiles
+from dash_core.kernels.prefill.config import GluonConfig, PrefillConfig
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
 from dash_core.recorder import load_batches
 from dash_core.standalone import DashKVCache, dash_attention
-from dash_core.workspace import (PrefillWorkspace, prefill_scratch_bytes, release_prefill_scratch,
-                                 reserve_prefill_scratch)
+from dash_core.ops import prefill_scratch_bytes
+from dash_core.workspace import PrefillWorkspace, release_prefill_scratch, reserve_prefill_scratch
 from dash_core.reference import block_summaries, dash_rows
 from tests.kernels._kernel_scenarios import summary_tolerance
 from tests.kernels.test_kernel_decode_attention import TOL
@@ -219,35 +223,33 @@ WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, rou
 @cuda_only
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
 def test_gluon_attention_matches_triton(case, monkeypatch):
-    """On Hopper, the warp-specialized Gluon attention (``prefill_ws``: G 3 padded to 4, G 8 with router
+    """On Hopper, the warp-specialized Gluon attention (``gluon.py``: G 3 padded to 4, G 8 with router
     ``shared``, G 1; extends starting and ending mid-block, a one-token extend; one wave, or many, whose launches
     share the work counter's memory; SGLang's pages and vLLM's) against the Triton kernel on the same routing, with
     NaN in every cache row no token wrote (the local window must not read them), and against the oracle on sampled
     rows."""
-    from dash_core.kernels import prefill_ws
-
     dtype, hq, hkv, ps, totals, news, pk, scratch, layout = WS_CASES[case]
     p = DashParams(block_size=64, **pk)
     pr = Prompt(70 + case, totals, news, hq=hq, hkv=hkv, d=128, bs=64, ps=ps, dtype=dtype, params=p, q_corr=0.8,
                 layout=layout)
-    if not prefill_ws.ws_supported(pr.q_new, pr.cache, p, pf._pow2(hq // hkv), pf.tile_tokens(hq, hkv, 64)):
+    config = PrefillConfig()
+    if not gluon.ws_supported(pr.q_new, pr.cache, p, pow2(hq // hkv), pf_tiles.tile_tokens(hq, hkv, 64,
+                                                                                        config.attn_rows)):
         pytest.skip("the Gluon attention runs on sm_90 only")
-    monkeypatch.setattr(prefill_ws, "WS_MIN_CAND", 0)  # on these short tables too
-    if scratch:
-        monkeypatch.setattr(pf, "SCRATCH_BYTES", scratch)
+    config = PrefillConfig(gluon=GluonConfig(min_candidates=0),  # on these short tables too
+                           **({"scratch_bytes": scratch} if scratch else {}))
     launches = []
-    descriptors = prefill_ws.kv_block_descriptors
-    monkeypatch.setattr(prefill_ws, "kv_block_descriptors", lambda *a: launches.append(1) or descriptors(*a))
+    descriptors = gluon.kv_block_descriptors
+    monkeypatch.setattr(gluon, "kv_block_descriptors", lambda *a: launches.append(1) or descriptors(*a))
     pages, ps = pr.cache.k_pages.shape[:2]
     written = torch.zeros(pages * ps, dtype=torch.bool, device=DEVICE)
     for sl in pr.slots:
         written[sl] = True
     pr.cache.k_pages[~written.view(pages, ps)] = float("nan")
     pr.cache.v_pages[~written.view(pages, ps)] = float("nan")
-    out_ws = pr.run()
+    out_ws = pr.run(workspace=PrefillWorkspace(config))
     assert len(launches) > (4 if scratch else 0), "the Gluon attention did not run (or not in several waves)"
-    monkeypatch.setattr(pf, "ATTN_WS", 0)
-    out_tr = pr.run()
+    out_tr = pr.run(workspace=PrefillWorkspace(dataclasses.replace(config, gluon=GluonConfig(enabled=False))))
     sync()
     assert torch.isfinite(out_ws).all()
     b, c = row_errors(out_ws, out_tr, dtype)
@@ -351,16 +353,15 @@ MATRIX = [  # (dtype, Hq, Hkv, D, bs, page_size, DashParams kwargs)
 
 
 @pytest.mark.parametrize("case,min_cand", [(c, None) for c in range(len(MATRIX))] + [(0, 1), (2, 1)])
-def test_configuration_matrix(case, min_cand, monkeypatch):
+def test_configuration_matrix(case, min_cand):
     """min_cand 1: routing from the summary copy on these short tables too (G 1, whose group mean once
     miscompiled there, and D 256)."""
-    if min_cand is not None:
-        monkeypatch.setattr(pf, "RECOMPUTE_MIN_CAND", min_cand)
+    config = PrefillConfig() if min_cand is None else PrefillConfig(recompute_min_candidates=min_cand)
     dtype, hq, hkv, d, bs, ps, pk = MATRIX[case]
     p = DashParams(block_size=bs, **pk)
     totals, news = [6000, 1500, 257], [2500, 1500, 100]
     pr = Prompt(50 + case, totals, news, hq=hq, hkv=hkv, d=d, bs=bs, ps=ps, dtype=dtype, params=p, q_corr=0.7)
-    out = pr.run()
+    out = pr.run(workspace=PrefillWorkspace(config))
     rows = {i: sampled_rows(t, n, bs, extra=10, seed=i) for i, (t, n) in enumerate(zip(totals, news))}
     check_against_oracles(pr, out, rows)
 
@@ -427,12 +428,13 @@ def _kernel_active_counts(qf, cache, bt, b, n, hkv, p):
     blocks plus the local window, as the published kernels count them."""
     cu = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * n
     seq = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
-    plan, scratch = pf.plan_and_scratch(qf, cache, bt, cu, seq, p, 1 << 40, recompute=False)
+    plan, scratch = pf_launch.plan_and_scratch(qf, cache, bt, cu, seq, p, PrefillConfig(scratch_bytes=1 << 40),
+                                               recompute=False)
     scratch.sel_count.zero_()
-    pf.route_wave(qf, cache, bt, cu, seq, p, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(qf, cache, bt, cu, seq, p, plan, scratch, 0, plan.num_tiles)
     counts = scratch.sel_count.cpu()
     active = torch.zeros(b, hkv, n, dtype=torch.int32)
-    for w, (i, a0, lo, hi, _) in enumerate(pf.tile_layout_host(cu, seq, plan.qt)):
+    for w, (i, a0, lo, hi, _) in enumerate(pf_tiles.tile_layout_host(cu, seq, plan.qt)):
         for pos in range(lo, hi):
             c = counts[w * plan.qt + pos - a0]
             nloc = min(pos // p.block_size + 1, p.local_blocks)

@@ -10,7 +10,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dash_core import DashParams
-from dash_core.kernels import launcher, routing
+from dash_core.kernels import routing
+from dash_core.kernels.decode import launch as decode_launch
+from dash_core.kernels.decode.buffers import DecodeBuffers
+from dash_core.kernels.decode.config import DecodeConfig
 from tests._benchmarks import import_benchmark
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import kernel_selection, make_scenario, oracle_route, selection_mismatches
@@ -67,8 +70,8 @@ def test_routing_matches_oracle(seed, lens, router, topk, est, sigma, sf, local_
                    sigma=sigma, router=router)
     sc = make_scenario(seed, lens, hq=2 * group, hkv=2, bs=bs, pages_per_block=ppb, layout=layout, dtype=dtype,
                        params=p, shared_prefix_pages=1).to(DEV)
-    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(splits, 1))
-    launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(splits, 1))
+    decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
     check_routing(sc, bufs)
 
 
@@ -104,8 +107,8 @@ def _route_small_topk(seed, lens):
     for topk in (1, 2, 3):
         p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, sigma=1.0)
         sc = make_scenario(seed, lens, hq=4, hkv=2, bs=16, params=p, shared_prefix_pages=1).to(DEV)
-        bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(1, 1))
-        launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+        bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(1, 1))
+        decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
         check_routing(sc, bufs)
 
 
@@ -113,8 +116,8 @@ def test_topk_ties_go_to_lower_blocks():
     """sf = 0 makes every candidate score 0: equal mp everywhere, so the cap keeps the first topk."""
     p = DashParams(block_size=16, topk=3, scaling_factor=0.0)
     sc = make_scenario(3, [200, 97], params=p).to(DEV)
-    bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 1))
-    launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 1))
+    decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
     for i in range(2):
         for u in range(2):
             idx, _, bias = kernel_selection(bufs, i, u)
@@ -128,19 +131,14 @@ def test_topk_ties_go_to_lower_blocks():
 def test_wide_topk_and_long_rows():
     """More candidates than one select tile, topk above and below the support size, a padded row,
     through each of route_tile's register/reload paths."""
-    from dash_core.kernels import routing
-
+    default = DecodeConfig()
     # (tiles reloaded every pass), (cap keys in registers, scores reloaded), (both in registers)
-    for budget, one_tile_max in ((64, 0), (64, routing.ONE_TILE_MAX),
-                                 (routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX)):
+    for budget, one_tile_max in ((64, 0), (64, default.one_tile_max),
+                                 (default.select_tile_budget, default.one_tile_max)):
+        config = DecodeConfig(select_tile_budget=budget, one_tile_max=one_tile_max)
         for topk in (None, 5, 40):
             p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
             sc = make_scenario(11, [16 * 70 + 5, 0, 33], params=p, q_scale=1.5).to(DEV)
-            bufs = launcher.DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(3, 1))
-            old = routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX
-            routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX = budget, one_tile_max
-            try:
-                launcher.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
-            finally:
-                routing.SELECT_TILE_BUDGET, routing.ONE_TILE_MAX = old
+            bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(3, 1), config=config)
+            decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
             check_routing(sc, bufs)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from dash_core import DashParams
-from dash_core.kernels import launcher
+from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.layout import PagedKVCache, alloc_summaries
 from tests.kernels._kernel_env import KERNEL_DEVICE
+from tests.kernels._kernel_ops import kernel_decode
 
 DEV = KERNEL_DEVICE
 
@@ -31,7 +32,7 @@ def make(hq=4, hkv=2, d=64, ps=16, bs=16, dtype=torch.bfloat16, summaries=True, 
 def run(a, params, **kw):
     before = a["cache"].k_pages.clone()
     with pytest.raises(ValueError) as e:
-        launcher.paged_dash_decode_triton(a["q"], a["k"], a["v"], a["cache"], a["block_table"], a["seq_lens"],
+        kernel_decode(a["q"], a["k"], a["v"], a["cache"], a["block_table"], a["seq_lens"],
                                           a["slot_mapping"], a["head_cls"], params, **kw)
     assert torch.equal(a["cache"].k_pages, before), "nothing may be written before the error"
     return str(e.value)
@@ -67,11 +68,11 @@ def test_rejects_bad_metadata_and_buffers():
     a["v"] = None
     assert "together" in run(a, p)
     a = make()
-    small = launcher.DecodeBuffers.allocate(1, 4, 2, 64, 16, 3, p, DEV)
+    small = DecodeBuffers.allocate(1, 4, 2, 64, 16, 3, p, DEV)
     assert "batch 2 > max_batch 1" in run(a, p, buffers=small)
     wide = make()
     wide["block_table"] = torch.zeros(2, 9, dtype=torch.int32, device=DEV)
-    narrow = launcher.DecodeBuffers.allocate(2, 4, 2, 64, 16, 3, p, DEV)
+    narrow = DecodeBuffers.allocate(2, 4, 2, 64, 16, 3, p, DEV)
     assert "addresses 9 blocks > 3" in run(wide, p, buffers=narrow)
-    capped = launcher.DecodeBuffers.allocate(2, 4, 2, 64, 16, 3, DashParams(block_size=16, topk=2), DEV)
+    capped = DecodeBuffers.allocate(2, 4, 2, 64, 16, 3, DashParams(block_size=16, topk=2), DEV)
     assert "selection" in run(make(), p, buffers=capped)

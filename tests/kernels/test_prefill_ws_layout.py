@@ -1,4 +1,4 @@
-"""Where the Gluon attention's TMA finds a block (``prefill_ws.kv_rows``, ``kv_row_views``, ``union_rows``), on the
+"""Where the Gluon attention's TMA finds a block (``gluon.kv_rows``, ``kv_row_views``, ``union_rows``), on the
 CPU: every element of the pages of SGLang's and vLLM's layouts at the row and column the kernel computes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dash_core.kernels import prefill_ws  # noqa: E402
+from dash_core.kernels.prefill import gluon  # noqa: E402
 from dash_core.layout import PagedKVCache  # noqa: E402
 
 
@@ -31,11 +31,11 @@ def test_each_block_at_its_row_and_column(make, geo):
     (``union_rows``, what the union launch stores), column ``h columns_a_head``, for K and for V."""
     cache = make()
     bs = 64
-    assert prefill_ws.kv_rows(cache) == geo
-    page_m, step_m, head_m = prefill_ws.union_rows(geo, bs)
-    k2, v2 = prefill_ws.kv_row_views(cache, geo)
-    if prefill_ws.HAVE_GLUON:  # the descriptors describe these views, with [bs, D] boxes
-        for desc, view in zip(prefill_ws.kv_block_descriptors(cache, bs, geo), (k2, v2)):
+    assert gluon.kv_rows(cache) == geo
+    page_m, step_m, head_m = gluon.union_rows(geo, bs)
+    k2, v2 = gluon.kv_row_views(cache, geo)
+    if gluon.HAVE_GLUON:  # the descriptors describe these views, with [bs, D] boxes
+        for desc, view in zip(gluon.kv_block_descriptors(cache, bs, geo), (k2, v2)):
             assert (desc.base.data_ptr(), desc.base.shape, desc.base.stride()) == (view.data_ptr(), view.shape,
                                                                                     view.stride())
             assert list(desc.block_shape) == [bs, cache.k_pages.shape[3]]
@@ -52,12 +52,12 @@ def test_layouts_without_one_row_stride_are_refused():
     """K and V of different strides, or rows that are not 16-byte aligned: no descriptor describes them (the Triton
     attention serves); padded rows that are aligned are described."""
     k = torch.randn(4 * 64, 2, 64)
-    assert prefill_ws.kv_rows(PagedKVCache.from_sglang(k, torch.randn(4 * 64, 2, 128)[..., :64], 64)) is None
+    assert gluon.kv_rows(PagedKVCache.from_sglang(k, torch.randn(4 * 64, 2, 128)[..., :64], 64)) is None
     odd = torch.randn(4 * 64, 2, 33, dtype=torch.float16)  # rows of 66 elements: 132 bytes
-    assert prefill_ws.kv_rows(PagedKVCache.from_sglang(odd, odd.clone(), 64)) is None
+    assert gluon.kv_rows(PagedKVCache.from_sglang(odd, odd.clone(), 64)) is None
     padded = torch.randn(4 * 64, 2, 72)[..., :64]  # heads 72 elements apart, rows of 144 (576 bytes)
     cache = PagedKVCache.from_sglang(padded, torch.randn(4 * 64, 2, 72)[..., :64], 64)
-    assert prefill_ws.kv_rows(cache) == (64, 0, 72)
+    assert gluon.kv_rows(cache) == (64, 0, 72)
 
 
 def test_rows_past_int32_are_refused():
@@ -69,5 +69,5 @@ def test_rows_past_int32_are_refused():
         return PagedKVCache(k, k, None, None)
 
     pages = 2 ** 22  # 2^28 rows of pages; the views 8 times that, less one head's
-    assert prefill_ws.kv_rows(head_outer(pages // 2)) == (64, pages // 2 * 64, 0)
-    assert prefill_ws.kv_rows(head_outer(pages)) is None
+    assert gluon.kv_rows(head_outer(pages // 2)) == (64, pages // 2 * 64, 0)
+    assert gluon.kv_rows(head_outer(pages)) is None

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query, max_or_zero, raise_max
+from ..common import (LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query, max_or_zero, pow2,
+                      raise_max)
 
 
 @triton.jit
@@ -117,10 +118,6 @@ def _merge_kernel(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout
     tl.store(out_ptr + i * sout_n + hq * sout_h + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
@@ -149,12 +146,12 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         sel_count, sel_count.stride(0), 0 if shared else sel_count.stride(1),
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         LOG2E_F / math.sqrt(d), g, num_splits,
-        G_PAD=max(16, _pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t,
+        G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t,
         num_warps=4, num_stages=2,
     )
     _merge_kernel[(n, hq)](
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
-        out, out.stride(0), out.stride(1), num_splits, NS_PAD=_pow2(num_splits), D=d,
-        num_warps=8 if _pow2(num_splits) * d >= 4096 else (4 if d >= 128 else 2),  # [splits, D] fp32 tile
+        out, out.stride(0), out.stride(1), num_splits, NS_PAD=pow2(num_splits), D=d,
+        num_warps=8 if pow2(num_splits) * d >= 4096 else (4 if d >= 128 else 2),  # [splits, D] fp32 tile
     )
     return out

@@ -1,11 +1,9 @@
 """Hopper prefill attention in Gluon: several warpgroups of one program, each running a tile of its own.
 
-The Triton attention launch of a wave (``prefill._prefill_attn_kernel``) fits two programs of one warpgroup on a
-multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (3) warpgroups (``gl.warp_specialize``),
-each with its own K and V rings, taking (tile, KV head) items from a counter, so that one warpgroup's softmax runs
-while another's MMAs do. Alone, that loop ran 14% faster than the Triton one (``benchmarks/union_loop.py``); in the
-prefill it takes about 6% off a call at 128k on the H200 (``docs/PERFORMANCE.md``, "The attention in Gluon on the
-H200").
+The Triton attention launch of a wave (``attention._prefill_attn_kernel``) fits two programs of one warpgroup on a
+multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (``GluonConfig.warpgroups``) warpgroups
+(``gl.warp_specialize``), each with its own K and V rings, taking (tile, KV head) items from a counter, so that one
+warpgroup's softmax runs while another's MMAs do (docs/PERFORMANCE.md says what it gains).
 
 A wave is then two launches. The Triton kernel builds each tile's union tables as before and stops there
 (``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
@@ -16,7 +14,7 @@ blocks, so the sums round in another order.
 
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
 bf16 or fp16, pages whose rows one 2-D TMA descriptor describes (``kv_rows``: SGLang's layout and vLLM's), block tables
-of at least ``WS_MIN_CAND`` candidates (``prefill.attend_wave``); else the Triton kernel.
+of at least ``GluonConfig.min_candidates`` candidates (``attention.attend_wave``); else the Triton kernel.
 The interpreter cannot run Gluon: the GPU tests check this kernel against the Triton one and the oracle.
 """
 
@@ -25,7 +23,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton.language as tl
+
+from ..common import sm90
+from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
+                    INFO_TOK_BASE)
 
 try:
     from triton.experimental import gluon
@@ -37,27 +38,7 @@ try:
 except ImportError:  # a Triton without Gluon: the Triton kernel serves
     HAVE_GLUON = False
 
-WS_WARPGROUPS = 3  # tiles (warpgroups) of one program
-WS_K_SLOTS = 1  # K ring slots a warpgroup
-WS_V_SLOTS = 2
-WS_REGS = 168  # registers a thread of each warpgroup (3 x 128 threads x 168 fit the register file)
 ROWS = 64  # query rows of a tile
-# Block tables of fewer candidates keep the Triton kernel: their waves are short, and the Gluon launch costs the host
-# about 0.3 ms a wave more (H200, 128k: 26.5 against 14.6 ms to issue a call of 42 waves)
-WS_MIN_CAND = 256
-# tile_info: a row of int32 a tile of the wave, written by the Triton union launch (``prefill._tile_bounds``); the
-# columns by name (last_local is first_local - 1 where not ok); the last column of row 0 is this launch's work counter
-(INFO_OK, INFO_TOK_BASE, INFO_A0, INFO_P_LO, INFO_P_HI, INFO_FIRST_LOCAL, INFO_LAST_LOCAL,
- INFO_REQ) = (tl.constexpr(i) for i in range(8))
-INFO_COLS = 9
-
-
-def sm90(device: torch.device) -> bool:
-    """An NVIDIA Hopper GPU (compiled code, not the interpreter)."""
-    from .common import interpreting
-
-    return (not interpreting() and device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def kv_rows(cache) -> Optional[tuple]:
@@ -121,7 +102,7 @@ if HAVE_GLUON:
         """One block of the online softmax (log2 domain) over the exponents ``s scale + bias`` (``scale > 0``; bias: a
         scalar, or each row's log prior for the block, ``-inf`` where the row did not select it): ``(p, alpha, m,
         l)``, ``alpha`` rescaling the old sums; a row still at ``-inf`` everywhere keeps zero weights. The row maxima
-        come from the raw products, so that an entry costs one FMA and one exponent (``prefill._prefill_attn_kernel``
+        come from the raw products, so that an entry costs one FMA and one exponent (``attention._prefill_attn_kernel``
         does the same)."""
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale + bias)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -264,7 +245,7 @@ if HAVE_GLUON:
     def _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, G, R: gl.constexpr, G_PAD: gl.constexpr,
                    layout: gl.constexpr):
         """The tile's ``R`` rows (token ``r // G_PAD`` of the tile, head ``r % G_PAD`` of the group) in ``layout``:
-        ``(token row, head in the group, a new token of the tile and g < G)``, as ``prefill._tile_rows``."""
+        ``(token row, head in the group, a new token of the tile and g < G)``, as ``tiles.tile_rows``."""
         r = gl.arange(0, R, layout=layout)
         pos = a0 + r // G_PAD
         tok = tok_base + pos

@@ -1,0 +1,31 @@
+"""The decode launches' tuning, as values: one frozen ``DecodeConfig`` held by the step's ``DecodeBuffers`` (the
+grid splits are sized with the buffers, once, so that one captured graph serves every step).
+
+Every field changes speed only, never a result; the alternatives measured and not kept are in docs/tuning.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning of the decode launches.
+
+    score_split_min_candidates: a score program handles at least this many candidates (the score launch is split
+        over a request's candidates for occupancy). attn_split_max: the most splits of one request's attention.
+    fuse_write_max: the largest ``[block_size, D]`` key tile summarised inside the score launch (the K/V write
+        and the summary of a block the new token completes go there); larger ones spill there and get a launch of
+        their own.
+    select_tile_budget: elements of the select kernel's largest register tile (halved for 16 or more score rows).
+    select_pivots: pivots a pass of the top-k cap's search where a unit's candidates do not fit one tile.
+    one_tile_max: up to this many candidates the cap keeps every mp in registers.
+    """
+
+    score_split_min_candidates: int = 128
+    attn_split_max: int = 64
+    fuse_write_max: int = 8192
+    select_tile_budget: int = 8192
+    select_pivots: int = 16
+    one_tile_max: int = 8192

@@ -1,0 +1,119 @@
+"""The prefill launches' tuning, as values: one frozen ``PrefillConfig`` passed to a call (through its
+``PrefillWorkspace``, or to ``launch.paged_dash_prefill_triton``), defaults per GPU architecture.
+
+Every field changes speed only, never a result: the tests run the kernels under several configurations against
+the oracle. The alternatives measured and not kept are in docs/tuning.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """The Hopper attention launch (``gluon.prefill_attn_ws``): one persistent program a multiprocessor, each of
+    its ``warpgroups`` running a tile of its own.
+
+    enabled: use it where ``gluon.ws_supported`` says it runs (else the Triton attention everywhere).
+    warpgroups: tiles (warpgroups) of one program. k_slots, v_slots: K and V ring slots of a warpgroup.
+    regs: registers a thread of each warpgroup (warpgroups x 128 threads x regs must fit the register file).
+    min_candidates: block tables of fewer candidates keep the Triton attention: their waves are short, and the
+    Gluon launch costs the host more a wave than it saves there.
+    """
+
+    enabled: bool = True
+    warpgroups: int = 3
+    k_slots: int = 1
+    v_slots: int = 2
+    regs: int = 168
+    min_candidates: int = 256
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tuning of the prefill launches (routing scratch, tile sizes, warps, stages, paths).
+
+    Scratch and waves:
+        scratch_bytes: routing scratch of one wave (scores, mp, selection, union lists); keeps a 128k prompt's
+            scratch under 1 GB. resident_ctas: programs of either launch resident on one multiprocessor (waves are
+            sized in whole rounds of them; 0: the budget alone). waves_last_first: issue a call's waves from its
+            last: a prompt's first waves (short contexts) run in less time than the host takes to issue one.
+    Tiles:
+        attn_rows: query rows of one tile (tokens x padded GQA group).
+    Routing (``route.py``):
+        route_tile_budget: elements of ``route_tile``'s largest register tile. route_warps, route_stages: warps and
+        pipeline stages of the route kernel with stored scores. route_score_tile: candidates of one score tile
+        (half that above D 128). route_pivots, route_pivot_budget, route_list_budget: the top-k cap's pivot search
+        (pivots per pass; elements of its ``[QT, pivots, entries]`` tile; of the ``[QT, entries]`` tiles of its
+        ties and compaction passes).
+    Routing from a summary copy (no score scratch; router ``kv_head`` on long block tables):
+        recompute_min_candidates: the fewest candidates that route this way (half that from
+        ``recompute_wide_group`` query heads per KV head); summary_copy_bytes: the most a call's copy may take.
+        recompute_warps, recompute_stages, recompute_maxnreg (0: no register cap): that kernel's launch.
+        copy_tma: its passes load the copy by TMA (Hopper and later), else by pointers.
+    Attention (``attention.py``):
+        attn_warps, attn_stages: warps and pipeline stages. attn_keys: keys of one union tile (a power of two).
+        union_chunk: union block ids loaded at once for tiles of one block; union_chunk_gather: for tiles of
+        several blocks (ids picked by ``tl.gather``). attn_tma: union tiles of one block loaded by TMA (Hopper and
+        later). union_tile, union_list_tile: elements of the union-building ``[TU, QT]`` and ``[QT, TJ]`` tiles.
+        zero_tail_programs: programs a query head of the launch that zeroes the rows of no request.
+    gluon: the Hopper attention launch (``GluonConfig``).
+    """
+
+    scratch_bytes: int = 896 << 20
+    resident_ctas: int = 2
+    waves_last_first: bool = True
+    attn_rows: int = 64
+    route_tile_budget: int = 4096
+    route_warps: int = 8
+    route_stages: int = 3
+    route_score_tile: int = 64
+    route_pivots: int = 4
+    route_pivot_budget: int = 2048
+    route_list_budget: int = 1024
+    recompute_min_candidates: int = 256
+    recompute_wide_group: int = 16
+    summary_copy_bytes: int = 16 << 20
+    recompute_warps: int = 4
+    recompute_stages: int = 3
+    recompute_maxnreg: int = 168
+    copy_tma: bool = True
+    attn_warps: int = 4
+    attn_stages: int = 3
+    attn_keys: int = 64
+    union_chunk: int = 32
+    union_chunk_gather: int = 16
+    attn_tma: bool = True
+    union_tile: int = 4096
+    union_list_tile: int = 2048
+    zero_tail_programs: int = 64
+    gluon: GluonConfig = field(default_factory=GluonConfig)
+
+    def __post_init__(self) -> None:
+        if self.attn_keys & (self.attn_keys - 1) or self.attn_keys < 16:
+            raise ValueError(f"PrefillConfig.attn_keys = {self.attn_keys}: expected a power of two >= 16")
+        if self.scratch_bytes <= 0:
+            raise ValueError(f"PrefillConfig.scratch_bytes = {self.scratch_bytes}: expected > 0")
+
+    @staticmethod
+    def for_device(device) -> "PrefillConfig":
+        """The defaults for ``device``'s architecture (``ARCH_DEFAULTS``; ``PrefillConfig()`` elsewhere)."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return _DEFAULT
+        return _for_capability(torch.cuda.get_device_capability(device))
+
+
+_DEFAULT = PrefillConfig()
+# Defaults by compute capability. The values were tuned on the H200 (sm_90); the Hopper-only paths (TMA, the Gluon
+# launch) check the hardware themselves and fall back, so other architectures start from the same values.
+ARCH_DEFAULTS = {(9, 0): _DEFAULT}
+
+
+@functools.lru_cache(maxsize=None)
+def _for_capability(capability: tuple) -> PrefillConfig:
+    return ARCH_DEFAULTS.get(capability, _DEFAULT)

@@ -1,0 +1,34 @@
+"""What each execution path supports: one table, read by ``DashParams``, the ops and both adapters.
+
+The PyTorch paged path (CPU, fp32) runs every ``DashParams``; the Triton kernels (CUDA, fp16/bf16) run the subset
+below. Nothing here imports triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+# The Triton kernels need triton (a dependency on Linux); without it every call takes the PyTorch path.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+# DashParams.block_size: a power of two in this range (the PyTorch path and the oracle take all of them).
+BLOCK_SIZE_RANGE = (16, 256)
+# The dtypes the ops take; the kernels take the half-precision ones, the PyTorch path all three.
+OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_HEAD_DIMS = (64, 128, 256)
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+KERNEL_MAX_GROUP = 16  # query heads per KV head
+KERNEL_MAX_PAGE_SIZE = 256
+KERNEL_MAX_INDEXER_HEADS = 8 * KERNEL_MAX_GROUP
+
+
+def kernel_block_size_error(block_size: int) -> str:
+    """The message for a block size the kernels do not run, or '' where they do."""
+    if block_size in KERNEL_BLOCK_SIZES:
+        return ""
+    return (f"block_size = {block_size} is not supported by the Triton kernels (GPU); use one of "
+            f"{KERNEL_BLOCK_SIZES} (the PyTorch path on the CPU takes powers of two in {BLOCK_SIZE_RANGE[0]}.."
+            f"{BLOCK_SIZE_RANGE[1]})")
