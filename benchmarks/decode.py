@@ -1,6 +1,6 @@
 """Decode benchmark: DASH Triton decode against dense decode peers at long context.
 
-Follows DESIGN.md "Performance protocol": CUDA events around every call after warm-up and
+Follows docs/design.md "Performance protocol": CUDA events around every call after warm-up and
 compilation, the median of many calls, inputs rotated over several layers' caches so that L2
 (50 MB on the H200) does not flatter sparse reads, and a floor = bytes that must move / measured
 device-to-device copy bandwidth. Peers measured in the same run: PyTorch SDPA on contiguous KV,
@@ -39,7 +39,7 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import add_output_args, add_shape_args, import_published, merge_records, replace_section, shown_command, svg_bars  # noqa: E402,E501
-from dash_core import DashParams, segments  # noqa: E402
+from dash_core import DashParams, segments_paged  # noqa: E402
 from dash_core.kernels import launcher  # noqa: E402
 from dash_core.kernels.kv_write import write_kv_and_summaries  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
@@ -246,14 +246,14 @@ def segment_rows(a, layers, q, seq, params, bufs, out, common, add, floor, kv_fr
     b = q.shape[0]
     for backend in a.seg_backends:
         method = "dash-" + backend.lower().replace("_", "-")
-        variants = [True, False] if segments.zero_copy_possible(layers[0].cache, params) else [False]
+        variants = [True, False] if segments_paged.zero_copy_possible(layers[0].cache, params) else [False]
         for zc in variants:
             variant = "zero-copy" if zc else "gathered"
 
             def fn(layer, zc=zc, backend=backend):
                 def run():
                     launcher.route(q, layer.cache, layer.block_table, seq, params, bufs)
-                    out.copy_(segments.decode_segment_attention(
+                    out.copy_(segments_paged.decode_segment_attention(
                         q, layer.cache, layer.block_table, seq, bufs.sel_idx[:b], bufs.sel_bias[:b],
                         bufs.sel_count[:b], params, backend, zero_copy=zc))
                 return run

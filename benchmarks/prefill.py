@@ -1,6 +1,6 @@
 """Prefill benchmark: DASH Triton prefill / extend against dense causal prefill on long prompts.
 
-Follows DESIGN.md "Performance protocol" with ``benchmarks/decode.py``'s timing helpers: CUDA events
+Follows docs/design.md "Performance protocol" with ``benchmarks/decode.py``'s timing helpers: CUDA events
 around every call after warm-up and compilation, the median of several calls (prompts of 2k tokens
 and more are far larger than L2). Per case: one request (B 1) of ``context`` tokens, prefilled at once
 or in chunks on the paged history the earlier chunks wrote (as engines do chunked prefill), with and

@@ -69,7 +69,8 @@ def check_slot_mapping(slot_mapping: Optional[torch.Tensor], t: int, device: tor
     read for free (a CPU tensor; on CUDA, ``SlotGuard``). Negative slots are padding."""
     if (slot_mapping is None or tuple(slot_mapping.shape) != (t,) or slot_mapping.dtype not in INT_DTYPES
             or slot_mapping.device != device):
-        got = None if slot_mapping is None else (tuple(slot_mapping.shape), slot_mapping.dtype, str(slot_mapping.device))
+        got = (None if slot_mapping is None
+               else (tuple(slot_mapping.shape), slot_mapping.dtype, str(slot_mapping.device)))
         raise ValueError(f"slot_mapping must be [T] = [{t}] int64 on {device} with k and v, got {got}")
     if not slot_mapping.is_cuda and t:
         top = int(slot_mapping.max())

@@ -1,4 +1,4 @@
-"""Views over the engines' paged KV storage, and the block-summary store (SPEC.md section 8).
+"""Views over the engines' paged KV storage, and the block-summary store (docs/semantics.md section 8).
 
 Both engines' caches are presented as one strided form, without copying:
 
@@ -26,7 +26,7 @@ PAGE_SIZE_ERROR = "page size must be a multiple of the DASH block size"
 
 
 def check_page_size(page_size: int, block_size: int, flag: str = "page size") -> None:
-    """Raise the start-up error of SPEC.md section 8 unless ``page_size % block_size == 0``."""
+    """Raise the start-up error of docs/semantics.md section 8 unless ``page_size % block_size == 0``."""
     if page_size % block_size:
         raise ValueError(f"{PAGE_SIZE_ERROR}: {flag} is {page_size}, DASH block size is {block_size}; "
                          f"set {flag} to a multiple of {block_size}")
@@ -168,7 +168,7 @@ def block_table_from_req_to_token(req_to_token: torch.Tensor, page_size: int) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# The auxiliary head (SPEC.md sections 8-9): one extra per-token row next to K and V.
+# The auxiliary head (docs/semantics.md sections 8-9): one extra per-token row next to K and V.
 #
 # A row has ``2 * D`` elements in the KV dtype (the width of one vLLM head slot, K and V together):
 #
@@ -187,7 +187,7 @@ def block_table_from_req_to_token(req_to_token: torch.Tensor, page_size: int) ->
 # "One byte" is one element holding an integer 0..255, which bf16 (8 significant bits), fp16 and
 # fp32 store exactly, so every integer round-trips through any KV dtype; 4 bytes hold 0 .. 2^32 - 1
 # (offsets, page indices and counts up to the largest context). Needs D >= AUX_MIN_HEAD_DIM.
-# Three counts per row (SPEC.md: "in the slots of the first P + 2 prompt tokens") keep the counts
+# Three counts per row (docs/semantics.md: "in the slots of the first P + 2 prompt tokens") keep the counts
 # inside the prompt even when it has fewer than P + 2 tokens (a prompt holds at least P tokens, and
 # ceil((P + 2) / 3) <= P for P >= 1).
 #

@@ -15,7 +15,7 @@ ones (``DashParams.from_config``: ``chunk_size``, ``scaling_factor``, ``sigma``,
 | `dash_page_token_id` | `AuxConfig` | the placeholder id whose prompt tokens get role 2 (later tokens of that page) |
 | `dash_page_rope_tok_pairs` | `DashParams` | page RoPE split `r` (`DashParams.page_rope_tok_pairs`; None = a quarter of the rotary dim) |
 
-An indexer or page mode needs the auxiliary head (SPEC.md section 9): one ``[slots, 2D]`` row per KV
+An indexer or page mode needs the auxiliary head (docs/semantics.md section 9): one ``[slots, 2D]`` row per KV
 slot in the KV dtype, which each engine lays out its own way (``dash_core.layout``).
 """
 

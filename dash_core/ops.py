@@ -43,7 +43,7 @@ from .layout import PagedKVCache
 from .limits import HAVE_TRITON
 from .params import DashParams
 from .rope import PageRopeSettings
-from .segments import decode_segment_attention
+from .segments_paged import decode_segment_attention
 from .workspace import PrefillWorkspace
 
 if HAVE_TRITON:  # the Triton kernels (Linux); without triton every call takes the PyTorch path
@@ -88,7 +88,7 @@ def cache_dash_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, sl
         ``positions [T]``, ``block_table [n, max_pages]`` and ``cu_seqlens_q [n + 1]`` (the requests' rows). The
         auxiliary rows store positions as the coordinates without page mode (0 without them).
     """
-    t = slot_mapping.shape[0] if slot_mapping is not None else k.shape[0]
+    t = k.shape[0] if k is not None and k.dim() else 0
     check_cache(cache, params)
     check_tokens("k", k, t, cache)
     if page_rope is not None:

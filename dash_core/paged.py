@@ -29,7 +29,7 @@ def write_kv(cache: PagedKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping
 
 def write_summaries(cache: PagedKVCache, slot_mapping: torch.Tensor, head_cls: torch.Tensor,
                     params: DashParams) -> None:
-    """Summarise every block whose last token is among ``slot_mapping`` (SPEC.md section 2).
+    """Summarise every block whose last token is among ``slot_mapping`` (docs/semantics.md section 2).
 
     With a page size that is a multiple of the block size a block's slots are
     ``bs * j .. bs * j + bs - 1`` for ``j = slot // bs``, so the last slot alone names the
@@ -89,7 +89,7 @@ def paged_dash_torch(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------
-# The auxiliary head in the ops (SPEC.md section 9): page RoPE of the new inputs and the rows of
+# The auxiliary head in the ops (docs/semantics.md section 9): page RoPE of the new inputs and the rows of
 # the new tokens. Tensor ops only (no host reads), shared by the PyTorch and the Triton paths.
 # ---------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""DASH hyper-parameters (SPEC.md section 1), validated once at construction."""
+"""DASH hyper-parameters (docs/semantics.md section 1), validated once at construction."""
 
 from __future__ import annotations
 
@@ -45,17 +45,17 @@ class DashParams:
         >>> DashParams.dense_equivalent(block_size=16).scaling_factor
         0.0
 
-    Fields (SPEC.md section 1):
+    Fields (docs/semantics.md section 1):
         block_size: tokens per block, a power of two in 16..256 (config key ``chunk_size``).
         topk: cap on routed blocks per query (and per KV head for router ``kv_head``); None = no cap.
         local: local-window tokens, a multiple of ``block_size``; None means ``block_size``.
         scaling_factor: routing temperature ``sf``; finite and >= 0.
         sigma: temperature of the estimated-diagonal prior, >= 1.
-        estimate_diagonal: normalise the prior by its geometric mean (SPEC.md section 5).
+        estimate_diagonal: normalise the prior by its geometric mean (docs/semantics.md section 5).
         router: ``"kv_head"`` (one selection per KV head) or ``"shared"`` (one for all heads).
         attention_backend: what runs the attention stage, ``"TRITON"`` (native kernels) or the
             segment backends ``"FLASH_ATTN"``, ``"FLASHINFER"`` (``dash_core.segments``; need ``topk``).
-        page_rope_tok_pairs: page mode (SPEC.md section 9): rotary pairs ``0 .. r - 1`` rotate by the
+        page_rope_tok_pairs: page mode (docs/semantics.md section 9): rotary pairs ``0 .. r - 1`` rotate by the
             in-page offset, the rest by the page index; None = a quarter of the rotary dim.
     """
 
@@ -125,7 +125,7 @@ class DashParams:
 
     @classmethod
     def dense_equivalent(cls, block_size: int = 64, local: Optional[int] = None) -> "DashParams":
-        """The configuration in which DASH equals dense causal attention (SPEC.md section 1)."""
+        """The configuration in which DASH equals dense causal attention (docs/semantics.md section 1)."""
         return cls(block_size=block_size, local=local, scaling_factor=0.0, estimate_diagonal=True)
 
     @classmethod

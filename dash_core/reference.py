@@ -1,8 +1,8 @@
-"""The float64 oracle: SPEC.md sections 2-7 in code, written for clarity, not speed.
+"""The float64 oracle: docs/semantics.md sections 2-7 in code, written for clarity, not speed.
 
 Every fast path in this project (paged PyTorch, Triton kernels, segment backends, engine
 adapters) is tested against the functions here. The pipeline is split by stage so that a fast
-path can be compared stage by stage (DESIGN.md, "Tests"):
+path can be compared stage by stage (docs/design.md, "Tests"):
 
     block_summaries  ->  route  ->  attend           (dash_rows chains route and attend)
 
@@ -29,7 +29,7 @@ import torch
 from .params import DashParams
 
 F64 = torch.float64
-ENTMAX_ITERS = 3  # three safeguarded Halley steps: part of the semantics (SPEC.md section 4)
+ENTMAX_ITERS = 3  # three safeguarded Halley steps: part of the semantics (docs/semantics.md section 4)
 HALLEY_SLACK = 1e-5
 PRIOR_EPS = 1e-20
 # Row chunks are sized so that one chunk's float64 logits stay near this many bytes.
@@ -37,7 +37,7 @@ _LOGITS_BUDGET_BYTES = 1 << 27
 
 
 def block_summaries(k: torch.Tensor, head_cls: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Summaries of the complete blocks of ``k`` (SPEC.md section 2).
+    """Summaries of the complete blocks of ``k`` (docs/semantics.md section 2).
 
     k: ``[..., Hkv, N, D]`` keys (post-RoPE); head_cls: ``[Hkv, D]``.
     Returns ``[..., Hkv, N // block_size, D]`` float64 holding values rounded to ``k.dtype``
@@ -55,7 +55,7 @@ def block_summaries(k: torch.Tensor, head_cls: torch.Tensor, block_size: int) ->
 def entmax15_threshold(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """The 1.5-entmax threshold ``tau`` of ``x`` over the ``valid`` entries of the last dim.
 
-    Exactly three safeguarded Halley steps from the bracket ``[max - 1, max]`` (SPEC.md
+    Exactly three safeguarded Halley steps from the bracket ``[max - 1, max]`` (docs/semantics.md
     section 4). Rows without a valid entry get ``tau = 0`` (and no support).
     """
     xm = torch.where(valid, x, torch.full_like(x, -math.inf))
@@ -94,7 +94,7 @@ class Routing:
 
 
 def routing_scores(q_scaled: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """The entmax's input ``x = 0.5 <sf q, s> / sqrt(D)`` (SPEC.md section 4), float64 ``[Hq, R, nblk]``,
+    """The entmax's input ``x = 0.5 <sf q, s> / sqrt(D)`` (docs/semantics.md section 4), float64 ``[Hq, R, nblk]``,
     from ``q_scaled [Hq, R, D]`` and ``summaries [Hkv, nblk, D]`` (query head h scores KV head h // G)."""
     hq, _, d = q_scaled.shape
     g = hq // summaries.shape[0]
@@ -104,7 +104,7 @@ def routing_scores(q_scaled: torch.Tensor, summaries: torch.Tensor) -> torch.Ten
 
 def route(q_scaled: torch.Tensor, summaries: torch.Tensor, num_candidates: torch.Tensor,
           params: DashParams) -> Routing:
-    """Stage 2 and the prior (SPEC.md sections 4-5) for R query rows.
+    """Stage 2 and the prior (docs/semantics.md sections 4-5) for R query rows.
 
     q_scaled: ``[Hq, R, D]``, ``sf * q`` already rounded to the query dtype.
     summaries: ``[Hkv, nblk, D]``; num_candidates: ``[R]`` int, row r routes over blocks
@@ -142,13 +142,13 @@ def route(q_scaled: torch.Tensor, summaries: torch.Tensor, num_candidates: torch
 
 
 def local_window_start(positions: torch.Tensor, params: DashParams) -> torch.Tensor:
-    """First block of the local window of each position (SPEC.md section 3)."""
+    """First block of the local window of each position (docs/semantics.md section 3)."""
     return (positions // params.block_size - params.local_blocks + 1).clamp(min=0)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
            routing: Routing, params: DashParams) -> torch.Tensor:
-    """Stage 3 (SPEC.md section 6): softmax attention over the local window and kept blocks.
+    """Stage 3 (docs/semantics.md section 6): softmax attention over the local window and kept blocks.
 
     q: ``[Hq, R, D]`` (not scaled by sf); k, v: ``[Hkv, L, D]`` with ``L > max(positions)``;
     positions: ``[R]``; routing over candidate blocks ``0 .. nblk - 1``.
@@ -187,9 +187,9 @@ def dash_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, summaries: torc
 
     q: ``[Hq, R, D]`` queries at ``positions [R]``; k, v: ``[Hkv, L, D]`` (L > max position);
     summaries: ``[Hkv, >= L // bs, D]``. Rows are processed in chunks so memory stays linear in L.
-    With an indexer (SPEC.md section 9), iq: ``[Hi, R, Di]`` routes instead of q, summaries are the
+    With an indexer (docs/semantics.md section 9), iq: ``[Hi, R, Di]`` routes instead of q, summaries are the
     indexer's ``[1, >= L // bs, Di]`` and the one shared selection applies to every KV head.
-    Returns ``out [Hq, R, D]`` float64 and ``active [Hkv, R]`` int32 (SPEC.md section 5).
+    Returns ``out [Hq, R, D]`` float64 and ``active [Hkv, R]`` int32 (docs/semantics.md section 5).
     """
     hq, r, d = q.shape
     hkv = k.shape[0]
@@ -200,7 +200,7 @@ def dash_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, summaries: torc
     qr = q if iq is None else iq
     if iq is not None:
         params = replace(params, router="shared")  # the mean over the Hi indexer heads
-    q_scaled = (qr * params.scaling_factor).to(qr.dtype)  # sf * q rounded to q's dtype (SPEC.md 4)
+    q_scaled = (qr * params.scaling_factor).to(qr.dtype)  # sf * q rounded to q's dtype (docs/semantics.md 4)
     for lo, hi in _row_chunks(pos, hq):
         p = pos[lo:hi]
         n = int(p.max()) + 1
@@ -242,7 +242,7 @@ def dash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_cls: 
     rows: optional query positions to evaluate (same code path, memory linear in N); the output
     then has ``len(rows)`` rows in that order. A decode step at position N is the last row of a
     call on N + 1 tokens.
-    Indexer (SPEC.md section 9; all three or none): iq ``[B, Hi, N, Di]``, ik ``[B, N, Di]``
+    Indexer (docs/semantics.md section 9; all three or none): iq ``[B, Hi, N, Di]``, ik ``[B, N, Di]``
     (post-RoPE), head_cls_i ``[Di]``. Routing then uses the summaries of ``ik`` and ``sf * iq``,
     averaged over the Hi heads into one selection for every KV head (``head_cls`` is unused).
     Returns ``out [B, Hq, R, D]`` in ``q.dtype`` and ``active [B, Hkv, R]`` int32.

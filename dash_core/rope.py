@@ -1,4 +1,4 @@
-"""Page coordinates and page RoPE (SPEC.md section 9).
+"""Page coordinates and page RoPE (docs/semantics.md section 9).
 
 A page-mode prompt carries one role per token: 0 text, 1 first token of a page, 2 a later token of
 that page. Every token gets two integer coordinates:
@@ -12,7 +12,7 @@ that page. Every token gets two integer coordinates:
 
 A prompt without any page (``P = 0``) gets ``tok = page = position``, and generated tokens continue
 it (its query page is recorded as 0), so such a prompt of a page-mode model is ordinary RoPE
-throughout (the contract of issue 7: every prompt of a page-mode model is in page mode).
+throughout (every prompt of a page-mode model is in page mode).
 
 Page RoPE rotates the neox pairs ``0 .. r - 1`` by ``tok`` and the pairs ``r .. rot/2 - 1`` by
 ``page``, each with its usual frequency (``r = DashParams.page_rope_tok_pairs``, default ``rot / 4``).
@@ -33,6 +33,7 @@ from typing import Optional, Union
 
 import torch
 
+from .layout import decode_aux
 from .params import DashParams
 
 ROLE_TEXT, ROLE_PAGE_START, ROLE_PAGE = 0, 1, 2
@@ -184,8 +185,6 @@ def decode_coordinates_from_aux(prev_rows: torch.Tensor, head_dim: int) -> tuple
     dtype). Device-side tensor ops only. The new token's row carries the same page count and
     query page, with role 0.
     """
-    from .layout import decode_aux
-
     s = decode_aux(prev_rows, head_dim)
     return decode_coordinates(s.tok, s.page, s.query_page)
 

@@ -1,4 +1,4 @@
-"""DASH's attention stage as segments on off-the-shelf attention kernels (SPEC.md section 6).
+"""DASH's attention stage as segments on off-the-shelf attention kernels (docs/semantics.md section 6).
 
 Every query row attends, per selection unit (a KV head for router ``kv_head``, the whole row for
 ``shared``), to ``topk`` routed segments of ``bs`` tokens and one local segment of up to ``local``
@@ -6,7 +6,7 @@ tokens. Each segment is plain softmax attention returning its output ``o_c`` and
 normaliser ``lse_c``; the segments are merged with weights ``softmax_c(lse_c + log prior_c)``
 (local prior 1), and a segment of length 0 has weight 0 whatever a library returns for it.
 
-Gathered layout (this module's input; ``gather_segments`` builds it from a paged cache):
+Gathered layout (this module's input; ``segments_paged.gather_segments`` builds it from a paged cache):
 
 - ``k, v``: ``[n * Hsel * S, Hk, D]`` with ``S = topk * bs + local``: unit ``(i, s)`` owns rows
   ``(i * Hsel + s) * S ..``; routed segment ``c < topk`` starts at ``c * bs``, the local segment
@@ -16,8 +16,8 @@ Gathered layout (this module's input; ``gather_segments`` builds it from a paged
   above the capacity are clamped on the device (nothing is read back to the host).
 - ``bias``: ``[n, Hsel, topk]`` float, the log prior of the routed segments.
 
-Zero-copy variant: ``segment_pages`` + ``flash_dash_attention_paged`` address the same segments
-through page tables into the engine's cache when its page size equals the block size.
+Zero-copy variant (``dash_core.segments_paged``: ``segment_pages`` + ``flash_dash_attention_paged``) addresses the
+same segments through page tables into the engine's cache when its page size equals the block size.
 
 Backends: ``"TRITON"`` (``dash_core.kernels.segment_attention``; on CPU tensors the PyTorch
 segment attention below runs instead, as the ops do), ``"TORCH"`` (the PyTorch path on any
@@ -49,7 +49,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .layout import PagedKVCache
 from .limits import HAVE_TRITON
 from .params import ATTENTION_BACKENDS, DashParams
 from .plan_cache import PlanCache, PlanKey, default_plan_cache
@@ -122,7 +121,7 @@ def segment_count(params: DashParams) -> int:
     return params.topk
 
 
-def _check_capacity(name: str, value) -> None:
+def check_capacity(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 8 or value % 8:
         raise ValueError(f"{name} = {value!r} is not allowed: expected a positive multiple of 8 "
                          "(segment capacities must be whole bytes of a FlashInfer mask)")
@@ -133,8 +132,8 @@ def check_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torc
     """Validate a ``flash_dash_attention`` call on the host (shapes and dtypes only)."""
     if backend not in SEGMENT_BACKENDS:
         raise ValueError(f"backend = {backend!r} is not allowed: expected one of {SEGMENT_BACKENDS}")
-    _check_capacity("bs", bs)
-    _check_capacity("local", local)
+    check_capacity("bs", bs)
+    check_capacity("local", local)
     if q.dim() != 3:
         raise ValueError(f"q must be [n, Hq, D]; got {tuple(q.shape)}")
     n, hq, d = q.shape
@@ -171,7 +170,7 @@ def check_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torc
     return SegmentGeometry(n=n, hsel=hsel, topk=topk, bs=bs, local=local, hq=hq, hk=hk, d=d)
 
 
-def _cache_or_default(plan_cache: Optional[PlanCache]) -> PlanCache:
+def cache_or_default(plan_cache: Optional[PlanCache]) -> PlanCache:
     """The given plan cache (even when empty: an empty cache is falsy) or the process-wide one."""
     return plan_cache if plan_cache is not None else default_plan_cache()
 
@@ -199,7 +198,7 @@ def segment_weights_inputs(used: torch.Tensor, bias: torch.Tensor, bs: int, loca
 
 def merge_segments(o: torch.Tensor, lse: torch.Tensor, log_prior: torch.Tensor,
                    valid: torch.Tensor) -> torch.Tensor:
-    """Merge normalised segment outputs by ``softmax_c(lse_c + log_prior_c)`` (SPEC.md section 6).
+    """Merge normalised segment outputs by ``softmax_c(lse_c + log_prior_c)`` (docs/semantics.md section 6).
 
     o: ``[..., C, H, D]`` per-segment outputs; lse: ``[..., C, H]`` natural-log normalisers;
     log_prior, valid: ``[..., C]``. Invalid segments get weight 0 whatever ``o`` and ``lse``
@@ -262,7 +261,7 @@ def segment_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u
     return torch.cat([o_r, o_l], dim=2), torch.cat([lse_r, lse_l], dim=2)
 
 
-def _unit_queries(q: torch.Tensor, geo: SegmentGeometry) -> torch.Tensor:
+def unit_queries(q: torch.Tensor, geo: SegmentGeometry) -> torch.Tensor:
     """Queries of every segment request, ``[n * Hsel * C, Hu, D]`` (request order (i, s, c))."""
     hu = geo.heads_per_unit
     qq = q.reshape(geo.n, geo.hsel, 1, hu, geo.d).expand(geo.n, geo.hsel, geo.num_segments, hu, geo.d)
@@ -298,7 +297,7 @@ def length_mask_bytes(lengths: torch.Tensor, byte_req: torch.Tensor, byte_pos: t
     return (torch.bitwise_left_shift(torch.ones_like(bits), bits) - 1).to(torch.uint8)
 
 
-def _segment_lengths(used: torch.Tensor, geo: SegmentGeometry) -> torch.Tensor:
+def segment_lengths(used: torch.Tensor, geo: SegmentGeometry) -> torch.Tensor:
     length, _, _ = segment_weights_inputs(used, torch.zeros(used.shape[0], used.shape[1], geo.topk,
                                                             device=used.device), geo.bs, geo.local)
     return length.reshape(geo.requests).contiguous()
@@ -308,7 +307,7 @@ def _segment_lengths(used: torch.Tensor, geo: SegmentGeometry) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _import_flashinfer():
+def import_flashinfer():
     try:
         import flashinfer  # noqa: F401
     except ImportError as e:
@@ -329,7 +328,7 @@ class FlashInferSegmentPlan:
 
     def __init__(self, geo: SegmentGeometry, dtype: torch.dtype, device: torch.device,
                  workspace: torch.Tensor) -> None:
-        fi = _import_flashinfer()
+        fi = import_flashinfer()
         r = geo.requests
         kv_indptr = segment_starts(geo, device)
         qo_indptr = torch.arange(r + 1, device=device, dtype=torch.int32)
@@ -364,8 +363,8 @@ class FlashInferSegmentPlan:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor
             ) -> Tuple[torch.Tensor, torch.Tensor]:
         geo = self.geo
-        self.write_mask(_segment_lengths(used, geo))
-        o, lse = self.wrapper.run(_unit_queries(q, geo), k, v, return_lse=True)
+        self.write_mask(segment_lengths(used, geo))
+        o, lse = self.wrapper.run(unit_queries(q, geo), k, v, return_lse=True)
         # FlashInfer's LSE is base 2, [requests, heads]: to natural log.
         c, hu = geo.num_segments, geo.heads_per_unit
         return (o.view(geo.n, geo.hsel, c, hu, geo.d),
@@ -379,7 +378,7 @@ def plan_key(geo: SegmentGeometry, dtype: torch.dtype, device: torch.device,
                    page_size=page_size, layout=layout, selection_heads=geo.hsel)
 
 
-def _flashinfer_plan(geo: SegmentGeometry, dtype: torch.dtype, device: torch.device,
+def flashinfer_plan(geo: SegmentGeometry, dtype: torch.dtype, device: torch.device,
                      cache: PlanCache, pin: bool = False, paged: bool = False) -> FlashInferSegmentPlan:
     key = plan_key(geo, dtype, device, layout="paged", page_size=geo.bs) if paged else plan_key(geo, dtype, device)
 
@@ -389,281 +388,6 @@ def _flashinfer_plan(geo: SegmentGeometry, dtype: torch.dtype, device: torch.dev
         return cls(geo, dtype, device, cache.workspace(device))
 
     return cache.pin(key, make) if pin else cache.get(key, make)
-
-
-# FlashAttention -------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _import_flash_attn():
-    """``(flash_attn_varlen_func, style)``: FA4 (``flash_attn.cute``) first, then vLLM's fork."""
-    errors = []
-    try:
-        from flash_attn.cute import flash_attn_varlen_func as fn
-        return fn, "fa4"
-    except ImportError as e:
-        errors.append(f"flash_attn.cute: {e}")
-    try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func as fn
-        return fn, "vllm"
-    except ImportError as e:
-        errors.append(f"vllm.vllm_flash_attn: {e}")
-    raise RuntimeError("backend FLASH_ATTN needs FlashAttention 4: pip install dash-serve[flash-attn] "
-                       f"(or vLLM's vendored FlashAttention); imports failed: {'; '.join(errors)}")
-
-
-def _flash_attn_segments(q, k, v, used, geo: SegmentGeometry) -> Tuple[torch.Tensor, torch.Tensor]:
-    fn, style = _import_flash_attn()
-    params = inspect.signature(fn).parameters
-    lens = _segment_lengths(used, geo)
-    qq = _unit_queries(q, geo)
-    cu_q = torch.arange(geo.requests + 1, device=q.device, dtype=torch.int32)
-    common = dict(max_seqlen_q=1, max_seqlen_k=max(geo.bs, geo.local), cu_seqlens_q=cu_q, seqused_k=lens,
-                  softmax_scale=1.0 / math.sqrt(geo.d), causal=False)
-    if style == "fa4" and "return_lse" in params:
-        # FA4: cu_seqlens_k gives each segment's offset, seqused_k its valid length.
-        o, lse = fn(qq, k, v, cu_seqlens_k=segment_starts(geo, q.device), return_lse=True, **common)
-    elif "return_softmax_lse" in params and "block_table" in params:
-        # vLLM's fork takes seqused_k only without cu_seqlens_k: address the segments as pages.
-        page = math.gcd(geo.bs, geo.local)
-        kp = k.view(-1, page, geo.hk, geo.d)
-        vp = v.view(-1, page, geo.hk, geo.d)
-        width = max(geo.bs, geo.local) // page
-        first = segment_starts(geo, q.device)[:-1] // page
-        table = (first[:, None] + torch.arange(width, device=q.device, dtype=torch.int32)[None])
-        table = table.clamp(max=kp.shape[0] - 1).to(torch.int32).contiguous()
-        o, lse = fn(qq, kp, vp, block_table=table, return_softmax_lse=True, **common)
-    else:
-        raise RuntimeError(f"unsupported flash_attn_varlen_func signature ({style}): expected FA4's "
-                           "return_lse or vLLM's return_softmax_lse with block_table")
-    if isinstance(o, tuple):  # some versions return (out, lse, ...) nested
-        o = o[0]
-    c, hu = geo.num_segments, geo.heads_per_unit
-    lse = lse.float().transpose(0, 1)  # FlashAttention: [heads, total_q], natural log
-    return o.view(geo.n, geo.hsel, c, hu, geo.d), lse.reshape(geo.n, geo.hsel, c, hu)
-
-
-# ----------------------------------------------------------------------------------------------
-# public entry points
-
-
-def flash_dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
-                         bias: torch.Tensor, backend: str = "TRITON", bs: int = 64, local: int = 64,
-                         *, plan_cache: Optional[PlanCache] = None) -> torch.Tensor:
-    """DASH attention over gathered segments, merged by ``softmax(lse + log prior)``.
-
-    q: ``[n, Hq, D]``; k, v: ``[n * Hsel * (topk * bs + local), Hk, D]`` (module docstring);
-    used: ``[n, Hsel, topk + 1]`` int (0 = empty segment); bias: ``[n, Hsel, topk]`` float log
-    prior of the routed segments; backend: ``"TRITON" | "FLASH_ATTN" | "FLASHINFER" | "TORCH"``;
-    bs, local: segment capacities, multiples of 8. The library backends take float16/bfloat16 on
-    CUDA; FLASHINFER plans come from ``plan_cache`` (default: the process-wide one; make or pin
-    them before CUDA-graph capture, ``prepare_flash_dash_attention``).
-    Returns ``[n, Hq, D]`` in q's dtype; a row whose segments are all empty gives zeros.
-    """
-    geo = check_segments(q, k, v, used, bias, backend, bs, local)
-    if geo.n == 0:
-        return q.new_zeros(q.shape)
-    if backend == "TRITON" and q.device.type != "cpu":
-        o, lse = segment_attention_triton(q, k, v, used, geo)
-    elif backend in ("TRITON", "TORCH"):
-        o, lse = segment_attention_torch(q, k, v, used, geo)
-    elif backend == "FLASHINFER":
-        plan = _flashinfer_plan(geo, q.dtype, q.device, _cache_or_default(plan_cache))
-        o, lse = plan.run(q, k, v, used)
-    else:
-        o, lse = _flash_attn_segments(q, k, v, used, geo)
-    return combine_segments(o, lse, used, bias, geo, q.dtype)
-
-
-def prepare_flash_dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
-                                 bias: torch.Tensor, backend: str, bs: int, local: int, *,
-                                 plan_cache: Optional[PlanCache] = None) -> Optional[PlanKey]:
-    """Before capturing a graph: make and pin the FlashInfer plan of this shape (host work).
-
-    Returns the pinned key (release it with ``plan_cache.unpin(key)`` when the graph is freed),
-    or None for backends without plans. Library kernels that compile on first use (FlashInfer
-    JIT, FlashAttention 4's CuTe DSL) also need one eager call before capture.
-    """
-    geo = check_segments(q, k, v, used, bias, backend, bs, local)
-    if backend != "FLASHINFER":
-        return None
-    cache = _cache_or_default(plan_cache)
-    _flashinfer_plan(geo, q.dtype, q.device, cache, pin=True)
-    return plan_key(geo, q.dtype, q.device)
-
-
-@dataclass
-class _DecodeSelection:
-    """Per decode row and unit: the routed blocks (padded to topk) and the local window."""
-
-    length: torch.Tensor  # [n] int64 tokens (0 = padded row)
-    pos: torch.Tensor  # [n] int64 position of the decode token
-    blk: torch.Tensor  # [n, Hsel, topk] int64 logical block (0 where not ok)
-    ok: torch.Tensor  # [n, Hsel, topk] bool, a real routed segment
-    first_local: torch.Tensor  # [n] int64 first token of the local window
-    used: torch.Tensor  # [n, Hsel, topk + 1] int32
-    bias: torch.Tensor  # [n, Hsel, topk] fp32
-
-
-def _decode_selection(block_table, seq_lens, sel_idx, sel_bias, sel_count, params: DashParams,
-                      hkv: int, page_size: int) -> _DecodeSelection:
-    topk = segment_count(params)
-    bs = params.block_size
-    n, hsel, cap = sel_idx.shape
-    if cap > topk:
-        raise ValueError(f"sel_idx has {cap} entries per unit; at most topk = {topk} allowed")
-    want = hkv if params.router == "kv_head" else 1
-    if hsel != want:
-        raise ValueError(f"sel_idx [n, Hsel, cap] must have Hsel = {want} for router {params.router!r}; "
-                         f"got Hsel = {hsel}")
-    dev = sel_idx.device
-    length = seq_lens.to(torch.long).clamp(min=0, max=block_table.shape[1] * page_size)
-    pos = (length - 1).clamp(min=0)
-    ok = torch.arange(cap, device=dev)[None, None, :] < sel_count.to(torch.long)[..., None]
-    ok = ok & (length > 0)[:, None, None]
-    blk = torch.where(ok, sel_idx.to(torch.long), torch.zeros((), dtype=torch.long, device=dev))
-    bias = torch.zeros(n, hsel, topk, dtype=torch.float32, device=dev)
-    bias[..., :cap] = torch.where(ok, sel_bias.float(), torch.zeros((), device=dev))
-    if cap < topk:
-        blk = torch.cat([blk, blk.new_zeros(n, hsel, topk - cap)], dim=2)
-        ok = torch.cat([ok, ok.new_zeros(n, hsel, topk - cap)], dim=2)
-    first_local = (pos // bs - params.local_blocks + 1).clamp(min=0) * bs
-    used = torch.empty(n, hsel, topk + 1, dtype=torch.int32, device=dev)
-    used[..., :topk] = torch.where(ok, bs, 0).to(torch.int32)
-    used[..., topk] = torch.where(length > 0, length - first_local, 0).to(torch.int32)[:, None]
-    return _DecodeSelection(length, pos, blk, ok, first_local, used, bias)
-
-
-def gather_segments(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    sel_idx: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
-                    params: DashParams) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gather decode rows' segments from a paged cache into the layout ``flash_dash_attention`` takes.
-
-    block_table: ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token; 0 = padded
-    row, all segments empty); the selection as the routing kernels write it: sel_idx ``[n, Hsel,
-    cap]`` logical block indices in any order, sel_bias ``[n, Hsel, cap]`` log priors, sel_count
-    ``[n, Hsel]`` (entries ``>= count`` ignored), ``cap <= params.topk``. All on the device, no
-    host synchronisation (capturable). Returns ``k, v [n * Hsel * S, Hk, D]``, ``used [n, Hsel,
-    topk + 1]`` int32 and ``bias [n, Hsel, topk]`` fp32 (0 for empty segments).
-    """
-    ps, hkv = cache.page_size, cache.num_kv_heads
-    sel = _decode_selection(block_table, seq_lens, sel_idx, sel_bias, sel_count, params, hkv, ps)
-    bs, local, topk = params.block_size, params.local, params.topk
-    n, hsel = sel_idx.shape[:2]
-    dev = sel_idx.device
-    routed = sel.blk[..., None] * bs + torch.arange(bs, device=dev)  # [n, hsel, topk, bs]
-    loc = sel.first_local[:, None] + torch.arange(local, device=dev)[None]
-    positions = torch.cat([routed.reshape(n, hsel, topk * bs), loc[:, None].expand(n, hsel, local)], dim=2)
-    positions = torch.minimum(positions, sel.pos[:, None, None])  # stay inside the request's pages
-    pages = torch.gather(block_table.to(torch.long), 1, (positions // ps).reshape(n, -1)).reshape(positions.shape)
-    rows = positions % ps
-    if hsel == 1:
-        k = cache.k_pages[pages, rows]  # [n, 1, S, Hkv, D]
-        v = cache.v_pages[pages, rows]
-        hk = hkv
-    else:
-        heads = torch.arange(hsel, device=dev)[None, :, None]
-        k = cache.k_pages[pages, rows, heads]  # [n, Hsel, S, D]
-        v = cache.v_pages[pages, rows, heads]
-        hk = 1
-    s = topk * bs + local
-    return (k.reshape(n * hsel * s, hk, cache.head_dim), v.reshape(n * hsel * s, hk, cache.head_dim),
-            sel.used, sel.bias)
-
-
-# ----------------------------------------------------------------------------------------------
-# zero-copy variant: segments addressed through page tables into the engine's cache
-
-
-def fold_kv_heads(pages: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """View ``[P, page_size, Hkv, D]`` pages as single-head pages ``[P', page_size, 1, D]``.
-
-    Page ``(p, h)`` becomes page ``p * m + h`` of the result (no copy), which gives per-KV-head
-    selections a plain page table. Needs a head-major page layout (each head's rows of a page
-    contiguous in their own span: vLLM's ``[blocks, heads, block_size, C]``, or any HND cache),
-    where ``m = page stride / head stride`` (``Hkv``, or the head slots of a page). Token-major
-    caches (SGLang's ``[slots, Hkv, D]``) cannot be folded: use the gathered layout for them.
-    Returns the folded view and ``m``.
-    """
-    p, ps, hkv, d = pages.shape
-    sp, sr, sh, sd = pages.stride()
-    if sd != 1:
-        raise ValueError(f"pages must have a contiguous last dimension; strides {pages.stride()}")
-    if hkv == 1:
-        return pages, 1
-    if sh <= 0 or sp % sh or sp // sh < hkv or sr * (ps - 1) + d > sh:
-        raise ValueError(f"pages {tuple(pages.shape)} with strides {pages.stride()} are token-major (NHD): "
-                         "KV heads cannot be folded into pages; use gather_segments (gathered layout)")
-    m = sp // sh
-    folded = pages.as_strided((p * m - (m - hkv), ps, 1, d), (sh, sr, sh, 1), pages.storage_offset())
-    return folded, m
-
-
-def segment_pages(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                  sel_idx: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor, params: DashParams
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Page tables of decode rows' segments, for ``flash_dash_attention_paged`` (no K/V copy).
-
-    Same inputs as ``gather_segments``; the cache's page size must equal the block size (a
-    routed segment is one page, the local window ``local / bs`` pages). Returns ``k_pages,
-    v_pages`` (folded per KV head for router ``kv_head``: ``[P', bs, 1, D]``; as they are for
-    ``shared``), ``page_table [n, Hsel, topk + 1, local // bs]`` int32 (a routed segment repeats
-    its page), ``used [n, Hsel, topk + 1]`` int32 and ``bias [n, Hsel, topk]`` fp32.
-    """
-    bs = params.block_size
-    if cache.page_size != bs:
-        raise ValueError(f"segments align with pages only when the page size equals the block size; page size "
-                         f"{cache.page_size}, block size {bs}: use gather_segments (gathered layout)")
-    hkv = cache.num_kv_heads
-    sel = _decode_selection(block_table, seq_lens, sel_idx, sel_bias, sel_count, params, hkv, bs)
-    n, hsel = sel_idx.shape[:2]
-    w = params.local_blocks
-    dev = sel_idx.device
-    bt = block_table.to(torch.long)
-    routed = torch.gather(bt, 1, sel.blk.reshape(n, -1)).reshape(sel.blk.shape)  # [n, hsel, topk]
-    loc_blk = torch.minimum(sel.first_local[:, None] // bs + torch.arange(w, device=dev)[None],
-                            (sel.pos // bs)[:, None])
-    local = torch.gather(bt, 1, loc_blk)  # [n, w]
-    table = torch.cat([routed[..., None].expand(*routed.shape, w), local[:, None, None].expand(n, hsel, 1, w)], 2)
-    if hsel > 1:
-        k_pages, m = fold_kv_heads(cache.k_pages)
-        v_pages, mv = fold_kv_heads(cache.v_pages)
-        if m != mv:
-            raise ValueError(f"K and V pages fold differently ({m} vs {mv} head slots per page)")
-        table = table * m + torch.arange(hsel, device=dev)[None, :, None, None]
-    else:
-        k_pages, v_pages = cache.k_pages, cache.v_pages
-    return k_pages, v_pages, table.to(torch.int32), sel.used, sel.bias
-
-
-def check_paged_segments(q, k_pages, v_pages, page_table, used, bias, backend, bs, local) -> SegmentGeometry:
-    """Validate a ``flash_dash_attention_paged`` call on the host."""
-    if k_pages.dim() != 4 or k_pages.shape != v_pages.shape or k_pages.shape[1] != bs:
-        raise ValueError(f"k_pages and v_pages must be equal [pages, bs = {bs}, Hk, D]; got "
-                         f"{tuple(k_pages.shape)}, {tuple(v_pages.shape)}")
-    if q.dim() != 3 or used.dim() != 3:
-        raise ValueError(f"q must be [n, Hq, D] and used [n, Hsel, topk + 1]; got {tuple(q.shape)}, {tuple(used.shape)}")
-    n, hsel, c = used.shape
-    hk, d = k_pages.shape[2], k_pages.shape[3]
-    # validate everything but k/v through the gathered checks, with stand-in k/v of the right shape
-    rows = n * hsel * ((c - 1) * bs + local)
-    stand_in = k_pages.as_strided((rows, hk, d), (0, 0, 1))  # a zero-stride view: shape, dtype, device
-    geo = check_segments(q, stand_in, stand_in, used, bias, backend, bs, local)
-    want = (n, hsel, c, local // bs)
-    if tuple(page_table.shape) != want or page_table.dtype != torch.int32:
-        raise ValueError(f"page_table must be int32 {want}; got {page_table.dtype} {tuple(page_table.shape)}")
-    if page_table.device != q.device or k_pages.device != q.device:
-        raise ValueError("page_table and pages must be on q's device")
-    return geo
-
-
-def _pages_to_gathered(k_pages, v_pages, page_table, geo: SegmentGeometry):
-    """Copy the paged segments into the gathered layout (TORCH and TRITON backends)."""
-    topk, w = geo.topk, page_table.shape[-1]
-    idx = torch.cat([page_table[..., :topk, 0], page_table[..., topk, :]], dim=-1).long()  # [n, hsel, topk + w]
-    k = k_pages[idx].reshape(geo.n * geo.hsel * geo.unit_tokens, geo.hk, geo.d)
-    v = v_pages[idx].reshape(geo.n * geo.hsel * geo.unit_tokens, geo.hk, geo.d)
-    return k, v
 
 
 class FlashInferPagedSegmentPlan(FlashInferSegmentPlan):
@@ -677,7 +401,7 @@ class FlashInferPagedSegmentPlan(FlashInferSegmentPlan):
 
     def __init__(self, geo: SegmentGeometry, dtype: torch.dtype, device: torch.device,
                  workspace: torch.Tensor) -> None:
-        fi = _import_flashinfer()
+        fi = import_flashinfer()
         r, w, c = geo.requests, geo.local // geo.bs, geo.num_segments
         self.geo = geo
         req = torch.arange(r, device=device, dtype=torch.int32)
@@ -713,88 +437,129 @@ class FlashInferPagedSegmentPlan(FlashInferSegmentPlan):
         geo = self.geo
         idx = torch.cat([page_table[..., :geo.topk, 0], page_table[..., geo.topk, :]], dim=-1)
         self.indices_buf.copy_(idx.reshape(-1))
-        self.write_mask(_segment_lengths(used, geo))
-        o, lse = self.wrapper.run(_unit_queries(q, geo), (k_pages, v_pages), return_lse=True)
+        self.write_mask(segment_lengths(used, geo))
+        o, lse = self.wrapper.run(unit_queries(q, geo), (k_pages, v_pages), return_lse=True)
         c, hu = geo.num_segments, geo.heads_per_unit
         return (o.view(geo.n, geo.hsel, c, hu, geo.d),
                 (lse.float() * LN2).view(geo.n, geo.hsel, c, hu))
 
 
-def _flash_attn_paged(q, k_pages, v_pages, page_table, used, geo: SegmentGeometry):
-    fn, style = _import_flash_attn()
+# FlashAttention -------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def import_flash_attn():
+    """``(flash_attn_varlen_func, style)``: FA4 (``flash_attn.cute``) first, then vLLM's fork."""
+    errors = []
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fn
+        return fn, "fa4"
+    except ImportError as e:
+        errors.append(f"flash_attn.cute: {e}")
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func as fn
+        return fn, "vllm"
+    except ImportError as e:
+        errors.append(f"vllm.vllm_flash_attn: {e}")
+    raise RuntimeError("backend FLASH_ATTN needs FlashAttention 4: pip install dash-serve[flash-attn] "
+                       f"(or vLLM's vendored FlashAttention); imports failed: {'; '.join(errors)}")
+
+
+def _flash_attn_segments(q, k, v, used, geo: SegmentGeometry) -> Tuple[torch.Tensor, torch.Tensor]:
+    fn, style = import_flash_attn()
+    params = inspect.signature(fn).parameters
+    lens = segment_lengths(used, geo)
+    qq = unit_queries(q, geo)
+    cu_q = torch.arange(geo.requests + 1, device=q.device, dtype=torch.int32)
+    common = dict(max_seqlen_q=1, max_seqlen_k=max(geo.bs, geo.local), cu_seqlens_q=cu_q, seqused_k=lens,
+                  softmax_scale=1.0 / math.sqrt(geo.d), causal=False)
+    if style == "fa4" and "return_lse" in params:
+        # FA4: cu_seqlens_k gives each segment's offset, seqused_k its valid length.
+        o, lse = fn(qq, k, v, cu_seqlens_k=segment_starts(geo, q.device), return_lse=True, **common)
+    elif "return_softmax_lse" in params and "block_table" in params:
+        # vLLM's fork takes seqused_k only without cu_seqlens_k: address the segments as pages.
+        page = math.gcd(geo.bs, geo.local)
+        kp = k.view(-1, page, geo.hk, geo.d)
+        vp = v.view(-1, page, geo.hk, geo.d)
+        width = max(geo.bs, geo.local) // page
+        first = segment_starts(geo, q.device)[:-1] // page
+        table = (first[:, None] + torch.arange(width, device=q.device, dtype=torch.int32)[None])
+        table = table.clamp(max=kp.shape[0] - 1).to(torch.int32).contiguous()
+        o, lse = fn(qq, kp, vp, block_table=table, return_softmax_lse=True, **common)
+    else:
+        raise RuntimeError(f"unsupported flash_attn_varlen_func signature ({style}): expected FA4's "
+                           "return_lse or vLLM's return_softmax_lse with block_table")
+    if isinstance(o, tuple):  # some versions return (out, lse, ...) nested
+        o = o[0]
+    c, hu = geo.num_segments, geo.heads_per_unit
+    lse = lse.float().transpose(0, 1)  # FlashAttention: [heads, total_q], natural log
+    return o.view(geo.n, geo.hsel, c, hu, geo.d), lse.reshape(geo.n, geo.hsel, c, hu)
+
+
+def flash_attn_paged(q, k_pages, v_pages, page_table, used, geo: SegmentGeometry):
+    fn, style = import_flash_attn()
     params = inspect.signature(fn).parameters
     table = page_table.reshape(geo.requests, -1).contiguous()
     common = dict(max_seqlen_q=1, max_seqlen_k=table.shape[1] * geo.bs,
                   cu_seqlens_q=torch.arange(geo.requests + 1, device=q.device, dtype=torch.int32),
-                  seqused_k=_segment_lengths(used, geo), softmax_scale=1.0 / math.sqrt(geo.d), causal=False)
+                  seqused_k=segment_lengths(used, geo), softmax_scale=1.0 / math.sqrt(geo.d), causal=False)
     if "page_table" in params and "return_lse" in params:  # FA4
-        o, lse = fn(_unit_queries(q, geo), k_pages, v_pages, page_table=table, return_lse=True, **common)
+        o, lse = fn(unit_queries(q, geo), k_pages, v_pages, page_table=table, return_lse=True, **common)
     elif "block_table" in params and "return_softmax_lse" in params:  # vLLM's fork
-        o, lse = fn(_unit_queries(q, geo), k_pages, v_pages, block_table=table, return_softmax_lse=True, **common)
+        o, lse = fn(unit_queries(q, geo), k_pages, v_pages, block_table=table, return_softmax_lse=True, **common)
     else:
         raise RuntimeError(f"unsupported flash_attn_varlen_func signature ({style}) for paged segments")
     c, hu = geo.num_segments, geo.heads_per_unit
     return o.view(geo.n, geo.hsel, c, hu, geo.d), lse.float().transpose(0, 1).reshape(geo.n, geo.hsel, c, hu)
 
 
-def flash_dash_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                               page_table: torch.Tensor, used: torch.Tensor, bias: torch.Tensor,
-                               backend: str = "TRITON", bs: int = 64, local: int = 64, *,
-                               plan_cache: Optional[PlanCache] = None) -> torch.Tensor:
-    """``flash_dash_attention`` over segments addressed through page tables (zero-copy).
+# ----------------------------------------------------------------------------------------------
+# public entry points
 
-    k_pages, v_pages: ``[pages, bs, Hk, D]`` (``segment_pages`` folds KV heads for per-KV-head
-    selections); page_table: ``[n, Hsel, topk + 1, local // bs]`` int32, the pages of each
-    segment (a routed segment uses its first entry); used, bias as in ``flash_dash_attention``.
-    FLASHINFER (paged prefill wrapper) and FLASH_ATTN (``page_table`` / ``block_table`` with
-    ``seqused_k``) read the cache in place; TORCH and TRITON copy the segments out first (the
-    native zero-copy path of TRITON is the paged decode kernel in ``dash_core.kernels``).
-    Rows of a segment's last page past its length are read by some libraries: they must be finite.
-    Returns ``[n, Hq, D]`` in q's dtype.
+
+def flash_dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
+                         bias: torch.Tensor, backend: str = "TRITON", bs: int = 64, local: int = 64,
+                         *, plan_cache: Optional[PlanCache] = None) -> torch.Tensor:
+    """DASH attention over gathered segments, merged by ``softmax(lse + log prior)``.
+
+    q: ``[n, Hq, D]``; k, v: ``[n * Hsel * (topk * bs + local), Hk, D]`` (module docstring);
+    used: ``[n, Hsel, topk + 1]`` int (0 = empty segment); bias: ``[n, Hsel, topk]`` float log
+    prior of the routed segments; backend: ``"TRITON" | "FLASH_ATTN" | "FLASHINFER" | "TORCH"``;
+    bs, local: segment capacities, multiples of 8. The library backends take float16/bfloat16 on
+    CUDA; FLASHINFER plans come from ``plan_cache`` (default: the process-wide one; make or pin
+    them before CUDA-graph capture, ``prepare_flash_dash_attention``).
+    Returns ``[n, Hq, D]`` in q's dtype; a row whose segments are all empty gives zeros.
     """
-    geo = check_paged_segments(q, k_pages, v_pages, page_table, used, bias, backend, bs, local)
+    geo = check_segments(q, k, v, used, bias, backend, bs, local)
     if geo.n == 0:
         return q.new_zeros(q.shape)
-    if backend == "FLASHINFER":
-        plan = _flashinfer_plan(geo, q.dtype, q.device, _cache_or_default(plan_cache), paged=True)
-        o, lse = plan.run_paged(q, k_pages, v_pages, page_table, used)
-        return combine_segments(o, lse, used, bias, geo, q.dtype)
-    if backend == "FLASH_ATTN":
-        o, lse = _flash_attn_paged(q, k_pages, v_pages, page_table, used, geo)
-        return combine_segments(o, lse, used, bias, geo, q.dtype)
-    k, v = _pages_to_gathered(k_pages, v_pages, page_table, geo)
-    return flash_dash_attention(q, k, v, used, bias, backend, bs, local)
+    if backend == "TRITON" and q.device.type != "cpu":
+        o, lse = segment_attention_triton(q, k, v, used, geo)
+    elif backend in ("TRITON", "TORCH"):
+        o, lse = segment_attention_torch(q, k, v, used, geo)
+    elif backend == "FLASHINFER":
+        plan = flashinfer_plan(geo, q.dtype, q.device, cache_or_default(plan_cache))
+        o, lse = plan.run(q, k, v, used)
+    else:
+        o, lse = _flash_attn_segments(q, k, v, used, geo)
+    return combine_segments(o, lse, used, bias, geo, q.dtype)
 
 
-def prepare_flash_dash_attention_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                                       page_table: torch.Tensor, used: torch.Tensor, bias: torch.Tensor,
-                                       backend: str, bs: int, local: int, *,
-                                       plan_cache: Optional[PlanCache] = None) -> Optional[PlanKey]:
-    """``prepare_flash_dash_attention`` for the zero-copy variant (pins the paged FlashInfer plan)."""
-    geo = check_paged_segments(q, k_pages, v_pages, page_table, used, bias, backend, bs, local)
+def prepare_flash_dash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, used: torch.Tensor,
+                                 bias: torch.Tensor, backend: str, bs: int, local: int, *,
+                                 plan_cache: Optional[PlanCache] = None) -> Optional[PlanKey]:
+    """Before capturing a graph: make and pin the FlashInfer plan of this shape (host work).
+
+    Returns the pinned key (release it with ``plan_cache.unpin(key)`` when the graph is freed),
+    or None for backends without plans. Library kernels that compile on first use (FlashInfer
+    JIT, FlashAttention 4's CuTe DSL) also need one eager call before capture.
+    """
+    geo = check_segments(q, k, v, used, bias, backend, bs, local)
     if backend != "FLASHINFER":
         return None
-    _flashinfer_plan(geo, q.dtype, q.device, _cache_or_default(plan_cache), pin=True, paged=True)
-    return plan_key(geo, q.dtype, q.device, layout="paged", page_size=bs)
-
-
-# ----------------------------------------------------------------------------------------------
-# a decode step's attention stage on a segment backend (what ops.paged_dash_decode dispatches to)
-
-
-def zero_copy_possible(cache: PagedKVCache, params: DashParams) -> bool:
-    """Whether decode segments can be addressed in place: page size = block size, and KV heads that fold
-    into pages (head-major caches such as vLLM's) or one selection for all heads (router ``shared``)."""
-    if cache.page_size != params.block_size:
-        return False
-    if params.router == "shared" or cache.num_kv_heads == 1:
-        return True
-    try:
-        fold_kv_heads(cache.k_pages)
-        fold_kv_heads(cache.v_pages)
-    except ValueError:
-        return False
-    return True
+    cache = cache_or_default(plan_cache)
+    flashinfer_plan(geo, q.dtype, q.device, cache, pin=True)
+    return plan_key(geo, q.dtype, q.device)
 
 
 def check_decode_backend(backend: str, params: DashParams) -> None:
@@ -804,33 +569,5 @@ def check_decode_backend(backend: str, params: DashParams) -> None:
     if backend == "TRITON":
         return
     segment_count(params)
-    _check_capacity("block_size", params.block_size)
-    _check_capacity("local", params.local)
-
-
-def decode_segment_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
-                             seq_lens: torch.Tensor, sel_idx: torch.Tensor, sel_bias: torch.Tensor,
-                             sel_count: torch.Tensor, params: DashParams, backend: str, *,
-                             zero_copy: Optional[bool] = None, plan_cache: Optional[PlanCache] = None,
-                             pin: bool = False) -> torch.Tensor:
-    """Stage 3 of a decode step on a segment backend, from the routing kernels' selection.
-
-    q: ``[n, Hq, D]``; the selection as ``gather_segments`` takes it. zero_copy: address the segments
-    in the cache through page tables (``segment_pages``) instead of gathering a copy; None picks it
-    whenever ``zero_copy_possible``. pin: make and pin the FlashInfer plan of this shape first (call
-    once eagerly before CUDA-graph capture; the key stays pinned for the process). Device work only:
-    capturable once the plan exists. Returns ``[n, Hq, D]`` in q's dtype.
-    """
-    segment_count(params)
-    bs, local = params.block_size, params.local
-    if zero_copy is None:
-        zero_copy = zero_copy_possible(cache, params)
-    if zero_copy:
-        kp, vp, table, used, bias = segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
-        if pin:
-            prepare_flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local, plan_cache=plan_cache)
-        return flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local, plan_cache=plan_cache)
-    k, v, used, bias = gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
-    if pin:
-        prepare_flash_dash_attention(q, k, v, used, bias, backend, bs, local, plan_cache=plan_cache)
-    return flash_dash_attention(q, k, v, used, bias, backend, bs, local, plan_cache=plan_cache)
+    check_capacity("block_size", params.block_size)
+    check_capacity("local", params.local)

@@ -23,7 +23,7 @@ Example (prefill 40 tokens, then decode one, equal to the oracle on all 41)::
 The cache is contiguous per sequence (its page table is the identity), so it is also the
 "contiguous cache" form; any other page table can be used through ``dash_core.ops`` directly.
 
-Models with an indexer or page mode (SPEC.md section 9): ``DashKVCache(..., indexer=True)`` or
+Models with an indexer or page mode (docs/semantics.md section 9): ``DashKVCache(..., indexer=True)`` or
 ``aux=True`` adds the auxiliary head (and a 1-head summary store for the indexer), and
 ``dash_attention`` takes ``iq, ik, head_cls_i`` and ``roles, page_rope`` (the README has a worked
 example). In page mode q, k, iq, ik are passed unrotated and a prompt goes in one call.

@@ -1,4 +1,4 @@
-"""The auxiliary-head byte layout (SPEC.md sections 8-9): exact round trips in every KV dtype."""
+"""The auxiliary-head byte layout (docs/semantics.md sections 8-9): exact round trips in every KV dtype."""
 
 import pytest
 import torch

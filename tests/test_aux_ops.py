@@ -1,4 +1,4 @@
-"""The public ops with the auxiliary head (SPEC.md section 9) on the PyTorch paged path, against the
+"""The public ops with the auxiliary head (docs/semantics.md section 9) on the PyTorch paged path, against the
 float64 oracle: the indexer router, page mode (page RoPE applied by the op from roles and positions,
 decode coordinates derived from the stored rows), chunked extend on history, validation."""
 
@@ -354,7 +354,7 @@ def test_padded_decode_rows_write_nothing():
 @pytest.mark.parametrize("indexer", [True, False])
 def test_page_invariance_through_the_op(indexer):
     """The same page (block-aligned) at two prompt offsets: the op stores bit-identical rotated keys,
-    indexer keys and block summaries for it (SPEC.md section 9, page invariance)."""
+    indexer keys and block summaries for it (docs/semantics.md section 9, page invariance)."""
     p = DashParams(block_size=16, scaling_factor=3.0)
     page = [1] + [2] * 31
     prompts = [[0] * 16 + page + [0] * 5, [0] * 48 + page + [0] * 9]

@@ -1,4 +1,4 @@
-"""The oracle against the published DashAttention kernels' outputs (shared/golden, SPEC.md section 10).
+"""The oracle against the published DashAttention kernels' outputs (shared/golden, docs/semantics.md section 10).
 
 Tolerances are those of shared/golden/README.md: bf16 rounding of summaries moves blocks that sit
 exactly at the entmax threshold, so at most 3% of prefill rows may have a different active count;

@@ -1,4 +1,4 @@
-"""The oracle's indexer router (SPEC.md section 9) against a direct computation."""
+"""The oracle's indexer router (docs/semantics.md section 9) against a direct computation."""
 
 import math
 

@@ -1,7 +1,7 @@
 """dash_core.model_config: the serving options both engine adapters read from a model's HF config.
 
 The attention-stage choice (config key ``dash_attention_backend``, environment ``DASH_ATTENTION_BACKEND``)
-and the auxiliary-head keys (``AuxConfig``, SPEC.md section 9). Configs are mappings here and
+and the auxiliary-head keys (``AuxConfig``, docs/semantics.md section 9). Configs are mappings here and
 attribute objects (like a HF ``PretrainedConfig``) where the reading path differs.
 """
 

@@ -1,4 +1,4 @@
-"""The pure-PyTorch paged path and the public ops against the oracle (SPEC.md section 8)."""
+"""The pure-PyTorch paged path and the public ops against the oracle (docs/semantics.md section 8)."""
 
 import pytest
 import torch
@@ -74,7 +74,7 @@ class Requests:
         return op(cat(self.q), cat(self.k), cat(self.v), cache, bt, cu, seq, slots, self.hc, params)
 
     def routed_apart(self, i, params, n):
-        """``[n] bool``: rows of request i whose routing SPEC.md section 7 lets fp32 and float64 decide apart
+        """``[n] bool``: rows of request i whose routing docs/semantics.md section 7 lets fp32 and float64 decide apart
         (``near_decisions``): an entry near a head's threshold, or two of a unit's mp near its ``topk``-th largest
         (seeds exist where two blocks tie at the cap in fp32 and not in float64)."""
         k, q = heads_first(self.k[i, :n])[0], heads_first(self.q[i, :n])[0]

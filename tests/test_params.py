@@ -1,4 +1,4 @@
-"""DashParams: SPEC.md section 1 defaults, ranges and config keys."""
+"""DashParams: docs/semantics.md section 1 defaults, ranges and config keys."""
 
 import types
 
@@ -54,7 +54,7 @@ def test_from_config_validates():
 
 
 def test_attention_backend_option():
-    assert DashParams().attention_backend == "TRITON"  # the default (issue: segmented execution)
+    assert DashParams().attention_backend == "TRITON"  # the default: the kernels' own attention stage
     for name in ("TRITON", "FLASH_ATTN", "FLASHINFER"):
         assert DashParams(attention_backend=name).attention_backend == name
     assert DashParams.from_config({"dash_attention_backend": "FLASHINFER"}).attention_backend == "FLASHINFER"
@@ -64,7 +64,7 @@ def test_attention_backend_option():
 
 
 def test_page_rope_tok_pairs():
-    assert DashParams().page_rope_tok_pairs is None  # None = a quarter of the rotary dim (SPEC.md 9)
+    assert DashParams().page_rope_tok_pairs is None  # None = a quarter of the rotary dim (docs/semantics.md 9)
     assert DashParams(page_rope_tok_pairs=0).page_rope_tok_pairs == 0
     assert DashParams.from_config({"dash_page_rope_tok_pairs": 8}).page_rope_tok_pairs == 8
     for bad in (-1, 2.0, True, "8"):

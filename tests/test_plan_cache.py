@@ -104,8 +104,8 @@ def test_workspace_is_shared_per_device():
 def test_an_empty_cache_passed_explicitly_is_used():
     """An empty PlanCache is falsy (len 0); the segment backends must still use it, not the default."""
     from dash_core.plan_cache import PlanCache, default_plan_cache
-    from dash_core.segments import _cache_or_default
+    from dash_core.segments import cache_or_default
 
     mine = PlanCache()
-    assert len(mine) == 0 and _cache_or_default(mine) is mine
-    assert _cache_or_default(None) is default_plan_cache()
+    assert len(mine) == 0 and cache_or_default(mine) is mine
+    assert cache_or_default(None) is default_plan_cache()

@@ -1,4 +1,4 @@
-"""Properties of the float64 oracle (SPEC.md sections 2-7)."""
+"""Properties of the float64 oracle (docs/semantics.md sections 2-7)."""
 
 import math
 
@@ -126,7 +126,7 @@ def test_no_nan(case):
 
 
 def halley_scalar(xs):
-    """SPEC.md section 4 for one row, in plain Python floats."""
+    """docs/semantics.md section 4 for one row, in plain Python floats."""
     m = max(xs)
     lo, hi = m - 1, m
     tau = (lo + hi) / 2

@@ -1,4 +1,4 @@
-"""Page coordinates and page RoPE (SPEC.md section 9) against direct derivations."""
+"""Page coordinates and page RoPE (docs/semantics.md section 9) against direct derivations."""
 
 import random
 
@@ -11,7 +11,7 @@ from dash_core.rope import (PageRopeSettings, RotarySettings, decode_coordinates
 
 
 def direct_coordinates(roles, generated=0):
-    """SPEC.md section 9 read literally, one token at a time (lookahead for 'after the last page')."""
+    """docs/semantics.md section 9 read literally, one token at a time (lookahead for 'after the last page')."""
     n = len(roles)
     num_pages = sum(1 for r in roles if r == 1)
     last_page_tok = max([i for i, r in enumerate(roles) if r > 0], default=-1)

@@ -3,7 +3,7 @@
 The selection comes from the oracle's own ``route`` (or is drawn at random), is laid out as
 routed + local segments through ``gather_segments`` from a shuffled paged cache, and the merged
 result of ``flash_dash_attention`` is compared with ``reference.attend`` fed the same selection
-and prior (DESIGN.md: attention is compared stage by stage, with the selection held fixed).
+and prior (docs/design.md: attention is compared stage by stage, with the selection held fixed).
 
 Tolerances: float32 inputs are computed in fp32 against float64; logits are O(1) and segments
 hold <= 64 tokens, so the softmax and merge lose a few fp32 ulps: 1e-5 absolute is ~100 ulps of
@@ -29,7 +29,7 @@ if not torch.cuda.is_available():  # the Triton kernel test runs in the interpre
 
 from dash_core import DashParams  # noqa: E402
 from dash_core import reference as ref  # noqa: E402
-from dash_core import segments as seg  # noqa: E402
+from dash_core import segments as seg, segments_paged as segp  # noqa: E402
 from dash_core.layout import PagedKVCache  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
@@ -72,7 +72,7 @@ def make_case(seed, *, router="kv_head", dtype=torch.float32, hq=4, hkv=2, d=16,
 
 
 def oracle_routing(params, q, k, pos):
-    """The oracle's selection for the rows (SPEC.md sections 4-5)."""
+    """The oracle's selection for the rows (docs/semantics.md sections 4-5)."""
     bs = params.block_size
     summ = ref.block_summaries(k, torch.randn(k.shape[0], k.shape[2], generator=torch.Generator().manual_seed(7)), bs)
     ncand = (pos // bs - params.local_blocks + 1).clamp(min=0)
@@ -119,7 +119,7 @@ def selection_of(routing, params, cap=None, garbage=True):
 
 def run_segments(params, q, pos, cache, block_table, routing, backend="TORCH", cap=None):
     sel_idx, sel_bias, count = selection_of(routing, params, cap)
-    k, v, used, bias = seg.gather_segments(cache, block_table, (pos + 1).to(torch.int32), sel_idx, sel_bias,
+    k, v, used, bias = segp.gather_segments(cache, block_table, (pos + 1).to(torch.int32), sel_idx, sel_bias,
                                            count, params)
     qr = q.permute(1, 0, 2).contiguous()  # [R, Hq, D]
     return seg.flash_dash_attention(qr, k, v, used, bias, backend, params.block_size, params.local), (k, v, used, bias)
@@ -176,7 +176,7 @@ def test_padded_rows_give_zeros():
     sel_idx, sel_bias, count = selection_of(routing, params)
     seq_lens = (pos + 1).to(torch.int32)
     seq_lens[2] = 0
-    kk, vv, used, bias = seg.gather_segments(cache, bt, seq_lens, sel_idx, sel_bias, count, params)
+    kk, vv, used, bias = segp.gather_segments(cache, bt, seq_lens, sel_idx, sel_bias, count, params)
     assert (used[2] == 0).all()
     out = seg.flash_dash_attention(q.permute(1, 0, 2).contiguous(), kk, vv, used, bias, "TORCH", 16, 32)
     assert (out[2] == 0).all()
@@ -195,19 +195,19 @@ def test_zero_copy_pages_match_oracle(router, layout):
     routing = oracle_routing(params, q, k, pos)
     sel_idx, sel_bias, count = selection_of(routing, params)
     seq_lens = (pos + 1).to(torch.int32)
-    kp, vp, table, used, bias = seg.segment_pages(cache, bt, seq_lens, sel_idx, sel_bias, count, params)
+    kp, vp, table, used, bias = segp.segment_pages(cache, bt, seq_lens, sel_idx, sel_bias, count, params)
     if router == "kv_head":  # folded in place: a view of the engine's storage, no copy
         assert kp.shape[2] == 1 and kp.untyped_storage().data_ptr() == cache.k_pages.untyped_storage().data_ptr()
     qr = q.permute(1, 0, 2).contiguous()
-    out = seg.flash_dash_attention_paged(qr, kp, vp, table, used, bias, "TORCH", 16, 32)
+    out = segp.flash_dash_attention_paged(qr, kp, vp, table, used, bias, "TORCH", 16, 32)
     torch.testing.assert_close(out.double(), oracle_out(params, q, k, v, pos, routing), atol=1e-5, rtol=0)
-    kg, vg, used_g, bias_g = seg.gather_segments(cache, bt, seq_lens, sel_idx, sel_bias, count, params)
+    kg, vg, used_g, bias_g = segp.gather_segments(cache, bt, seq_lens, sel_idx, sel_bias, count, params)
     assert torch.equal(used, used_g) and torch.equal(bias, bias_g)
     # the pages hold exactly the gathered tokens wherever a segment is valid
     geo = seg.check_segments(qr, kg, vg, used, bias, "TORCH", 16, 32)
-    kc, _ = seg._pages_to_gathered(kp, vp, table, geo)
+    kc, _ = segp._pages_to_gathered(kp, vp, table, geo)
     starts = seg.segment_starts(geo, "cpu").long()
-    lens = seg._segment_lengths(used, geo).long()
+    lens = seg.segment_lengths(used, geo).long()
     row = torch.arange(kg.shape[0])
     req = torch.searchsorted(starts, row, right=True) - 1
     valid = row - starts[req] < lens[req]
@@ -219,10 +219,10 @@ def test_zero_copy_refuses_what_it_cannot_address():
     routing = oracle_routing(params, q, k, pos)
     args = (bt, (pos + 1).to(torch.int32), *selection_of(routing, params), params)
     with pytest.raises(ValueError, match="token-major"):
-        seg.segment_pages(cache, *args)  # per-KV-head selections over a token-major cache
+        segp.segment_pages(cache, *args)  # per-KV-head selections over a token-major cache
     params32, *_, cache32, bt32 = make_case(9, layout="hnd", page_size=32)
     with pytest.raises(ValueError, match="page size equals the block size"):
-        seg.segment_pages(cache32, *args)
+        segp.segment_pages(cache32, *args)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,7 +302,7 @@ def test_triton_segment_kernel(router, dtype, request):
                                                 topk=2, hkv=2, hq=4)
     routing = oracle_routing(params, q, k, pos)
     sel_idx, sel_bias, count = selection_of(routing, params)
-    kk, vv, used, bias = seg.gather_segments(cache, bt, (pos + 1).to(torch.int32), sel_idx, sel_bias, count, params)
+    kk, vv, used, bias = segp.gather_segments(cache, bt, (pos + 1).to(torch.int32), sel_idx, sel_bias, count, params)
     qr = q.permute(1, 0, 2).contiguous()
     geo = seg.check_segments(qr, kk, vv, used, bias, "TRITON", 16, 32)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU machine, interpreted here
@@ -356,7 +356,7 @@ def test_errors():
         seg.segment_count(DashParams(block_size=16))
     params, q, k, v, pos, cache, bt = make_case(0)
     with pytest.raises(ValueError, match="topk"):
-        seg.gather_segments(cache, bt, pos.int(), torch.zeros(7, 2, 1, dtype=torch.int32), torch.zeros(7, 2, 1),
+        segp.gather_segments(cache, bt, pos.int(), torch.zeros(7, 2, 1, dtype=torch.int32), torch.zeros(7, 2, 1),
                             torch.zeros(7, 2, dtype=torch.int32), DashParams(block_size=16, local=32))
     with pytest.raises(ValueError, match=r"bs = 12 .*multiple of 8"):
         _call(bs=12)
@@ -380,13 +380,13 @@ def test_errors():
 def test_missing_libraries_name_the_extra(monkeypatch):
     for name in ("flashinfer", "flash_attn", "flash_attn.cute", "vllm", "vllm.vllm_flash_attn"):
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
-    seg._import_flashinfer.cache_clear()
-    seg._import_flash_attn.cache_clear()
+    seg.import_flashinfer.cache_clear()
+    seg.import_flash_attn.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"pip install dash-serve\[flashinfer\]"):
-            seg._import_flashinfer()
+            seg.import_flashinfer()
         with pytest.raises(RuntimeError, match=r"pip install dash-serve\[flash-attn\]"):
-            seg._import_flash_attn()
+            seg.import_flash_attn()
     finally:
-        seg._import_flashinfer.cache_clear()
-        seg._import_flash_attn.cache_clear()
+        seg.import_flashinfer.cache_clear()
+        seg.import_flash_attn.cache_clear()

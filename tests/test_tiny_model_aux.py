@@ -1,4 +1,4 @@
-"""The tiny DASH Llama's reference model with an indexer and/or page mode (SPEC.md section 9)."""
+"""The tiny DASH Llama's reference model with an indexer and/or page mode (docs/semantics.md section 9)."""
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ tokenizer); the engine tests compare their log-probabilities and greedy tokens w
 ``reference_logprobs`` / ``reference_generate``. Weights use a large init scale so that
 attention is far from uniform (a dummy-weights model cannot catch attention bugs).
 
-Options for the auxiliary head (SPEC.md section 9):
+Options for the auxiliary head (docs/semantics.md section 9):
 
 - ``indexer_heads = Hi``: every layer gets an indexer (config ``dash_indexer_heads``), weights
   ``model.layers.{i}.self_attn.dash_indexer.wq.weight [Hi * D, hidden]``, ``...wk.weight [D, hidden]``
@@ -41,7 +41,7 @@ DEFAULTS = dict(
     num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, initializer_range=0.25,
     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     hidden_act="silu", attention_bias=False, mlp_bias=False,
-    # DASH keys under their published names (SPEC.md section 1)
+    # DASH keys under their published names (docs/semantics.md section 1)
     chunk_size=16, scaling_factor=1.0, sigma=1e6, estimate_diagonal=False,
 )
 # Page placeholder ids of page-mode checkpoints: the last two ids of the vocabulary (never produced

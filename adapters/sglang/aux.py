@@ -1,4 +1,4 @@
-"""Page RoPE settings from an SGLang layer's rotary embedding (page mode, SPEC.md section 9).
+"""Page RoPE settings from an SGLang layer's rotary embedding (page mode, docs/semantics.md section 9).
 
 The indexer / page-mode config keys and ``AuxConfig`` live in ``dash_core.model_config`` (shared
 with the vLLM adapter); this module keeps the SGLang-specific part.

@@ -24,7 +24,7 @@ the longest context; ``init_forward_metadata_out_graph`` refills them in place b
 before every replay, so captured kernels always read the same addresses. Padded rows arrive with
 ``req_pool_indices = 0`` and ``seq_lens = 1``: one token in the padding page.
 
-Indexer and page mode (SPEC.md section 9, ``dash_core.model_config.AuxConfig``): the auxiliary head, one
+Indexer and page mode (docs/semantics.md section 9, ``dash_core.model_config.AuxConfig``): the auxiliary head, one
 ``[slots, 2D]`` buffer per layer, hangs on the pool as ``pool.dash_aux`` next to the summary store
 (one head for an indexer model: summaries of ``ik``). The model passes ``iq``, ``ik`` and
 ``head_cls_i`` as keywords; in page mode the backend adds ``roles`` (from the placeholder token ids

@@ -30,6 +30,7 @@ import torch
 from dash_core.layout import PagedKVCache
 from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill, prefill_scratch_bytes
 from dash_core.model_config import AuxConfig, serving_params
+from dash_core.paged import token_positions
 from dash_core.params import DashParams
 from dash_core.rope import PageRopeSettings
 from dash_core.workspace import PrefillWorkspace, release_prefill_scratch, reserve_prefill_scratch
@@ -49,7 +50,7 @@ except ImportError as e:  # pragma: no cover - exercised only without vLLM
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "CUSTOM"  # vLLM's placeholder member for out-of-tree backends (docs/vllm.md)
-MIN_DASH_BLOCK = 16  # smallest DASH block size (SPEC.md section 1): every kernel block is a multiple
+MIN_DASH_BLOCK = 16  # smallest DASH block size (docs/semantics.md section 1): every kernel block is a multiple
 
 
 def _model_params(vllm_config: Optional["VllmConfig"]) -> Optional[DashParams]:
@@ -212,8 +213,6 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         if gb.positions is not None:  # page mode: the engine's positions (derived where a runner gives none)
             positions = m.positions
             if positions is None:
-                from dash_core.paged import token_positions
-
                 positions = token_positions(m.query_start_loc, m.seq_lens, m.num_actual_tokens, m.seq_lens.device)
         gb.fill_metadata(m.block_table_tensor[:nd, :width], m.seq_lens[:nd],
                          None if positions is None else positions[:nd])
@@ -320,7 +319,7 @@ class DashAttentionBackend(AttentionBackend):
 
 
 class DashAuxAttentionBackend(DashAttentionBackend):
-    """The DASH backend for models with an indexer and/or page mode (SPEC.md section 9).
+    """The DASH backend for models with an indexer and/or page mode (docs/semantics.md section 9).
 
     The layer is built with ``Hkv + 1`` KV heads: head slot ``Hkv`` of every page is the auxiliary
     head (``dash_core.layout``: the rotated indexer key, the role and the page state), so vLLM's

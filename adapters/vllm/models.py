@@ -1,7 +1,7 @@
 """The DASH Llama for vLLM: Llama plus one learned ``head_cls [Hkv, D]`` per layer.
 
 Checkpoint names are the published ones: ``model.layers.{i}.self_attn.indexer_q``, a flat
-``[Hkv * D]`` vector, and the DASH config keys of SPEC.md section 1 (``chunk_size``,
+``[Hkv * D]`` vector, and the DASH config keys of docs/semantics.md section 1 (``chunk_size``,
 ``scaling_factor``, ``sigma``, ``estimate_diagonal``; ``dash_*`` keys override them). The same
 checkpoint loads in SGLang.
 
@@ -11,7 +11,7 @@ selector ignores ``CUSTOM`` and would pick ``CPU_ATTN``. With ``--attention-back
 ``CUSTOM`` the layers are DASH; naming another backend (e.g. ``FLASH_ATTN``, ``CPU_ATTN``) keeps
 that engine's dense attention, the dense baseline of the same weights (head_cls is then unused).
 
-Indexer and page mode (SPEC.md section 9; config keys ``dash_indexer_heads``, ``dash_page_mode``,
+Indexer and page mode (docs/semantics.md section 9; config keys ``dash_indexer_heads``, ``dash_page_mode``,
 ``dash_page_start_token_id``, ``dash_page_token_id``, read by ``dash_core.model_config.AuxConfig``): each layer gets a ``dash_indexer`` module
 (``wq``, ``wk``, ``head_cls``; replicated on every TP rank) and a DASH layer with ``Hkv + 1`` KV heads
 (``DashAuxAttentionBackend``), into whose head slots ``iq`` and ``ik`` are packed; in page mode

@@ -3,7 +3,7 @@ the online softmax's rescale, and the host helpers every launch uses (one place 
 
 A request's block ``b`` (tokens ``b*bs .. b*bs + bs - 1``) lives in page
 ``block_table[req, b // (ps // bs)]`` at rows ``(b % (ps // bs)) * bs ..``; its summary is at index
-``page * (ps // bs) + b % (ps // bs)`` of the summary store (``slot // bs``, SPEC.md section 8).
+``page * (ps // bs) + b % (ps // bs)`` of the summary store (``slot // bs``, docs/semantics.md section 8).
 All offsets that scale with the cache size are computed in int64.
 """
 
@@ -113,7 +113,7 @@ def summary_scores(qs, bt_row_ptr, summ_ptr, ss_b, h, ss_h, blk, mask, x_scale, 
 
 @triton.jit
 def scaled_query(q, sf):
-    """``sf * q`` rounded to the query dtype (SPEC.md section 4), the routing scores' query rows."""
+    """``sf * q`` rounded to the query dtype (docs/semantics.md section 4), the routing scores' query rows."""
     return (q.to(tl.float32) * sf).to(q.dtype)
 
 

@@ -1,6 +1,6 @@
 """Triton kernel: write new K/V into the paged cache and summarise the blocks they complete.
 
-Stage 1 of SPEC.md (section 2) on the GPU. A block is summarised by the program of the token
+Stage 1 of docs/semantics.md (section 2) on the GPU. A block is summarised by the program of the token
 that completes it (``slot % bs == bs - 1``); its other keys are read back from the cache.
 
 - Decode (one new token per request): one launch does both, the completing key is taken from

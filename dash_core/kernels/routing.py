@@ -1,6 +1,6 @@
 """Triton routing: scores against block summaries, 1.5-entmax, group mean, ``topk`` cap, prior.
 
-Stage 2 and the prior of SPEC.md (sections 4-5). ``route_tile`` is the one routing routine: it
+Stage 2 and the prior of docs/semantics.md (sections 4-5). ``route_tile`` is the one routing routine: it
 takes the scores ``x = 0.5 * <sf q, s> / sqrt(D)`` of a tile of selection *units* (a unit is what
 gets one selection: a (request, KV head) for router ``kv_head``, a request for ``shared``; a
 prefill tile is several query tokens), each with ``nrows`` score rows (its query heads), from a
@@ -24,8 +24,8 @@ import triton.language as tl
 
 from .. import reference
 
-PRIOR_EPS = 1e-20  # SPEC.md section 5
-HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # SPEC.md section 4 (globals kernels read are constexprs)
+PRIOR_EPS = 1e-20  # docs/semantics.md section 5
+HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # docs/semantics.md section 4 (globals kernels read are constexprs)
 INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
 SELECT_WARPS = 8  # warps of the decode select kernel
 # The one-tile cap's radix select runs on tiles of at least this many keys (one per thread of the select kernel),
@@ -55,7 +55,7 @@ def positive_part(d):
 
 @triton.jit
 def halley_step(ssq, sdf, cnt, tau, lo, hi):
-    """One safeguarded Halley step of the 1.5-entmax threshold (SPEC.md section 4) from the sums over the
+    """One safeguarded Halley step of the 1.5-entmax threshold (docs/semantics.md section 4) from the sums over the
     entries above ``tau``: of ``(x - tau)^2`` (``ssq``), of ``x - tau`` (``sdf``) and their count. Returns
     ``(tau, lo, hi)``: the step when it stays inside the bracket ``[lo, hi]`` (with slack), else its middle."""
     f = ssq - 1.0
@@ -308,7 +308,7 @@ def route_tile(
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
     X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0,
 ):
-    """Route a tile of ``QT`` units (SPEC.md sections 4-5) from their scores in a scratch buffer.
+    """Route a tile of ``QT`` units (docs/semantics.md sections 4-5) from their scores in a scratch buffer.
 
     x: unit u, row r, candidate c at ``x_ptr + x_unit[u] + r * x_row_stride + c`` (fp32, rows
     ``0 .. nrows-1``, candidates ``0 .. ncand[u]-1``; ``ncand[u] == 0`` = nothing to route);

@@ -33,7 +33,7 @@ def check_free_disk(path: str, need_gb: float = _levels.MIN_FREE_GB) -> None:
 
 
 def dash_config_keys(params: DashParams) -> dict:
-    """``params`` as the model-config keys a DASH checkpoint carries (SPEC.md section 1)."""
+    """``params`` as the model-config keys a DASH checkpoint carries (docs/semantics.md section 1)."""
     return dict(chunk_size=params.block_size, scaling_factor=params.scaling_factor, sigma=params.sigma,
                 estimate_diagonal=params.estimate_diagonal, dash_topk=params.topk, dash_local=params.local,
                 dash_router=params.router)

@@ -1,4 +1,4 @@
-"""``sgl.Engine`` with DASH models that use the auxiliary head (SPEC.md section 9), and the attention-stage
+"""``sgl.Engine`` with DASH models that use the auxiliary head (docs/semantics.md section 9), and the attention-stage
 backend option, end to end on the CPU against ``tests/tiny_dash_llama``'s reference forward.
 
 - An indexer + page-mode model (2 indexer heads, topk 2, 16-token blocks), prompts in one chunk

@@ -1,6 +1,6 @@
 """``sgl.Engine(..., attention_backend="dash")`` end to end on the CPU with a tiny random DASH Llama.
 
-- Dense-equivalent checkpoint (SPEC.md section 1): DASH's prompt and generated-token
+- Dense-equivalent checkpoint (docs/semantics.md section 1): DASH's prompt and generated-token
   log-probabilities and tokens equal SGLang's own dense backend (``torch_native``) on the same model,
   and the plain PyTorch reference forward.
 - Sparse checkpoint (topk 2, 16-token blocks, prompts of up to 9 blocks), with chunked prefill

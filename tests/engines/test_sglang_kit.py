@@ -1,6 +1,6 @@
 """The ``dash`` backend inside SGLang's own attention test kit (real pools, ForwardBatch, RadixAttention).
 
-- Dense-equivalent configuration (SPEC.md section 1): extend and decode equal the kit's dense
+- Dense-equivalent configuration (docs/semantics.md section 1): extend and decode equal the kit's dense
   reference, on shuffled pages at page sizes 16 and 64 with block size 16.
 - The kit's CUDA-graph contract (init_cuda_graph_state -> out_graph(in_capture) -> forward ->
   replay metadata from a padded SimpleNamespace view -> forward), at batch sizes 1 and 4.
@@ -313,7 +313,7 @@ def test_backend_reads_the_environment_once_at_start_up(dash_kit, monkeypatch):
     assert fx.backend.params.attention_backend == "FLASH_ATTN"
 
 
-# ---- indexer + page mode through the backend (SPEC.md section 9) --------------------------------
+# ---- indexer + page mode through the backend (docs/semantics.md section 9) --------------------------------
 
 PAGE_START, PAGE_TOKEN = 3, 4  # placeholder ids of the test config
 AUX_KEYS = dict(dash_indexer_heads=2, dash_page_mode=True, dash_page_start_token_id=PAGE_START,

@@ -89,7 +89,7 @@ def test_summary_store_bytes_are_added_to_the_kv_cell_size():
     with fake_tp(1, 0):
         got = add_summary_bytes(kv_cell, _kvc("dash"), layers)
         # One [Hkv, D] bf16 summary per 16 tokens and layer: 8 * 128 * 2 / 16 = 128 bytes per token and layer,
-        # 1 / (2 * 16) of the K+V bytes (SPEC.md section 8).
+        # 1 / (2 * 16) of the K+V bytes (docs/semantics.md section 8).
         assert got - kv_cell == 128 * layers == kv_cell // 32
         assert add_summary_bytes(kv_cell, _kvc("torch_native"), layers) == kv_cell
     with fake_tp(2, 0):  # KV heads (and summaries) are split across TP ranks
@@ -97,7 +97,7 @@ def test_summary_store_bytes_are_added_to_the_kv_cell_size():
 
 
 def test_aux_head_and_indexer_summaries_are_counted_in_the_kv_cell_size():
-    """SPEC.md section 9: an indexer model keeps one [1, D] summary of ik per block and the auxiliary head
+    """docs/semantics.md section 9: an indexer model keeps one [1, D] summary of ik per block and the auxiliary head
     (2 D elements per token and layer); page mode alone keeps the auxiliary head next to the [Hkv, D] store."""
     from adapters.sglang.plugin import add_summary_bytes
 

@@ -3,7 +3,7 @@
 - ``python -m sglang.launch_server ... --attention-backend dash`` answers ``/generate`` (text through
   the checkpoint's offline tokenizer, and token ids with log-probabilities equal to the reference
   forward) and reports the backend in ``/get_server_info``.
-- ``--page-size 8`` with 16-token DASH blocks stops the server at start-up with SPEC.md's error.
+- ``--page-size 8`` with 16-token DASH blocks stops the server at start-up with docs/semantics.md's error.
 """
 
 from __future__ import annotations

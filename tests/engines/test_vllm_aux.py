@@ -1,4 +1,4 @@
-"""``LLM(...)`` end to end with the auxiliary head (SPEC.md section 9): a tiny DASH Llama with an
+"""``LLM(...)`` end to end with the auxiliary head (docs/semantics.md section 9): a tiny DASH Llama with an
 indexer and page mode, and one with an indexer only, against the torch reference model.
 
 - indexer + page mode: prompts with pages (adjacent pages, text between pages, a question after the

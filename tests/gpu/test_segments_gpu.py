@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dash_core import DashParams
-from dash_core import segments as seg
+from dash_core import segments as seg, segments_paged as segp
 from dash_core.layout import PagedKVCache
 from dash_core.plan_cache import PlanCache
 
@@ -69,7 +69,7 @@ def to_cuda(params, q, k, v, pos, cache, bt, routing):
     """Selection and gathered segments on the GPU; the oracle keeps the CPU copies."""
     sel_idx, sel_bias, count = selection_of(routing, params)
     gcache = PagedKVCache(cache.k_pages.cuda(), cache.v_pages.cuda())
-    kk, vv, used, bias = seg.gather_segments(gcache, bt.cuda(), (pos + 1).to(torch.int32).cuda(), sel_idx.cuda(),
+    kk, vv, used, bias = segp.gather_segments(gcache, bt.cuda(), (pos + 1).to(torch.int32).cuda(), sel_idx.cuda(),
                                              sel_bias.cuda(), count.cuda(), params)
     return q.permute(1, 0, 2).contiguous().cuda(), kk, vv, used, bias
 
@@ -113,10 +113,10 @@ def test_zero_copy_matches_oracle(backend, router, layout):
         page_size=64, positions=(5, 130, 191, 192, 700, 1500, 2199, 64), sf=8.0, layout=layout, device="cuda")
     routing = oracle_routing(params, q, k, pos)
     sel_idx, sel_bias, count = selection_of(routing, params)
-    kp, vp, table, used, bias = seg.segment_pages(cache, bt.cuda(), (pos + 1).to(torch.int32).cuda(),
+    kp, vp, table, used, bias = segp.segment_pages(cache, bt.cuda(), (pos + 1).to(torch.int32).cuda(),
                                                   sel_idx.cuda(), sel_bias.cuda(), count.cuda(), params)
     qc = q.permute(1, 0, 2).contiguous().cuda()
-    out = seg.flash_dash_attention_paged(qc, kp, vp, table, used, bias, backend, 64, 128)
+    out = segp.flash_dash_attention_paged(qc, kp, vp, table, used, bias, backend, 64, 128)
     assert not bool(out.isnan().any())
     torch.testing.assert_close(out.double().cpu(), oracle_out(params, q, k, v, pos, routing), atol=TOL[dtype], rtol=0)
 
@@ -197,20 +197,20 @@ def test_decode_graph_replay_equals_eager(backend, router, variant):
 
     def step():
         if variant == "zero-copy":
-            kp, vp, table, used, bias = seg.segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count,
+            kp, vp, table, used, bias = segp.segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count,
                                                           params)
-            return seg.flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local,
+            return segp.flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local,
                                                   plan_cache=plan_cache)
-        kk, vv, used, bias = seg.gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
+        kk, vv, used, bias = segp.gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
         return seg.flash_dash_attention(q, kk, vv, used, bias, backend, bs, local, plan_cache=plan_cache)
 
     refill(0)
     if variant == "zero-copy":
-        kp, vp, table, used, bias = seg.segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
-        key = seg.prepare_flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local,
+        kp, vp, table, used, bias = segp.segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
+        key = segp.prepare_flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local,
                                                      plan_cache=plan_cache)
     else:
-        kk, vv, used, bias = seg.gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
+        kk, vv, used, bias = segp.gather_segments(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
         key = seg.prepare_flash_dash_attention(q, kk, vv, used, bias, backend, bs, local, plan_cache=plan_cache)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

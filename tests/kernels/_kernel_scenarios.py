@@ -157,11 +157,11 @@ def x_scale(d: int) -> float:
 
 # --- the oracle's view, stage by stage -------------------------------------------------------
 
-EXCUSE = 1e-6  # SPEC.md section 7: near-threshold entries that fp32 and float64 may decide apart
+EXCUSE = 1e-6  # docs/semantics.md section 7: near-threshold entries that fp32 and float64 may decide apart
 
 
 def near_decisions(x: torch.Tensor, mp: torch.Tensor, topk: Optional[int]):
-    """The entries of one unit's candidates that SPEC.md section 7 lets two implementations decide apart, as
+    """The entries of one unit's candidates that docs/semantics.md section 7 lets two implementations decide apart, as
     ``(near_tau, near_k)`` ``[c]`` bool: ``|x - tau| <= EXCUSE`` for some head (``x [heads, c]`` float64 scores,
     ``tau`` each head's 1.5-entmax threshold), and ``mp [c]`` within EXCUSE (relative) of the ``topk``-th largest."""
     from dash_core.reference import entmax15_threshold
@@ -210,7 +210,7 @@ def unit_rows(sc: Scenario, u: int) -> slice:
 
 
 def selection_mismatches(sc: Scenario, i: int, u: int, kernel_kept: set, rt, x) -> list:
-    """Blocks on which the kernel's kept set and the oracle's differ, less the entries SPEC.md
+    """Blocks on which the kernel's kept set and the oracle's differ, less the entries docs/semantics.md
     section 7 exempts (``near_decisions``)."""
     oracle_kept = set(torch.nonzero(rt.kept[u, 0]).flatten().tolist()) if rt is not None else set()
     diff = sorted(kernel_kept ^ oracle_kept)

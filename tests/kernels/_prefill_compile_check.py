@@ -44,7 +44,7 @@ CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
     (torch.bfloat16, 8, 8, 64, 32, 32, 1100, dict(topk=2)),  # G 1 (rows are units), [64, 64] copy boxes
     (torch.bfloat16, 32, 2, 256, 64, 64, 1100, dict(topk=8)),  # D 256: [32, 256] copy boxes, G 16
 ]
-# Indexer models (SPEC.md section 9): routing runs on iq [T, Hi, D] over the 1-head ik store, router shared,
+# Indexer models (docs/semantics.md section 9): routing runs on iq [T, Hi, D] over the 1-head ik store, router shared,
 # with the attention heads' tile of QT tokens: QT * pow2(Hi) score rows per program.
 INDEXER_CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs, Hi)
     (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64), 4),

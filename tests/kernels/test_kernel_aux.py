@@ -1,4 +1,4 @@
-"""The Triton path with the auxiliary head (SPEC.md section 9): indexer routing (iq over the 1-head
+"""The Triton path with the auxiliary head (docs/semantics.md section 9): indexer routing (iq over the 1-head
 store of ik summaries, router shared) and page mode (page RoPE and the auxiliary rows as tensor ops
 before the launches), prefill then decode, against the float64 oracle; under the interpreter on the
 CPU (the ops on the kernels' path: ``tests.kernels._kernel_ops``), through the public ops when compiled on a GPU

@@ -2,7 +2,7 @@
 ``append_positive``, as the prefill route kernels do) keeps the same blocks as a sort, and as the
 search over every candidate (LIST off, as decode does for long rows).
 
-The cap is exact (SPEC.md section 5: the ``topk`` largest ``mp``, ties to the lower block), so every
+The cap is exact (docs/semantics.md section 5: the ``topk`` largest ``mp``, ties to the lower block), so every
 comparison here is exact: no tolerance. Crafted ``mp`` rows stress what the lists change: many
 ties at the threshold, keys spread over many binades, neighbouring bit patterns, zeros, fewer
 positive entries than ``topk``, positives spread over several tiles of the list.

@@ -1,5 +1,5 @@
 """Sparse decode attention (stage 3) of the Triton kernels against the oracle, fed the oracle's
-own selection and prior (SPEC.md section 6)."""
+own selection and prior (docs/semantics.md section 6)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dash_core import DashParams
-from dash_core import segments
+from dash_core import segments_paged
 from dash_core.ops import paged_dash_decode
 from tests.kernels._kernel_env import CUDA, KERNEL_DEVICE
 from tests.kernels._kernel_ops import kernel_decode
@@ -66,11 +66,11 @@ def test_segment_backend_equals_fused_kernel_and_oracle(backend, case):
 def test_zero_copy_choice_follows_the_layout():
     """vLLM-style head-major pages of one block fold per KV head; SGLang's token-major buffers do not."""
     p = DashParams(block_size=16, topk=2)
-    assert segments.zero_copy_possible(make_scenario(1, [40], params=p, layout="vllm").cache, p)
-    assert not segments.zero_copy_possible(make_scenario(1, [40], params=p, layout="sglang").cache, p)
+    assert segments_paged.zero_copy_possible(make_scenario(1, [40], params=p, layout="vllm").cache, p)
+    assert not segments_paged.zero_copy_possible(make_scenario(1, [40], params=p, layout="sglang").cache, p)
     shared = DashParams(block_size=16, topk=2, router="shared")
-    assert segments.zero_copy_possible(make_scenario(1, [40], params=shared, layout="sglang").cache, shared)
-    assert not segments.zero_copy_possible(make_scenario(1, [40], params=p, layout="vllm", pages_per_block=2).cache,
+    assert segments_paged.zero_copy_possible(make_scenario(1, [40], params=shared, layout="sglang").cache, shared)
+    assert not segments_paged.zero_copy_possible(make_scenario(1, [40], params=p, layout="vllm", pages_per_block=2).cache,
                                            p)
 
 

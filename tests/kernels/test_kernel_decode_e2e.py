@@ -16,7 +16,7 @@ from tests.kernels.test_kernel_decode_attention import TOL
 
 EXAMPLES = int(os.environ.get("DASH_KERNEL_EXAMPLES", "10"))
 DEV = KERNEL_DEVICE
-# Routing is discontinuous in the summaries' rounding (SPEC.md section 7, shared/golden/README.md):
+# Routing is discontinuous in the summaries' rounding (docs/semantics.md section 7, shared/golden/README.md):
 # a block at the entmax threshold can move when the kernel's bf16 summary is one ulp away from the
 # oracle's, changing that row's output by O(0.1). End-to-end, at most this fraction of
 # (request, query head) rows may miss the attention tolerance.
@@ -51,7 +51,7 @@ def row_errors(sc, out) -> tuple:
        local_blocks=st.integers(1, 2), bs=st.sampled_from([16, 32]), ppb=st.integers(1, 4),
        layout=st.sampled_from(["sglang", "vllm"]), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_dense_equivalent_is_causal_attention(seed, lens, local_blocks, bs, ppb, layout, dtype):
-    """sf = 0 with estimate_diagonal routes every candidate with prior 1 (SPEC.md section 1): the
+    """sf = 0 with estimate_diagonal routes every candidate with prior 1 (docs/semantics.md section 1): the
     kernels' step must equal dense causal attention on every row (no routing discontinuity)."""
     p = DashParams.dense_equivalent(bs, local=bs * local_blocks)
     sc = make_scenario(seed, lens, hq=4, hkv=2, bs=bs, pages_per_block=ppb, layout=layout, dtype=dtype, params=p,

@@ -64,7 +64,7 @@ def test_128k_context_sampled_rows(topk, est):
         err = (out[i].double() - ref[0, :, 0].double()).abs() - TOL[torch.bfloat16]["rtol"] * ref[0, :, 0].abs()
         checked += hq
         bad += int((err.amax(-1) > TOL[torch.bfloat16]["atol"] + 4e-3).sum())  # + the oracle's bf16 output rounding
-    # routing fed the oracle's own float64 summaries may move near-threshold blocks (SPEC.md 7)
+    # routing fed the oracle's own float64 summaries may move near-threshold blocks (docs/semantics.md 7)
     assert bad <= 0.25 * checked, f"{bad} of {checked} rows differ from dash_reference"
 
 

@@ -5,7 +5,7 @@ A record holds metadata only (no activations), so K/V, queries and ``head_cls`` 
 head sizes the kernels do not support (the CPU engine tests use tiny models) are replaced by 64;
 page ids are relabelled onto a compact pool (same order) so that the cache stays small. Decode
 batches are compared with the torch paged path on the same cache and stored summaries (only
-near-threshold routing may differ, SPEC.md section 7); prefill batches' K/V + summary writes with
+near-threshold routing may differ, docs/semantics.md section 7); prefill batches' K/V + summary writes with
 the torch write. On the GPU the ops dispatch to the kernels; here the op runs on the kernels' path under the interpreter.
 """
 

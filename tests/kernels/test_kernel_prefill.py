@@ -1,8 +1,8 @@
 """Triton prefill / extend (``dash_core.kernels.prefill``) against the oracle, stage by stage, then
 end to end; under the interpreter on the CPU, compiled on a GPU (``-m gpu``).
 
-Stages (DESIGN.md, "Tests"): the K/V + summary write (summaries bit-identical to the decode kernel's),
-routing fed the very same summaries and ``sf * q`` (kept sets equal except SPEC.md section 7's
+Stages (docs/design.md, "Tests"): the K/V + summary write (summaries bit-identical to the decode kernel's),
+routing fed the very same summaries and ``sf * q`` (kept sets equal except docs/semantics.md section 7's
 near-threshold entries), attention fed the oracle's selection (attention tolerance), row ``p`` of a
 prefill against a decode step at ``p``, and whole extends whose routing may differ from a float64
 oracle on a bounded fraction of rows. Shapes are small: the interpreter runs every program in numpy.
@@ -375,7 +375,7 @@ def test_tma_loads_follow_the_cache_layout(layout):
 
 def test_prefill_row_equals_decode_step():
     """Same cache and summaries: the prefill's selection of every new token equals the decode kernels'
-    at that position (one routing routine; SPEC.md section 7, near-threshold entries exempt), with the
+    at that position (one routing routine; docs/semantics.md section 7, near-threshold entries exempt), with the
     same log priors, and the outputs of rows routed alike agree to the attention tolerance."""
     p = DashParams(block_size=16, scaling_factor=3.0, topk=3, estimate_diagonal=True, sigma=2.0)
     case = make_prefill_case(9, [(102, 12)], hq=8, hkv=2, params=p, q_scale=1.3).to(DEV)
@@ -425,7 +425,7 @@ def test_prefill_row_equals_decode_step():
 
 
 def test_dense_equivalent_is_causal_attention():
-    """sf = 0 with estimate_diagonal routes every candidate with prior 1 (SPEC.md section 1): every row
+    """sf = 0 with estimate_diagonal routes every candidate with prior 1 (docs/semantics.md section 1): every row
     of an extend on paged history equals dense causal attention (no routing discontinuity)."""
     p = DashParams.dense_equivalent(16, local=32)
     case = make_prefill_case(4, [(90, 40), (33, 33), (0, 0), (50, 1)], hq=4, hkv=2, params=p,

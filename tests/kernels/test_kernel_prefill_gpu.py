@@ -5,7 +5,7 @@ matrix (dtypes, head sizes, GQA groups, block and page sizes). Every CPU test of
 ``test_kernel_prefill.py`` also runs here, compiled (``pytest -m gpu tests/kernels``).
 
 Two references end to end: the oracle fed the summaries the kernel stored (only fp32-vs-float64
-routing rounding can move a block: SPEC.md section 7, at most ``MAX_DIFFERING_ROWS`` of the rows), and
+routing rounding can move a block: docs/semantics.md section 7, at most ``MAX_DIFFERING_ROWS`` of the rows), and
 the pure float64 ``dash_reference`` (its own summaries, one bf16 ulp apart, move more near-threshold
 blocks at long context: at most ``MAX_DIFFERING_ROWS_PURE``, as the decode 128k test).
 """

@@ -1,5 +1,5 @@
 """Routing (stage 2 + prior) of the Triton kernels against the oracle, fed the same summaries and
-the same ``sf * q``: the kept sets must be equal except the entries SPEC.md section 7 exempts."""
+the same ``sf * q``: the kept sets must be equal except the entries docs/semantics.md section 7 exempts."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``DashLlamaForCausalLM``: SGLang's Llama plus the per-layer DASH weight ``head_cls``.
 
-Checkpoint (SPEC.md section 1): a Llama checkpoint whose ``config.json`` says
+Checkpoint (docs/semantics.md section 1): a Llama checkpoint whose ``config.json`` says
 ``"architectures": ["DashLlamaForCausalLM"]`` (``model_type`` stays ``llama``) and carries the DASH
 keys (``chunk_size``, ``scaling_factor``, ``sigma``, ``estimate_diagonal``, ``dash_*``), and one
 extra tensor per layer, ``model.layers.{i}.self_attn.indexer_q``, a flat ``[Hkv * D]`` vector.
@@ -12,7 +12,7 @@ where SGLang replicates KV heads), and passes it to the attention backend as a k
 (e.g. ``torch_native``, which takes no extra keywords) the weight is loaded but not passed, and
 attention is dense: the engine's own dense run of the same checkpoint.
 
-Indexer and page mode (SPEC.md section 9; config keys in ``dash_core.model_config``): with
+Indexer and page mode (docs/semantics.md section 9; config keys in ``dash_core.model_config``): with
 ``dash_indexer_heads = Hi`` each layer also has ``self_attn.dash_indexer`` (``wq [Hi * D, hidden]``,
 ``wk [D, hidden]``, ``head_cls [D]``, replicated on every tensor-parallel rank: its one shared
 selection needs all Hi heads), and passes ``iq = wq(x) [T, Hi * D]``, ``ik = wk(x) [T, D]`` and

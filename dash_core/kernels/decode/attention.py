@@ -1,4 +1,4 @@
-"""Triton sparse decode attention over the local window and the routed blocks (SPEC.md section 6).
+"""Triton sparse decode attention over the local window and the routed blocks (docs/semantics.md section 6).
 
 K/V are read straight from the engine's pages (no gather copy). Split-KV: the blocks a
 (request, KV head) attends (its local-window blocks, then its kept routed blocks) are divided

@@ -171,7 +171,8 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
     bs = params.block_size
     max_pages = block_table.shape[1]
     nh_pad = pow2(nrows)
-    budget = config.select_tile_budget if nh_pad < 16 else config.select_tile_budget // 2  # wide 3-D tiles spill otherwise
+    # wide 3-D tiles spill otherwise
+    budget = config.select_tile_budget if nh_pad < 16 else config.select_tile_budget // 2
     tc = max(16, min(pow2(max_cand), budget // nh_pad))
     one_tile = pow2(max_cand) <= config.one_tile_max
     if one_tile:  # all candidates in one [TS] tile; fewer pivots per pass keep [NPIV, TS] in budget

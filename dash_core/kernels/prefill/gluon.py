@@ -3,7 +3,7 @@
 The Triton attention launch of a wave (``attention._prefill_attn_kernel``) fits two programs of one warpgroup on a
 multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (``GluonConfig.warpgroups``) warpgroups
 (``gl.warp_specialize``), each with its own K and V rings, taking (tile, KV head) items from a counter, so that one
-warpgroup's softmax runs while another's MMAs do (docs/PERFORMANCE.md says what it gains).
+warpgroup's softmax runs while another's MMAs do.
 
 A wave is then two launches. The Triton kernel builds each tile's union tables as before and stops there
 (``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
@@ -171,8 +171,7 @@ if HAVE_GLUON:
             prior = gl.load(prow)
             row_k = _row_of(ublk, KST, nu)
             # what the next block takes (its prior, the rows its refills load) is loaded a block ahead: loaded in
-            # the block that uses it, it stalled the refills and the softmax behind them (58.0 against 60.3 ms a
-            # call at 128k, topk 64, Hkv 8 on the H200; the prior loaded after the MMAs took 64.3 against 58.8)
+            # the block that uses it, it stalls the refills and the softmax behind them
             prior_next = gl.load(prow + QT, mask=nu > 1, other=0.0)
             row_k_next = _row_of(ublk, 1 + KST, nu)
             row_v_next = _row_of(ublk, VST, nu)

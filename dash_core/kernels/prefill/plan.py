@@ -45,8 +45,8 @@ class PrefillScratch:
     (``gluon.py``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, 9]`` int32 (the tiles' bounds, and in the
     last column of row 0 that launch's work counter, ``ws_counter``).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
-    (``add_summary_copy``: at most ``PrefillConfig.summary_copy_bytes``, outside the wave budget), and no score is written: the
-    route launch keeps only each unit's group sums of probabilities there (row h of its slot, h < Hkv).
+    (``add_summary_copy``: at most ``PrefillConfig.summary_copy_bytes``, outside the wave budget), and no score is
+    written: the route launch keeps only each unit's group sums of probabilities there (row h of its slot, h < Hkv).
 
     The two union tables are written and read by the attention launch only, after the wave's route launch
     is done with the scores: they are views of the scores' storage (both when ``Hq >= 2 Hkv``, else

@@ -78,8 +78,8 @@ def gather_summaries(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: t
 
 @triton.jit
 def _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d):
-    """``sf * q`` of the rows (token ``tok_m``, query head ``heads``), rounded to the query dtype (SPEC.md section 4);
-    zero rows where not ``row_ok``."""
+    """``sf * q`` of the rows (token ``tok_m``, query head ``heads``), rounded to the query dtype
+    (docs/semantics.md section 4); zero rows where not ``row_ok``."""
     q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)
     return scaled_query(q, sf)
@@ -230,8 +230,8 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
     npos = tl.zeros([QT], tl.int32)
     key_min = tl.full([QT], 0x7F800000, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
-    # Each tile's group sums are loaded one iteration ahead: waiting for them where they are used took an eighth
-    # of the route kernel's stall samples (ncu, 128k topk 64 on the H200).
+    # Each tile's group sums are loaded one iteration ahead: loaded where they are used, the multiplies wait for
+    # them.
     offs_l = tl.arange(0, TL)
     sums = tl.load(mp_dense + offs_l[None, :], mask=offs_l[None, :] < ncand_u[:, None], other=0.0)
     for c0 in range(0, ncand, TL):

@@ -1,0 +1,84 @@
+"""One validation of a step's inputs at the public ops (``dash_core.checks``): every op refuses a bad
+``slot_mapping`` (dtype, shape, a slot outside the cache) with a ``ValueError`` naming it, before anything is
+written; the kernels' supported block sizes come from one table (``dash_core.limits``) that ``DashParams`` reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dash_core import DashParams, limits
+from dash_core.layout import PagedKVCache, alloc_summaries
+from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill
+
+HQ, HKV, D, PS, BS = 4, 2, 16, 16, 16
+
+
+def setup(pages=4):
+    g = torch.Generator().manual_seed(0)
+    cache = PagedKVCache.from_sglang(torch.zeros(pages * PS, HKV, D), torch.zeros(pages * PS, HKV, D), PS,
+                                     alloc_summaries(pages * PS, BS, HKV, D, torch.float32))
+    t = 20
+    q, k, v = (torch.randn(t, h, D, generator=g) for h in (HQ, HKV, HKV))
+    bt = torch.tensor([[2, 0]], dtype=torch.int32)
+    slots = (bt[0, torch.arange(t) // PS].long() * PS + torch.arange(t) % PS)
+    return cache, q, k, v, bt, slots, torch.randn(HKV, D, generator=g)
+
+
+def calls(cache, q, k, v, bt, slots, hc, p, bad):
+    """The three ops, each writing ``k, v`` at its tokens' slots changed by ``bad`` (decode: the last token)."""
+    t = q.shape[0]
+    cu, seq = torch.tensor([0, t], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
+    return {
+        "cache_dash_prefill": lambda: cache_dash_prefill(k, v, cache, bad(slots), p, head_cls=hc),
+        "paged_dash_prefill": lambda: paged_dash_prefill(q, k, v, cache, bt, cu, seq, bad(slots), hc, p),
+        "paged_dash_decode": lambda: paged_dash_decode(q[-1:], k[-1:], v[-1:], cache, bt, seq, bad(slots[-1:]), hc,
+                                                       p),
+    }
+
+
+@pytest.mark.parametrize("op", ["cache_dash_prefill", "paged_dash_prefill", "paged_dash_decode"])
+@pytest.mark.parametrize("bad, match", [
+    (lambda s: s.float(), "slot_mapping must be"),  # a float32 slot mapping is not cast and written through
+    (lambda s: s[:-1], "slot_mapping must be"),
+    (lambda s: torch.where(torch.arange(s.numel()) == s.numel() - 1, 4 * PS, s), "outside the cache's 64 slots"),
+])
+def test_bad_slot_mapping_is_refused_before_any_write(op, bad, match):
+    cache, q, k, v, bt, slots, hc = setup()
+    before = [x.clone() for x in (cache.k_pages, cache.v_pages, cache.summaries)]
+    call = calls(cache, q, k, v, bt, slots, hc, DashParams(block_size=BS), bad)[op]
+    with pytest.raises(ValueError, match=match):
+        call()
+    assert all(torch.equal(x, y) for x, y in zip((cache.k_pages, cache.v_pages, cache.summaries), before))
+
+
+def test_padding_slots_are_skipped():
+    """Negative slots mark padding: accepted by every op, and nothing is written for them."""
+    cache, q, k, v, bt, slots, hc = setup()
+    slots = slots.clone()
+    slots[5] = -1
+    cache_dash_prefill(k, v, cache, slots, DashParams(block_size=BS), head_cls=hc)
+    page, row = 2, 5
+    assert not cache.k_pages[page, row].any() and cache.k_pages[page, row + 1].any()
+
+
+def test_kernel_block_sizes_are_one_table():
+    """``DashParams`` takes powers of two in ``BLOCK_SIZE_RANGE`` and tells which of them the kernels run."""
+    lo, hi = limits.BLOCK_SIZE_RANGE
+    for bs in (lo, 2 * lo, hi):
+        p = DashParams(block_size=bs)
+        if bs in limits.KERNEL_BLOCK_SIZES:
+            p.check_kernel_support()
+        else:
+            with pytest.raises(ValueError, match=f"block_size = {bs} is not supported by the Triton kernels"):
+                p.check_kernel_support()
+    with pytest.raises(ValueError, match="block_size"):
+        DashParams(block_size=2 * hi)
+
+
+def test_params_rules():
+    """The cap, the selection units and the indexer's router, stated once on ``DashParams``."""
+    p = DashParams(topk=8)
+    assert (p.cap(5), p.cap(100), DashParams().cap(100)) == (5, 8, 100)
+    assert (p.selection_units(4), DashParams(router="shared").selection_units(4)) == (4, 1)
+    assert p.routed_by(True).router == "shared" and p.routed_by(False) is p
