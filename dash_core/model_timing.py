@@ -230,6 +230,8 @@ def measure_point(model: LlamaModel, phase: str, batch: int, context: int, peers
     ``"dense-<peer>"``): phase, batch, context, layers, layers_lowered, method, ms, attention_ms,
     no_attention_ms, graph, timed calls, and for DASH its settings (block_size, topk, local, scaling_factor,
     calibrated, selected_fraction, target_fraction); a peer that failed has ``ms`` None and a ``note``.
+    seed: the inputs are drawn from ``seed + 1`` and the synthetic KV cache from ``seed + 2``, never from the
+    weights' stream (``LlamaWeights`` seeded with ``seed``: inputs equal to weight rows would be outliers).
     """
     if phase not in PHASES:
         raise ValueError(f"phase = {phase!r}: expected one of {PHASES}")
@@ -251,14 +253,14 @@ def measure_point(model: LlamaModel, phase: str, batch: int, context: int, peers
         base["note"] = f"layers lowered from {want} to {n_layers}: the KV cache of {want} would not fit"
         log(f"  {base['note']}")
     store = KVStore(shape, n_layers, batch, context, settings.page_size, settings.block_size, dtype, dev)
-    g = torch.Generator(device=dev).manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed + 1)  # not the weights' stream (seeded with seed)
     decode = phase == "tpot"
     step = Step.decode_step(store) if decode else Step.prefill(store)
     cos, sin = model.rope(context)
     cos, sin = cos[step.positions], sin[step.positions]
     if decode:
         x = torch.randn(batch, shape.hidden, generator=g, device=dev, dtype=torch.float32).to(dtype)
-        store.fill_synthetic(w.head_cls, DashParams(block_size=settings.block_size), seed=seed + 1)
+        store.fill_synthetic(w.head_cls, DashParams(block_size=settings.block_size), seed=seed + 2)
         q0 = model.qkv(0, x, cos, sin)[0]
         cal_rows, cal_table = q0, step.block_table
     else:
