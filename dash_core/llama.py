@@ -131,6 +131,15 @@ class LlamaWeights:
         self.norm = ones()
         self.lm_head = rand(s.vocab, s.hidden, std=s.hidden ** -0.5)
 
+    def to(self, device) -> "LlamaWeights":
+        """A copy of these weights on ``device``."""
+        out = object.__new__(LlamaWeights)
+        out.shape, out.dtype, out.device, out.layers = self.shape, self.dtype, torch.device(device), self.layers
+        for name in ("wqkv", "wo", "wgu", "wd", "ln1", "ln2", "head_cls"):
+            setattr(out, name, [x.to(device) for x in getattr(self, name)])
+        out.norm, out.lm_head = self.norm.to(device), self.lm_head.to(device)
+        return out
+
 
 class KVStore:
     """Per-layer K/V buffers ``[batch * S, Hkv, D]`` and summary stores for ``batch`` requests of up to
