@@ -8,8 +8,16 @@ question: a query that points at a few topics. DASH summarises every block, rout
 with 1.5-entmax to the blocks about its topics, and attends to those plus the local window. The
 demo prints, per request, how many blocks were routed, what fraction of the KV cache was read,
 how much of dense attention's probability mass those tokens hold, the error against dense
-attention, and the agreement with the float64 oracle. On a GPU it also times the decode step
-against dense attention.
+attention, and the agreement with the float64 oracle.
+
+On a GPU it then times what a user of a served model feels, with the code of ``benchmarks/model.py``
+(``dash_core.model_timing``): one decode step of a Llama-3-8B-shaped model (32 layers of random bf16
+weights; fewer where GPU memory is short, and the output says so) for the same number of requests at
+the same context, each request and layer with its own KV cache (far larger than L2), the whole step
+captured in one CUDA graph as the engines capture decode, with DASH and with dense SDPA (cuDNN and flash
+backends, also captured), compiled and warmed up before timing. It closes with the whole model's
+speed-up over the faster dense kernel, and the attention's alone. Its timings of the demo's own prefill
+write and eager decode call exclude the kernels' compilation (the first call, reported apart).
 """
 
 from __future__ import annotations
@@ -63,6 +71,11 @@ def main(argv=None) -> None:
                     help="prior of routed blocks: ~1 via estimate_diagonal (default), or the raw probability mp")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-layers", type=int, default=32,
+                    help="GPU: layers of the timed Llama-3-8B-shaped model (default 32, lowered if memory is short)")
+    ap.add_argument("--peers", default="sdpa-cudnn,sdpa-flash",
+                    help="GPU: dense peers of the model timing (dash_core.llama.PEERS, or auto for every one)")
+    ap.add_argument("--no-model", action="store_true", help="GPU: skip the whole-model timing")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -83,9 +96,8 @@ def main(argv=None) -> None:
                                      torch.zeros(num_pages * page, a.kv_heads, a.head_dim, dtype=dtype, device=dev),
                                      page, alloc_summaries(num_pages * page, bs, a.kv_heads, a.head_dim, dtype, dev))
     ctx_slots = (perm[torch.arange(n, device=dev) // page] * page + torch.arange(n, device=dev) % page)
-    t0 = time.perf_counter()
-    cache_dash_prefill(k[:n], v[:n], cache, ctx_slots, p, head_cls=hc)
-    print(f"prefill: wrote {n} tokens and summarised {n // bs} blocks in {time.perf_counter() - t0:.2f} s")
+    took = _timed(lambda: cache_dash_prefill(k[:n], v[:n], cache, ctx_slots, p, head_cls=hc), dev)
+    print(f"prefill: wrote {n} tokens and summarised {n // bs} blocks in {took}")
 
     # Each request: the shared context pages, then the question token (position n) on a private page
     # (if the context ends mid-page, the question's slot continues that page in a real engine;
@@ -98,9 +110,10 @@ def main(argv=None) -> None:
     seq = torch.full((a.requests,), n + 1, dtype=torch.int32, device=dev)
     kq = k[n:].expand(a.requests, -1, -1).contiguous()
     vq = v[n:].expand(a.requests, -1, -1).contiguous()
-    t0 = time.perf_counter()
-    out = paged_dash_decode(q, kq, vq, cache, bt, seq, slots, hc, p)
-    print(f"decode: {a.requests} requests in {time.perf_counter() - t0:.3f} s\n")
+    result = []
+    took = _timed(lambda: result.append(paged_dash_decode(q, kq, vq, cache, bt, seq, slots, hc, p)), dev, ".3f")
+    out = result[-1]
+    print(f"decode: {a.requests} requests in {took}\n")
 
     summ = cache.summaries[(perm[:ctx_pages].long() * page // bs)].permute(1, 0, 2).cpu().double()
     print(f"{'req':>3} {'asked topics':>12} {'routed':>7} {'on-topic':>8} {'KV read':>8} {'dense mass':>10} "
@@ -136,34 +149,74 @@ def main(argv=None) -> None:
     worst = max((out_eq[r].cpu().double() - dense_attention(q[r].cpu(), k_all, v_all)[0]).abs().max().item()
                 for r in range(a.requests))
     print(f"dense-equivalent configuration (scaling_factor 0, estimate_diagonal): max |DASH - dense| = {worst:.2e}")
-    if dev.type == "cuda":
-        _time_decode(q, kq, vq, cache, bt, seq, slots, hc, p, k_all, v_all)
+    if dev.type == "cuda" and not a.no_model:
+        _time_model(a, dev)
 
 
-def _time_decode(q, kq, vq, cache, bt, seq, slots, hc, p, k_all, v_all) -> None:
-    """Median time of the DASH decode step against dense SDPA over the same context (GPU only)."""
-    def timeit(fn, reps=50):
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        return sorted(ts)[len(ts) // 2]
+def _timed(fn, dev: torch.device, fmt: str = ".2f") -> str:
+    """Run ``fn`` and say how long it took: on the CPU its wall-clock time; on a GPU the first call compiles
+    the kernels, so a second call (the same writes again) is timed with CUDA events and both are reported."""
+    t0 = time.perf_counter()
+    fn()
+    if dev.type != "cuda":
+        return f"{time.perf_counter() - t0:{fmt}} s"
+    torch.cuda.synchronize(dev)
+    first = time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return (f"{start.elapsed_time(end):.3f} ms on the GPU, eager (a second call: the first, which compiled the "
+            f"kernels, took {first:.2f} s)")
 
-    b, hq, d = q.shape
-    kd = k_all.to(q.device, q.dtype).permute(1, 0, 2)[None].expand(b, -1, -1, -1)
-    vd = v_all.to(q.device, q.dtype).permute(1, 0, 2)[None].expand(b, -1, -1, -1)
-    qd = q[:, :, None]
-    dash_ms = timeit(lambda: paged_dash_decode(q, None, None, cache, bt, seq, None, hc, p))
-    sdpa_ms = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True))
-    print(f"\nGPU decode step, batch {b}: DASH {dash_ms:.3f} ms, dense SDPA {sdpa_ms:.3f} ms "
-          f"({sdpa_ms / dash_ms:.1f}x)")
+
+def _time_model(a, dev: torch.device, shape=None, settings=None) -> None:
+    """One decode step of a Llama-3-8B-shaped model at this demo's batch and context, DASH against dense SDPA,
+    timed by ``dash_core.model_timing.measure_point`` (the code of ``benchmarks/model.py``). ``shape`` and
+    ``settings`` replace the model's sizes and DASH's settings (tests run it tiny on the CPU)."""
+    from .llama import LlamaModel, LlamaShape, LlamaWeights
+    from .model_timing import DashSettings, fit_layers, measure_point, speedup_sentence
+
+    shape = LlamaShape() if shape is None else shape
+    settings = DashSettings() if settings is None else settings
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    layers = a.model_layers
+    if cuda:
+        torch.cuda.empty_cache()
+        layers = fit_layers(shape, layers, "tpot", a.requests, a.context, torch.cuda.mem_get_info(dev)[0], 2,
+                            settings.block_size, with_weights=True)
+    if layers == 0:
+        print("\nGPU model timing skipped: not one layer of the Llama-3-8B-shaped model fits in GPU memory")
+        return
+    how = ("one decode step captured as one CUDA graph, compiled and warmed up before timing, median of 30 replays"
+           if cuda else "one eager decode step (on the CPU: a check of the code, not a timing)")
+    print(f"\nGPU, the whole model (the code of benchmarks/model.py): a Llama-3-8B-shaped model, {layers} layers of "
+          f"random {'bf16' if cuda else 'fp32'} weights"
+          f"{'' if layers == a.model_layers else f' (of {a.model_layers}: GPU memory)'}, {a.requests} requests at "
+          f"{a.context} tokens of context, each request and layer with its own KV cache; {how}")
+    model = LlamaModel(LlamaWeights(shape, dtype, dev, seed=a.seed, layers=layers))
+    recs = measure_point(model, "tpot", a.requests, a.context, a.peers.split(","), settings, seed=a.seed,
+                         log=lambda m: None)
+    for r in recs:
+        if r.get("ms") is None:
+            print(f"  {r['method']:18s} not run: {r.get('note')}")
+            continue
+        extra = ""
+        if r["method"] == "dash":
+            extra = (f"  (block {r['block_size']}, topk {r['topk']}, local {r['local']}, scaling_factor "
+                     f"{r['scaling_factor']}{' calibrated' if r['calibrated'] else ''}: "
+                     f"{r['selected_fraction']:.1%} of the blocks routed uncapped)")
+        att = "-" if r.get("attention_ms") is None else f"{r['attention_ms']:.3f}"
+        print(f"  {r['method']:18s} {r['ms']:8.3f} ms a step, attention {att:>7s} ms{extra}")
+    if recs and recs[0].get("no_attention_ms") is not None:
+        print(f"  {'no attention':18s} {recs[0]['no_attention_ms']:8.3f} ms a step")
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    line = speedup_sentence(recs)
+    print(line[0].upper() + line[1:])
 
 
 if __name__ == "__main__":
