@@ -36,10 +36,15 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .limits import HAVE_TRITON
 from .llama import (PEERS, DashAttention, DenseAttention, KVStore, LlamaModel, LlamaShape, NoAttention, Step,
                     correlated_rows)
 from .ops import cache_dash_prefill
 from .params import DashParams
+
+if HAVE_TRITON:  # the decode routing measures the selected fraction on CUDA
+    from .kernels.decode.buffers import DecodeBuffers
+    from .kernels.decode.launch import route as route_decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +130,9 @@ def selected_fraction(q: torch.Tensor, store: KVStore, layer: int, block_table: 
     r = q.shape[0]
     ncand = max(1, (context - 1) // params.block_size - params.local_blocks + 1)
     if q.is_cuda:
-        from .kernels import launcher
-
         seq = torch.full((r,), context, dtype=torch.int32, device=q.device)
-        bufs = launcher.DecodeBuffers.for_step(q, cache, block_table, params)
-        launcher.route(q, cache, block_table, seq, params, bufs)
+        bufs = DecodeBuffers.for_step(q, cache, block_table, params)
+        route_decode_step(q, cache, block_table, seq, params, bufs)
         return float(bufs.sel_count[:r].double().mean()) / ncand
     from .reference import route
 

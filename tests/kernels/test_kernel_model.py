@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from dash_core import DashParams
-from dash_core.kernels import launcher
-from dash_core.kernels import prefill as pf
+from dash_core.kernels.decode.launch import paged_dash_decode_triton
+from dash_core.kernels.prefill.launch import paged_dash_prefill_triton
 from dash_core.llama import DashAttention, KVStore, LlamaModel, LlamaShape, LlamaWeights, Step, correlated_rows
 from graphs.decode import DecodeGraphBuffers
 from tests.kernels._kernel_env import KERNEL_DEVICE
@@ -34,12 +34,11 @@ class KernelDash(DashAttention):
         cache = st.store.cache(layer)
         if st.decode:
             b = self.buffers
-            return launcher.paged_dash_decode_triton(q, k, v, cache, b.block_table[: st.batch], b.seq_lens[: st.batch],
-                                                     st.slot_mapping, self.head_cls[layer], self.params,
-                                                     buffers=b.kernel)
-        return pf.paged_dash_prefill_triton(q, k, v, cache, st.block_table, st.cu_seqlens_q, st.seq_lens,
-                                            st.slot_mapping, self.head_cls[layer], self.params,
-                                            workspace=self.workspace)
+            return paged_dash_decode_triton(q, k, v, cache, b.block_table[: st.batch], b.seq_lens[: st.batch],
+                                            st.slot_mapping, self.head_cls[layer], self.params, buffers=b.kernel)
+        return paged_dash_prefill_triton(q, k, v, cache, st.block_table, st.cu_seqlens_q, st.seq_lens,
+                                         st.slot_mapping, self.head_cls[layer], self.params,
+                                         workspace=self.workspace)
 
 
 def _steps(model, attn, batch, prompt, dev):
