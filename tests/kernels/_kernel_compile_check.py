@@ -30,9 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from dash_core import DashParams  # noqa: E402
 from dash_core.kernels import decode_attention, kv_write, launcher, routing  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries  # noqa: E402
-from tests._benchmarks import import_benchmark  # noqa: E402
-
-ptxas_usage = import_benchmark("common").ptxas_usage
+from tests.kernels._ptxas import ptxas_usage  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
