@@ -1,18 +1,93 @@
-"""Output helpers shared by the benchmarks: JSON records merged by case, a marked section of
-``docs/PERFORMANCE.md`` replaced in place (other sections untouched), and a dependency-free SVG
-bar chart, the crossover of two timing series, synthetic correlated queries, and the register report of
-compiled PTX. Timing helpers (``time_calls``, ``copy_bandwidth``, ``log``) live in ``decode.py``.
+"""What the benchmarks share: timing (CUDA events, CUDA graphs), the copy bandwidth behind the floors, the JSON
+records, the shape arguments, the dense SDPA peers, the synthetic queries and the published kernels' import.
+
+The benchmarks write JSON records only (``docs/perf/NAME.json``, merged by case); ``benchmarks/report.py`` makes the
+tables of ``docs/PERFORMANCE.md`` and the charts from them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+L2_BYTES = 50 * 2**20  # the H200's L2: inputs rotate over enough layers that reads come from memory
+# Every peer a benchmark knows, in the order they run: the dense kernels, then the authors' DASH kernels.
+PEERS = ("cudnn", "sdpa", "flashinfer", "flash-attn", "published")
+# The SDPA peers: method name and torch.nn.attention.SDPBackend member.
+SDPA_PEERS = {"cudnn": ("dense-cudnn", "CUDNN_ATTENTION"), "sdpa": ("dense-sdpa", "FLASH_ATTENTION")}
+
+
+def log(msg: str) -> None:
+    """A timestamped progress line on stdout (the benchmarks are scripts: their log is the run's record)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_id() -> str:
+    """The id of this run (UTC start time), carried by every record: ``report.py`` divides a DASH row by the dense
+    peers of its own run where that run measured any."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ---------------------------------------------------------------------------- timing
+
+def time_calls(fns: list, iters: int, warmup: int, cuda: bool) -> float:
+    """Median milliseconds of one call, cycling through ``fns`` (one per rotated layer)."""
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    if not cuda:
+        ts = []
+        for i in range(iters):
+            t = time.perf_counter()
+            fns[i % len(fns)]()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(ts)
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i in range(iters):
+        ev[i][0].record()
+        fns[i % len(fns)]()
+        ev[i][1].record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy rate in bytes/s, counting read + written bytes (a fixed H200-like figure on the CPU)."""
+    if device.type != "cuda":
+        return 4.3e12
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = time_calls([lambda: y.copy_(x)], 20, 3, True)
+    return 2 * n / (ms * 1e-3)
+
+
+def capture(fn) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``fn`` (warmed up on a side stream first)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fn()
+    return gr
+
+
+def floor_ms(nbytes: float, bw: float, flops: float = 0.0, peak_flops: float = float("inf")) -> float:
+    """The floor of a call: the larger of its bytes over the copy bandwidth and its useful FLOPs over the peak."""
+    return max(nbytes / bw, flops / peak_flops) * 1e3
+
+
+# ---------------------------------------------------------------------------- records
 
 def merge_records(path: Path, new: list, key: Callable[[dict], tuple], order: Callable[[dict], tuple]) -> list:
     """Records of ``path`` with ``new`` ones replacing those of the same ``key``; written back sorted."""
@@ -26,57 +101,87 @@ def merge_records(path: Path, new: list, key: Callable[[dict], tuple], order: Ca
     return out
 
 
-def replace_section(path: Path, begin: str, end: str, body: str) -> None:
-    """Put ``body`` between the ``begin``/``end`` markers of ``path`` (appended when absent)."""
-    block = f"{begin}\n{body.rstrip()}\n{end}\n"
-    text = path.read_text() if path.exists() else "# Performance\n\n"
-    if begin in text and end in text:
-        pre, rest = text.split(begin, 1)
-        post = rest.split(end, 1)[1].lstrip("\n")
-        text = pre + block + post
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+def add_shape_args(ap, sf_help: str) -> None:
+    """The arguments both benchmarks share: heads, head size, block and page size, topk, sf, peers."""
+    ap.add_argument("--hkv", default="8")
+    ap.add_argument("--topk", default="64,none")
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--sf", type=float, default=None, help=sf_help)
+    ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help=f"comma list of {', '.join(PEERS)} (those that cannot run here are skipped, with the "
+                         "reason); none for no peer")
 
 
-def svg_bars(path: Path, groups: dict, title: str, unit: str, colors: dict) -> None:
-    """Horizontal bars on a log scale: ``groups = {group label: [(bar label, value), ...]}``; the bar
-    colour is ``colors[first word of the bar label]``."""
-    values = [v for items in groups.values() for _, v in items if v > 0]
-    vmax, vmin = (max(values), min(values)) if values else (1.0, 1.0)
-    lo, hi = math.log10(vmin / 2), math.log10(vmax * 1.5)
-    x0, width, y = 300, 500, 30
-    lines = []
-    for group, items in groups.items():
-        lines.append(f'<text x="5" y="{y}" font-weight="bold">{group}</text>')
-        y += 18
-        for lab, v in items:
-            w = max(1.0, (math.log10(max(v, vmin)) - lo) / (hi - lo) * width)
-            c = colors.get(lab.split()[0], "#9467bd")
-            lines.append(f'<text x="10" y="{y + 11}" font-size="11">{lab}</text>'
-                         f'<rect x="{x0}" y="{y}" width="{w:.1f}" height="13" fill="{c}"/>'
-                         f'<text x="{x0 + w + 4:.1f}" y="{y + 11}" font-size="11">{v:.3g} {unit}</text>')
-            y += 17
-        y += 8
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{x0 + width + 140}" height="{y + 20}" '
-           f'font-family="sans-serif" font-size="12"><text x="5" y="15">{title}</text>{"".join(lines)}</svg>\n')
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(svg)
+def add_output_args(ap, name: str) -> None:
+    """Where a benchmark writes its records: ``docs/perf/NAME.json`` by default; ``--no-write`` keeps them out."""
+    ap.add_argument("--json", default=str(ROOT / f"docs/perf/{name}.json"))
+    ap.add_argument("--no-write", action="store_true", help="print the records' table only")
 
 
-def crossover(ours: dict, peer: dict) -> tuple:
-    """``(crossover, losing sizes)`` from ``{size: ms}`` of ours and of the peer: the smallest size from
-    which on ours is faster at every measured size both have (None if never), and where it is slower."""
-    sizes = sorted(set(ours) & set(peer))
-    wins = {s: ours[s] < peer[s] for s in sizes}
-    cross = None
-    for s in reversed(sizes):
-        if not wins[s]:
-            break
-        cross = s
-    return cross, [s for s in sizes if not wins[s]]
+def peers_of(spec: str) -> set:
+    """``--peers``: the named peers (``none`` or empty: none); unknown names are refused."""
+    names = {p.strip() for p in (spec or "").split(",") if p.strip() and p.strip() != "none"}
+    unknown = names - set(PEERS)
+    if unknown:
+        raise ValueError(f"--peers: unknown {sorted(unknown)}; allowed: {', '.join(PEERS)} or none")
+    return names
 
+
+def shown_command(script: str, argv: list) -> str:
+    """The command as the records carry it: the output path (machine-specific) left out."""
+    outs = ("--json",)
+    kept = [x for i, x in enumerate(argv) if x not in outs and not (i and argv[i - 1] in outs)]
+    return f"python benchmarks/{script} " + " ".join(kept)
+
+
+# ---------------------------------------------------------------------------- dense SDPA peers
+
+def sdpa_fn(peer: str, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, cuda: bool, **kwargs) -> tuple:
+    """``(call, note)``: ``scaled_dot_product_attention(q4, k4, v4, **kwargs)`` on the backend of ``peer`` (``cudnn``
+    or ``sdpa``: FlashAttention inside PyTorch; the math backend on the CPU). q4 ``[B, Hq, Tq, D]``, k4, v4
+    ``[B, Hkv, Tk, D]``. Grouped heads are passed as they are (``enable_gqa``) where the backend takes them; else
+    K/V heads are repeated to Hq here, before any timed call, and ``note`` says so. Raises where the backend cannot
+    run the shape at all."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    backend = getattr(SDPBackend, SDPA_PEERS[peer][1]) if cuda else SDPBackend.MATH
+
+    def call(q, k, v, **kw):
+        def run():
+            with sdpa_kernel([backend]):
+                return sdpa(q, k, v, **kw)
+        return run
+
+    if q4.shape[1] == k4.shape[1]:
+        fn = call(q4, k4, v4, **kwargs)
+        fn()
+        return fn, None
+    try:
+        fn = call(q4, k4, v4, enable_gqa=True, **kwargs)
+        fn()
+        return fn, None
+    except RuntimeError as e:
+        g = q4.shape[1] // k4.shape[1]
+        kr, vr = k4.repeat_interleave(g, 1).contiguous(), v4.repeat_interleave(g, 1).contiguous()
+        fn = call(q4, kr, vr, **kwargs)
+        fn()
+        return fn, f"K/V heads repeated to Hq before the timed calls (enable_gqa: {str(e).splitlines()[0][:120]})"
+
+
+def flash_attn_varlen():
+    """FlashAttention's ``flash_attn_varlen_func`` (FlashAttention 4, ``flash_attn.cute``), for the
+    ``dense-flash-attn`` peer; raises where it is not installed."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+# ---------------------------------------------------------------------------- inputs and the published kernels
 
 def ar1_walk(x: torch.Tensor, rho: float, chunk: int = 256) -> torch.Tensor:
     """``y_t = rho y_{t-1} + sqrt(1 - rho^2) x_t`` along dim 0 (unit variance kept for unit-variance
@@ -103,8 +208,6 @@ def import_published(module: str):
     import os
     import sys
 
-    import torch
-
     pub = os.environ.get("DASH_PUBLISHED_DIR")
     if not pub or not Path(pub, "dash_attn").is_dir():
         raise RuntimeError("set DASH_PUBLISHED_DIR to a copy of the authors' DashAttention repository")
@@ -115,53 +218,3 @@ def import_published(module: str):
         return importlib.import_module(f"dash_attn.{module}")
     finally:
         torch.set_float32_matmul_precision(prec)
-
-
-def ptxas_usage(ptx: str, arch: str = "sm_90a") -> tuple:
-    """``(registers, spill store bytes)`` that triton's bundled ptxas reports for ``ptx`` (None where it
-    reports none): the compile checks run it on machines without a GPU."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        Path(path).write_text(ptx)
-        r = subprocess.run([ptxas, "-v", "--gpu-name", arch, path, "-o", path + ".o"], capture_output=True, text=True)
-    regs = re.search(r"Used (\d+) registers", r.stderr)
-    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return (int(regs.group(1)) if regs else None), (int(spill.group(1)) if spill else None)
-
-
-def add_shape_args(ap, sf_help: str) -> None:
-    """The arguments both benchmarks share: heads, head size, block and page size, topk, sf, peers."""
-    ap.add_argument("--hkv", default="8")
-    ap.add_argument("--topk", default="64,none")
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--sf", type=float, default=None, help=sf_help)
-    ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
-    ap.add_argument("--peers", default="sdpa,flashinfer,published")
-
-
-def add_output_args(ap, name: str) -> None:
-    """Where a benchmark writes: ``docs/perf/NAME.json``, its section of ``docs/PERFORMANCE.md`` and
-    ``docs/perf/NAME.svg`` by default; ``--no-write-docs`` writes none of them."""
-    root = Path(__file__).resolve().parents[1]
-    ap.add_argument("--json", default=str(root / f"docs/perf/{name}.json"))
-    ap.add_argument("--markdown", default=str(root / "docs/PERFORMANCE.md"))
-    ap.add_argument("--svg", default=str(root / f"docs/perf/{name}.svg"))
-    ap.add_argument("--no-write-docs", action="store_true")
-
-
-def shown_command(script: str, argv: list) -> str:
-    """The command as the docs record it: output paths (machine-specific) left out."""
-    outs = ("--json", "--markdown", "--svg")
-    kept = [x for i, x in enumerate(argv) if x not in outs and not (i and argv[i - 1] in outs)]
-    return f"python benchmarks/{script} " + " ".join(kept)

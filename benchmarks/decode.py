@@ -1,20 +1,20 @@
 """Decode benchmark: DASH Triton decode against dense decode peers at long context.
 
-Follows docs/design.md "Performance protocol": CUDA events around every call after warm-up and
-compilation, the median of many calls, inputs rotated over several layers' caches so that L2
-(50 MB on the H200) does not flatter sparse reads, and a floor = bytes that must move / measured
-device-to-device copy bandwidth. Peers measured in the same run: PyTorch SDPA on contiguous KV,
-FlashInfer dense paged decode (if ``import flashinfer`` works) and the published DashAttention
-decode kernels (if a copy of the authors' repository is at ``$DASH_PUBLISHED_DIR``; compared
-uncapped at the same ``scaling_factor``, compiled and autotuned before timing at the timed shapes).
-DASH's attention stage on the segment backends (``dash-flashinfer``, ``dash-flash-attn``: the same
-Triton routing, then ``dash_core.segments``) is timed for every capped ``topk`` where the library
-imports, gathered and, on a head-major cache (``--layout vllm``), zero-copy.
+Timing (``docs/PERFORMANCE.md``, "Method"): CUDA events around every call after warm-up and compilation, the median
+of many calls, inputs rotated over several layers' caches so that L2 (50 MB on the H200) does not flatter sparse
+reads, and a floor = bytes that must move / measured device-to-device copy bandwidth. Dense peers measured in the same
+run: cuDNN SDPA and SDPA's FlashAttention backend on contiguous K/V (``dense-cudnn``, ``dense-sdpa``; eager and
+captured in a CUDA graph), FlashInfer's paged decode (``dense-flashinfer``) and FlashAttention 4's paged varlen kernel
+(``dense-flash-attn``), each where it imports and runs here; the published DashAttention decode kernels
+(if a copy of the authors' repository is at ``$DASH_PUBLISHED_DIR``; compared uncapped at the same
+``scaling_factor``, compiled and autotuned before timing). DASH's attention stage on the segment backends
+(``dash-flashinfer``, ``dash-flash-attn``: the same Triton routing, then ``dash_core.segments``) is timed for every
+capped ``topk`` where the library imports, gathered and, on a head-major cache (``--layout vllm``), zero-copy.
 
-Writes JSON records to ``docs/perf/decode.json`` (merged by case), the table with its command to
-``docs/PERFORMANCE.md`` (between decode markers) and a bar chart to ``docs/perf/decode.svg``.
+Writes JSON records to ``docs/perf/decode.json`` (merged by case); ``benchmarks/report.py`` makes the tables.
 
-    python benchmarks/decode.py --preset required          # B 1 and 8 at 128k (one GPU call, < 6 min)
+    python benchmarks/decode.py --preset serving           # B 1-64 at 32k and B 1-32 at 128k, topk 64 (one GPU call)
+    python benchmarks/decode.py --preset required          # B 1 and 8 at 128k, topk 64 and uncapped
     python benchmarks/decode.py --preset required --layout vllm --topk 64 --peers flashinfer  # + zero-copy rows
     python benchmarks/decode.py --batch 1,8,32 --context 8192,32768 --hkv 8,2 --topk 16,64,256,none
     TRITON_INTERPRET=1 python benchmarks/decode.py --smoke  # CPU check of the code paths (tiny shapes)
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,56 +34,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied before triton is imported
-    import tests.kernels._kernel_env  # noqa: E402,F401
+    import tests.kernels._kernel_env  # noqa: F401
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import add_output_args, add_shape_args, import_published, merge_records, replace_section, shown_command, svg_bars  # noqa: E402,E501
-from dash_core import DashParams, segments_paged  # noqa: E402
-from dash_core.kernels import launcher  # noqa: E402
+from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, capture, copy_bandwidth,  # noqa: E402
+                    flash_attn_varlen, import_published, log, merge_records, peers_of, run_id, sdpa_fn,
+                    shown_command, time_calls)
+from dash_core import DashParams, ops, segments_paged  # noqa: E402
+from dash_core.kernels.decode import launch as decode_launch  # noqa: E402
+from dash_core.kernels.decode.buffers import DecodeBuffers  # noqa: E402
 from dash_core.kernels.kv_write import write_kv_and_summaries  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+from tests.kernels._kernel_ops import kernel_decode  # noqa: E402
 
-L2_BYTES = 50 * 2**20
-MARK_BEGIN, MARK_END = "<!-- decode-benchmark:begin -->", "<!-- decode-benchmark:end -->"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ---------------------------------------------------------------------------- timing
-
-def time_calls(fns: list, iters: int, warmup: int, cuda: bool) -> float:
-    """Median milliseconds of one call, cycling through ``fns`` (one per rotated layer)."""
-    for i in range(warmup):
-        fns[i % len(fns)]()
-    if not cuda:
-        ts = []
-        for i in range(iters):
-            t = time.perf_counter()
-            fns[i % len(fns)]()
-            ts.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(ts)
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for i in range(iters):
-        ev[i][0].record()
-        fns[i % len(fns)]()
-        ev[i][1].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
-
-
-def copy_bandwidth(device) -> float:
-    """Device-to-device copy rate in bytes/s, counting read + written bytes."""
-    if device.type != "cuda":
-        return 4.3e12
-    n = 1 << 30
-    x = torch.empty(n, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    ms = time_calls([lambda: y.copy_(x)], 20, 3, True)
-    del x, y
-    return 2 * n / (ms * 1e-3)
+# --preset serving: (B, context) of the serving table, topk 64, graph-captured with the K/V write
+SERVING_CASES = ((1, 32768), (8, 32768), (32, 32768), (64, 32768), (1, 131072), (8, 131072), (32, 131072))
 
 
 # ---------------------------------------------------------------------------- the case
@@ -168,6 +132,20 @@ def flashinfer_decode(layer: Layer, q, ctx, hq, hkv, d, ps):
     return lambda: w.run(q, kv, out=out)
 
 
+def flash_attn_decode(layer: Layer, q, ctx):
+    """FlashAttention 4's varlen kernel on the paged cache: one query a request, its pages through the block table."""
+    fn = flash_attn_varlen()
+    b = q.shape[0]
+    dev = q.device
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    used = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+    table = layer.block_table.contiguous()
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    k_pages, v_pages = layer.cache.k_pages, layer.cache.v_pages
+    return lambda: fn(q, k_pages, v_pages, cu_seqlens_q=cu_q, max_seqlen_q=1, max_seqlen_k=ctx, seqused_k=used,
+                      page_table=table, softmax_scale=scale, causal=False)
+
+
 def published_decode(layer: Layer, q, ctx, params: DashParams, kc, vc):
     """The authors' decode (stage 2 + stage 3) on contiguous K/V and contiguous summaries."""
     decoding = import_published("decoding")
@@ -196,8 +174,8 @@ def calibrate_sf(layer: Layer, q, ctx: int, params: DashParams, target: float, l
 
     def frac(sf):
         p = DashParams(block_size=params.block_size, scaling_factor=sf, local=params.local)
-        bufs = launcher.DecodeBuffers.for_step(q, layer.cache, layer.block_table, p)
-        launcher.route(q, layer.cache, layer.block_table, seq, p, bufs)
+        bufs = DecodeBuffers.for_step(q, layer.cache, layer.block_table, p)
+        decode_launch.route(q, layer.cache, layer.block_table, seq, p, bufs)
         ncand = max(1, (ctx - 1) // params.block_size - p.local_blocks + 1)
         return float(bufs.sel_count[:b].double().mean()) / ncand
 
@@ -209,19 +187,6 @@ def calibrate_sf(layer: Layer, q, ctx: int, params: DashParams, target: float, l
             break
         lo, hi = (sf, hi) if f > target else (lo, sf)
     return sf
-
-
-def capture(fn) -> "torch.cuda.CUDAGraph":
-    """A CUDA graph of ``fn`` (warmed up on a side stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        fn()
-    return gr
 
 
 def segment_backends(spec: str) -> list:
@@ -252,7 +217,7 @@ def segment_rows(a, layers, q, seq, params, bufs, out, common, add, floor, kv_fr
 
             def fn(layer, zc=zc, backend=backend):
                 def run():
-                    launcher.route(q, layer.cache, layer.block_table, seq, params, bufs)
+                    decode_launch.route(q, layer.cache, layer.block_table, seq, params, bufs)
                     out.copy_(segments_paged.decode_segment_attention(
                         q, layer.cache, layer.block_table, seq, bufs.sel_idx[:b], bufs.sel_bias[:b],
                         bufs.sel_count[:b], params, backend, zero_copy=zc))
@@ -273,6 +238,21 @@ def segment_rows(a, layers, q, seq, params, bufs, out, common, add, floor, kv_fr
                     del graphs
             except Exception as e:  # an optional library: report, do not fail the run
                 log(f"  {method} {variant} skipped: {type(e).__name__}: {e}")
+
+
+def dense_rows(add, common, method, variant, fn, floor, nbytes, it, wu, cuda, graphs_on, note) -> None:
+    """A dense peer's rows: eager, and replayed from a CUDA graph where it captures (engines capture decode)."""
+    add(common, method, variant, time_calls([fn], it, wu, cuda), floor, 1.0, nbytes, note=note)
+    if not graphs_on:
+        return
+    try:
+        gr = capture(fn)
+    except Exception as e:  # some peers cannot be captured as called here: their eager row stands
+        log(f"  {method} not captured: {type(e).__name__}: {str(e)[:200]}")
+        torch.cuda.synchronize()
+        return
+    add(common, method, variant, time_calls([gr.replay], it, wu, cuda), floor, 1.0, nbytes, graph=True, note=note)
+    del gr
 
 
 def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat16):
@@ -313,18 +293,20 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             f"{ms * 1e3:9.1f} us  ({fl / ms:.0%} of floor)")
 
     base = dict(phase="decode", batch=b, context=ctx, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
-                device=dev_name, command=a.command, page_size=ps, layers_rotated=nlayers, layout=a.layout)
+                device=dev_name, command=a.command, run=a.run, page_size=ps, layers_rotated=nlayers, layout=a.layout)
     for topk in topks:
         params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
         common = dict(base, topk=topk)
-        bufs = launcher.DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params)
+        bufs = DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params)
+
+        decode = ops.paged_dash_decode if cuda else kernel_decode  # the op; on the CPU on the kernels' path
 
         def dash_fn(layer, write, params=params, bufs=bufs):
             if write:
-                return lambda: launcher.paged_dash_decode_triton(
+                return lambda: decode(
                     q, k_new, v_new, layer.cache, layer.block_table, seq, layer.slot_mapping, layer.head_cls, params,
                     out=out, buffers=bufs)
-            return lambda: launcher.paged_dash_decode_triton(
+            return lambda: decode(
                 q, None, None, layer.cache, layer.block_table, seq, None, layer.head_cls, params, out=out,
                 buffers=bufs)
 
@@ -345,19 +327,19 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
                 del graphs
             # where the time goes: each stage alone, replayed from a graph
             sb = b * hkv * ((ctx - 1) // bs) * d * esize + b * hq * d * esize
-            graphs = [capture(lambda lay=lay: launcher.route(q, lay.cache, lay.block_table, seq, params, bufs))
+            graphs = [capture(lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, bufs))
                       for lay in layers]
             ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
             add(common, "dash-triton", "route-only", ms, sb / bw * 1e3, kv_frac, sb, graph=True)
             for only in ("scores", "select"):  # the two routing launches apart
-                graphs = [capture(lambda lay=lay, only=only: launcher.route(q, lay.cache, lay.block_table, seq,
+                graphs = [capture(lambda lay=lay, only=only: decode_launch.route(q, lay.cache, lay.block_table, seq,
                                                                              params, bufs, only=only))
                           for lay in layers]
                 ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
                 add(common, "dash-triton", f"{only}-only", ms, (sb if only == "scores" else 0.0) / bw * 1e3, kv_frac,
                     sb if only == "scores" else 0.0, graph=True)
             kvb = nbytes - sb
-            graphs = [capture(lambda lay=lay: launcher.attend(q, lay.cache, lay.block_table, seq, params, bufs, out))
+            graphs = [capture(lambda lay=lay: decode_launch.attend(q, lay.cache, lay.block_table, seq, params, bufs, out))
                       for lay in layers]
             ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
             add(common, "dash-triton", "attend-only", ms, kvb / bw * 1e3, kv_frac, kvb, graph=True,
@@ -367,24 +349,32 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             segment_rows(a, layers, q, seq, params, bufs, out, common, add, floor, kv_frac, nbytes, it, wu,
                          cuda, graphs_on)
 
-    peers = set(a.peers.split(",")) if a.peers else set()
+    peers = peers_of(a.peers)
     dbytes = dense_bytes(b, ctx, hq, hkv, d, esize)
     dfloor = dbytes / bw * 1e3
     dense = dict(base, topk=None)
     kc = vc = None
-    if "sdpa" in peers or ("published" in peers and None in topks):
+    if peers & set(SDPA_PEERS) or ("published" in peers and None in topks):
         kc, vc = layers[0].contiguous_kv(ctx)
-    if "sdpa" in peers:
-        q4 = q[:, :, None, :]
-        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q4, kc, vc, enable_gqa=True)  # noqa: E731
-        add(dense, "dense-sdpa", "contiguous", time_calls([fn], it, wu, cuda), dfloor, 1.0, dbytes)
-    if "flashinfer" in peers:
+    q4 = q[:, :, None, :]
+    for peer in [p for p in ("cudnn", "sdpa", "flashinfer", "flash-attn") if p in peers]:
+        method = SDPA_PEERS[peer][0] if peer in SDPA_PEERS else "dense-" + peer
         try:
-            fn = flashinfer_decode(layers[0], q, ctx, hq, hkv, d, ps)
-            fn()
-            add(dense, "dense-flashinfer", "paged", time_calls([fn], it, wu, cuda), dfloor, 1.0, dbytes)
-        except Exception as e:  # optional peer: report, do not fail the run
-            log(f"  dense-flashinfer skipped: {type(e).__name__}: {e}")
+            note = None
+            if peer in SDPA_PEERS:
+                fn, note = sdpa_fn(peer, q4, kc, vc, cuda)
+                variant = "contiguous"
+            elif peer == "flashinfer":
+                fn, variant = flashinfer_decode(layers[0], q, ctx, hq, hkv, d, ps), "paged"
+            else:
+                fn, variant = flash_attn_decode(layers[0], q, ctx), "paged"
+            fn()  # JIT build, plan, autotune: outside the timed calls
+            # the SDPA peers are plain launches, captured as the engines capture dense decode; the library peers'
+            # wrappers need their own graph-mode buffers, so they are timed eager
+            dense_rows(add, dense, method, variant, fn, dfloor, dbytes, it, wu, cuda, graphs_on and peer in SDPA_PEERS,
+                       note)
+        except Exception as e:  # an optional peer: report, do not fail the run
+            log(f"  {method} skipped: {type(e).__name__}: {str(e)[:300]}")
     if "published" in peers and None in topks:
         try:
             params = DashParams(block_size=bs, scaling_factor=sf)
@@ -394,8 +384,8 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             if cuda:
                 torch.cuda.synchronize()
             log(f"  published-dash compiled and autotuned in {time.time() - t0:.0f} s")
-            bufs = launcher.DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params)
-            launcher.route(q, layers[0].cache, layers[0].block_table, seq, params, bufs)
+            bufs = DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params)
+            decode_launch.route(q, layers[0].cache, layers[0].block_table, seq, params, bufs)
             nbytes, kv_frac = dash_bytes(b, ctx, hq, hkv, d, bs, 1, bufs.sel_count[:b].clone(), esize)
             add(dict(base, topk=None), "published-dash", "contiguous", time_calls([fn], it, wu, cuda),
                 nbytes / bw * 1e3, kv_frac, nbytes,
@@ -408,75 +398,40 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
     return sf
 
 
-# ---------------------------------------------------------------------------- outputs
+# ---------------------------------------------------------------------------- records and main
 
-def merge_json(path: Path, new: list) -> list:
-    key = lambda r: (r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"], r["bs"], r["topk"],  # noqa: E731
-                     r["method"], r["variant"], r["includes_write"], r["graph"], r["device"],
-                     r.get("layout", "sglang"))
-    order = lambda r: (r["device"], r["hkv"], r["context"], r["batch"], str(r["topk"]),  # noqa: E731
-                       r["method"], r["graph"], r["includes_write"])
-    return merge_records(path, new, key, order)
+def record_key(r: dict) -> tuple:
+    """What a decode record measures: a later record of the same key replaces it."""
+    return (r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"], r["bs"], r["topk"], r["method"], r["variant"],
+            r["includes_write"], r["graph"], r["device"], r.get("layout", "sglang"))
 
 
-def table(records: list) -> str:
-    head = ("| B | context | Hq/Hkv | D | bs | topk | sf | layout | method | variant | write | graph | time (us) | "
-            "KV read | floor (us) | of floor | speed-up vs best dense |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = [head]
-    dense = {}
-    for r in records:
-        if r["method"].startswith("dense"):
-            k = (r["device"], r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"])
-            dense[k] = min(dense.get(k, float("inf")), r["ms"])
-    for r in records:
-        k = (r["device"], r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"])
-        sp = f"{dense[k] / r['ms']:.1f}x" if k in dense else "-"
-        rows.append(f"| {r['batch']} | {r['context']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
-                    f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | "
-                    f"{r.get('layout', 'sglang')} | {r['method']} | "
-                    f"{r['variant']} | "
-                    f"{'yes' if r['includes_write'] else 'no'} | {'yes' if r['graph'] else 'no'} | "
-                    f"{r['ms'] * 1e3:.1f} | {r['kv_fraction']:.2%} | {r['floor_ms'] * 1e3:.1f} | "
-                    f"{r['floor_fraction']:.0%} | {sp if not r['variant'].endswith('-only') else '-'} |")
-    return "\n".join(rows)
+def record_order(r: dict) -> tuple:
+    return (r["device"], r["hkv"], r["context"], r["batch"], str(r["topk"]), r["method"], r["graph"],
+            r["includes_write"])
 
 
-def write_markdown(path: Path, records: list, command: str, bw: float, device: str) -> None:
-    body = (f"## Decode (`benchmarks/decode.py`)\n\nCommand: `{command}`\n\n"
-            f"Device: {device}; measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write). Times are medians of "
-            "CUDA-event-timed calls after warm-up, inputs rotated over several layers' caches (L2-cold). "
-            "The floor is the bytes a step must move (attended K/V, every summary scored, queries, outputs, "
-            "metadata) over that bandwidth; dense rows use the dense bytes. JSON: `docs/perf/decode.json`; "
-            "chart: `docs/perf/decode.svg`.\n\n" + table(records) + "\n")
-    replace_section(path, MARK_BEGIN, MARK_END, body)
+def cases(a) -> list:
+    """``[(B, context, Hkv)]`` to run: the serving preset's pairs, else every combination of the lists."""
+    if a.preset == "serving":
+        return [(b, ctx, hkv) for hkv in map(int, a.hkv.split(",")) for b, ctx in SERVING_CASES]
+    return [(b, ctx, hkv) for hkv in map(int, a.hkv.split(",")) for ctx in map(int, a.context.split(","))
+            for b in map(int, a.batch.split(","))]
 
-
-def write_svg(path: Path, records: list) -> None:
-    """Horizontal bars of time per method, one group per case (log scale)."""
-    groups = {}
-    for r in records:
-        k = f"B{r['batch']} ctx{r['context']} Hkv{r['hkv']} topk {r['topk'] if r['topk'] is not None else 'none'}"
-        lab = (f"{r['method']} {r['variant']}{' +write' if r['includes_write'] else ''}"
-               f"{' graph' if r['graph'] else ''}{' (vllm layout)' if r.get('layout') == 'vllm' else ''}")
-        groups.setdefault(k, []).append((lab, r["ms"] * 1e3))
-    svg_bars(path, groups, "DASH decode time per layer (log scale)", "us",
-             {"dash-triton": "#1f77b4", "dense-sdpa": "#7f7f7f", "dense-flashinfer": "#2ca02c",
-              "published-dash": "#d62728", "dash-flashinfer": "#17becf", "dash-flash-attn": "#ff7f0e"})
-
-
-# ---------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=["required", "matrix"], help="required: B 1, 8 at 128k, topk 64 and none")
+    ap.add_argument("--preset", choices=["serving", "required", "matrix"],
+                    help="serving: B 1, 8, 32, 64 at 32k and B 1, 8, 32 at 128k, topk 64; required: B 1 and 8 at "
+                         "128k, topk 64 and none; matrix: B 1-64, 8k-128k, Hkv 8 and 2, topk 16-256 and none")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="131072")
     add_shape_args(ap, "scaling_factor (default: calibrated per case)")
     ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang",
                     help="cache layout: token-major (SGLang) or head-major (vLLM; allows zero-copy segment rows)")
-    ap.add_argument("--segment-backends", default="auto",
-                    help="FLASHINFER,FLASH_ATTN for the dash-<library> rows; auto = those that import; none")
+    ap.add_argument("--segment-backends", default=None,
+                    help="FLASHINFER,FLASH_ATTN for the dash-<library> rows; auto = those that import; none "
+                         "(default: auto, none for --preset serving)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--max-layers", type=int, default=16)
@@ -485,14 +440,23 @@ def main(argv=None) -> int:
     add_output_args(ap, "decode")
     a = ap.parse_args(argv)
     a.command = shown_command("decode.py", list(argv if argv is not None else sys.argv[1:]))
+    a.run = run_id()
     if a.preset == "matrix":
         a.batch, a.context, a.hkv, a.topk = "1,8,32,64", "8192,32768,131072", "8,2", "16,64,256,none"
     elif a.preset == "required":
         a.batch, a.context, a.hkv, a.topk = "1,8", "131072", "8", "64,none"
+    elif a.preset == "serving":
+        a.hkv, a.topk = "8", "64"
+    if a.segment_backends is None:
+        a.segment_backends = "none" if a.preset == "serving" else "auto"
     if a.smoke:
         a.batch, a.context, a.hkv, a.topk = "2", "300", "2", "4,none"
-        a.hq, a.head_dim, a.block_size, a.page_size, a.peers, a.max_layers = 4, 64, 16, 32, "sdpa", 2
+        a.hq, a.head_dim, a.block_size, a.page_size, a.peers, a.max_layers = 4, 64, 16, 32, "cudnn,sdpa", 2
         a.segment_backends = "TORCH"  # the segment path's code on the CPU
+        a.preset = None
+        if a.json == str(ROOT / "docs/perf/decode.json"):
+            a.json = str(Path(os.environ.get("TMPDIR", "/tmp")) / "dash_decode_smoke" / "decode.json")
+    peers_of(a.peers)  # refuses unknown names before any work
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if device.type != "cuda" and not a.smoke:
         log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
@@ -504,29 +468,20 @@ def main(argv=None) -> int:
     records: list = []
     topks = [None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")]
     t0 = time.time()
-    for hkv in [int(x) for x in a.hkv.split(",")]:
-        for ctx in [int(x) for x in a.context.split(",")]:
-            for b in [int(x) for x in a.batch.split(",")]:
-                try:
-                    run_shape(a, b, ctx, hkv, topks, a.sf, device, bw, records)
-                except torch.cuda.OutOfMemoryError as e:
-                    log(f"  out of memory, shape skipped: {e}")
-                    torch.cuda.empty_cache()
-                log(f"elapsed {time.time() - t0:.0f} s")
-    print("\n" + table(records) + "\n", flush=True)
-    if not a.no_write_docs and not a.smoke:
-        all_recs = merge_json(Path(a.json), records)
-        dev = records[0]["device"] if records else "?"
-        write_markdown(Path(a.markdown), [r for r in all_recs if r["device"] == dev], a.command, bw, dev)
-        write_svg(Path(a.svg), [r for r in all_recs if r["device"] == dev])
-        log(f"wrote {a.json}, {a.markdown}, {a.svg}")
-    elif a.smoke:
-        tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "dash_decode_smoke"
-        tmp.mkdir(parents=True, exist_ok=True)
-        merge_json(tmp / "decode.json", records)
-        write_markdown(tmp / "PERFORMANCE.md", records, a.command, bw, "cpu")
-        write_svg(tmp / "decode.svg", records)
-        log(f"smoke outputs in {tmp}")
+    for b, ctx, hkv in cases(a):
+        try:
+            run_shape(a, b, ctx, hkv, topks, a.sf, device, bw, records)
+        except torch.cuda.OutOfMemoryError as e:
+            log(f"  out of memory, shape skipped: {e}")
+            torch.cuda.empty_cache()
+        log(f"elapsed {time.time() - t0:.0f} s")
+        if not a.no_write and records:  # after every shape, so that a run cut short keeps what it measured
+            merge_records(Path(a.json), records, record_key, record_order)
+    import report  # the tables of docs/PERFORMANCE.md, here for this run's records
+
+    print("\n" + report.run_table(records, "us") + "\n", flush=True)
+    if not a.no_write:
+        log(f"wrote {a.json}; python benchmarks/report.py makes the docs' tables and charts from it")
     return 0
 
 

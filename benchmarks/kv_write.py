@@ -4,8 +4,9 @@
 summarises every block it completes, each launch taking ``kv_write.ROWS`` tokens of one KV head a
 program. The peer row launches the decode kernel the same two ways (write, then summaries) with one
 program per token and KV head, as the prefill write did before. Pages are shuffled; times are medians
-of CUDA-event-timed calls after warm-up (``decode.time_calls``: calls issued back to back); the floor is the bytes moved (K/V read and written, each
-completed block's keys read, the summaries written) over the measured copy bandwidth.
+of CUDA-event-timed calls after warm-up (``common.time_calls``: calls issued back to back); the floor is the
+bytes moved (K/V read and written, each completed block's keys read, the summaries written) over the measured
+copy bandwidth.
 
     python benchmarks/kv_write.py --tokens 2048,8192,131072
 """
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from decode import copy_bandwidth, time_calls  # noqa: E402
+from common import copy_bandwidth, time_calls  # noqa: E402
 
 from dash_core.kernels import kv_write  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402

@@ -1,41 +1,39 @@
-"""Prefill benchmark: DASH Triton prefill / extend against dense causal prefill on long prompts.
+"""Prefill benchmark: DASH Triton prefill / extend against dense causal prefill.
 
-Follows docs/design.md "Performance protocol" with ``benchmarks/decode.py``'s timing helpers: CUDA events
-around every call after warm-up and compilation, the median of several calls (prompts of 2k tokens
-and more are far larger than L2). Per case: one request (B 1) of ``context`` tokens, prefilled at once
-or in chunks on the paged history the earlier chunks wrote (as engines do chunked prefill), with and
-without the K/V + summary write. Peers in the same run: PyTorch SDPA (flash backend, causal; K/V heads
-repeated to Hq outside the timed call), FlashInfer dense causal prefill (if ``import flashinfer``
-works) and the published DashAttention prefill (its three stages, uncapped at the same
-``scaling_factor``, if ``$DASH_PUBLISHED_DIR`` holds the authors' repository: it materialises
-``[B, Hq, N, nblk]`` fp32 scores, so it is skipped, with the reason, where that cannot fit; it runs in a
-child process, shortest prompts first, so that a crash of its kernels, such as an illegal memory access,
-costs only the lengths not yet measured, which are recorded with the reason).
+Timing (``docs/PERFORMANCE.md``, "Method"): CUDA events around every call after warm-up and compilation, the median of
+several calls. Per case of the one-prompt presets: one request (B 1) of ``context`` tokens, prefilled at once or in
+chunks on the paged history the earlier chunks wrote (as engines do chunked prefill), with and without the K/V +
+summary write. ``--preset serving`` measures what an engine step costs a layer instead: ``B`` requests of ``context``
+tokens each (``variant: "serving"``), eight layers back to back sharing one ``PrefillWorkspace``, each with its own
+cache and inputs, K/V + summary write included, the step's time divided by eight; and a mixed step (``variant:
+"mixed"``): eight decode tokens at 32k and one 2k prompt chunk in one ``paged_dash_prefill`` call, as vLLM's chunked
+prefill and SGLang's mixed chunks batch them. Dense peers run on the same prompts, steps and layers (``prefill_peers``:
+cuDNN SDPA, SDPA's FlashAttention backend, FlashInfer, FlashAttention 4, each where it imports and runs here); the
+published DashAttention prefill (its three stages, uncapped at the same ``scaling_factor``, if ``$DASH_PUBLISHED_DIR``
+holds the authors' repository) runs in a child process, shortest prompts first, so that a crash of its kernels costs
+only the lengths not yet measured, which are recorded with the reason.
 
-Queries follow an AR(1) walk over positions (``--query-correlation``, default 0.95): neighbouring
-queries of trained models are alike, which is what lets a tile of query tokens share the K/V loads of
-their routed blocks; the records carry the measured sharing (``tile_reuse``: routed (token, block)
-pairs per block loaded by a tile) so runs with other data can be compared. Peak GPU memory is
-measured per case (``peak_mb``: the most allocated during one call above what was allocated before
-it; DASH calls get a preallocated output, so theirs is the routing scratch).
+Queries follow an AR(1) walk over positions (``--query-correlation``, default 0.95): neighbouring queries of trained
+models are alike, which is what lets a tile of query tokens share the K/V loads of their routed blocks; the records
+carry the measured sharing (``tile_reuse``: routed (token, block) pairs per block loaded by a tile). Peak GPU memory
+is measured per case (``peak_mb``: the most allocated during one call above what was allocated before it; DASH calls
+get a preallocated output, so theirs is the routing scratch). The floor of a case is the larger of its bytes over the
+measured copy bandwidth and its useful FLOPs (attention over the attended tokens, plus scoring every candidate
+summary, for DASH; the causal triangle for dense) over the H200's dense bf16 peak (989 TFLOPS).
 
-The floor of a case is the larger of its bytes over the measured copy bandwidth and its useful FLOPs
-(attention over the attended tokens, plus scoring every candidate summary, for DASH; the causal
-triangle for dense) over the H200's dense bf16 peak (989 TFLOPS).
+Writes JSON records to ``docs/perf/prefill.json`` (merged by case); ``benchmarks/report.py`` makes the tables.
 
-Writes JSON records to ``docs/perf/prefill.json`` (merged by case), the table with its command to
-``docs/PERFORMANCE.md`` (between prefill markers; the decode section is left alone) and a bar chart
-to ``docs/perf/prefill.svg``.
-
+    python benchmarks/prefill.py --preset serving     # 16x1k .. 1x128k, per layer of an 8-layer step, + a mixed step
     python benchmarks/prefill.py --preset required    # B 1, 2k..128k, topk 64 and uncapped, 128k in 8k chunks
-    python benchmarks/prefill.py --context 32768,131072 --hkv 2 --topk 256,64
-    TRITON_INTERPRET=1 python benchmarks/prefill.py --smoke   # CPU check of the code paths (tiny shapes)
+    python benchmarks/prefill.py --context 32768,131072 --hkv 2 --topk 256,64 --tune attn_stages=2
+    python benchmarks/prefill.py --profile ncu --context 131072 --topk 64   # one call for Nsight Compute
+    TRITON_INTERPRET=1 python benchmarks/prefill.py --smoke [--preset serving]   # CPU check of the code paths
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -50,20 +48,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import (add_output_args, add_shape_args, ar1_walk, crossover, import_published, merge_records,  # noqa: E402
-                    replace_section, shown_command, svg_bars)
-from decode import calibrate_sf, copy_bandwidth, log, time_calls  # noqa: E402
+from common import (add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, import_published,  # noqa: E402
+                    log, merge_records, peers_of, run_id, shown_command, time_calls)
+from decode import calibrate_sf  # noqa: E402
+from prefill_peers import mixed_peer, prompt_peer  # noqa: E402
 
 from dash_core import DashParams, ops  # noqa: E402
-from dash_core.kernels import launcher  # noqa: E402
-from dash_core.kernels import prefill as pf  # noqa: E402
+from dash_core.kernels import kv_write  # noqa: E402
+from dash_core.kernels.prefill import launch as pf_launch, plan as pf_plan, route as pf_route  # noqa: E402
+from dash_core.kernels.prefill.config import PrefillConfig  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
 from dash_core.workspace import PrefillWorkspace  # noqa: E402
+from tests.kernels._kernel_ops import kernel_prefill  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
-MARK_BEGIN, MARK_END = "<!-- prefill-benchmark:begin -->", "<!-- prefill-benchmark:end -->"
 WORKSPACE_TAG = " workspace"  # variant suffix of the rows whose calls share a PrefillWorkspace
 LAYOUT_TAG = {"vllm": " vllm-layout"}  # variant suffix of DASH rows on a cache other than SGLang's
+DENSE = ("cudnn", "sdpa", "flashinfer", "flash-attn")  # the dense peers, in the order they run
+# --preset serving: (requests, tokens each) of the serving table; a step of SERVING_LAYERS layers sharing a workspace
+SERVING_CASES = ((16, 1024), (1, 2048), (8, 2048), (1, 4096), (4, 4096), (1, 8192), (2, 8192), (1, 16384),
+                 (1, 32768), (1, 131072))
+SERVING_LAYERS = 8
+MIXED = (8, 32768, 2048)  # the mixed step: decode tokens, their context, the prompt chunk's tokens
+
+
+def synthetic_kv(n, hkv, d, bs, g: torch.Generator) -> tuple:
+    """fp32 ``(k, v [n, Hkv, D])`` drawn from ``g`` on its device: Gaussian, keys with a per-block offset."""
+    device = g.device
+    k = torch.randn(n, hkv, d, device=device, generator=g)
+    # per-block offsets make some blocks stand out, as trained keys do, so routing is not flat
+    k += 0.5 * torch.randn(-(-n // bs), hkv, d, device=device, generator=g).repeat_interleave(bs, 0)[:n]
+    return k, torch.randn(n, hkv, d, device=device, generator=g)
 
 
 def synthetic_prompt(n, hq, hkv, d, bs, dtype, g: torch.Generator, q_corr) -> tuple:
@@ -71,111 +86,126 @@ def synthetic_prompt(n, hq, hkv, d, bs, dtype, g: torch.Generator, q_corr) -> tu
     drawn from ``g`` on its device: Gaussian keys with a per-block offset, queries an AR(1) walk of
     correlation ``q_corr`` (0: none)."""
     device = g.device
-    k = torch.randn(n, hkv, d, device=device, generator=g)
-    # per-block offsets make some blocks stand out, as trained keys do, so routing is not flat
-    k += 0.5 * torch.randn(-(-n // bs), hkv, d, device=device, generator=g).repeat_interleave(bs, 0)[:n]
-    v = torch.randn(n, hkv, d, device=device, generator=g)
+    k, v = synthetic_kv(n, hkv, d, bs, g)
     q = torch.randn(n, hq, d, device=device, generator=g)
     q = ar1_walk(q, q_corr) if q_corr else q
     head_cls = torch.randn(hkv, d, device=device, generator=g)
     return q.to(dtype), k.to(dtype), v.to(dtype), head_cls.to(dtype)
 
 
-class Prompt:
-    """One prompt of ``n`` tokens: ``q [n, Hq, D]``, ``k, v [n, Hkv, D]`` and a paged cache (pages shuffled)
-    with its summary store; K/V and summaries written once here. layout ``sglang``: token-major K and V
+def new_cache(num_pages, ps, hkv, d, bs, dtype, device, layout="sglang") -> PagedKVCache:
+    """An empty paged cache of ``num_pages`` pages with its summary store. layout ``sglang``: token-major K and V
     buffers ``[slots, Hkv, D]`` viewed as pages; ``vllm``: one head-major ``[pages, Hkv, ps, 2D]`` tensor."""
+    slots = num_pages * ps
+    summ = alloc_summaries(slots, bs, hkv, d, dtype, device)
+    if layout == "vllm":
+        return PagedKVCache.from_vllm(torch.zeros(num_pages, hkv, ps, 2 * d, dtype=dtype, device=device), hkv, d, summ)
+    return PagedKVCache.from_sglang(torch.zeros(slots, hkv, d, dtype=dtype, device=device),
+                                    torch.zeros(slots, hkv, d, dtype=dtype, device=device), ps, summ)
 
-    def __init__(self, n, hq, hkv, d, bs, ps, dtype, device, seed, q_corr, cuda, layout="sglang"):
-        self.n, self.hq, self.hkv, self.d = n, hq, hkv, d
+
+def write_kv(cuda, k, v, cache, slot_mapping, params, head_cls) -> None:
+    """K/V + summaries (the op the engine calls before attention; the Triton write itself under the interpreter,
+    where ``ops`` would take the PyTorch path)."""
+    if cuda:
+        ops.cache_dash_prefill(k, v, cache, slot_mapping, params, head_cls=head_cls)
+    else:
+        kv_write.write_prefill(k, v, cache, slot_mapping, params, head_cls)
+
+
+class Prompt:
+    """``batch`` prompts of ``n`` tokens each, packed: ``q [B n, Hq, D]``, ``k, v [B n, Hkv, D]``, and a paged cache
+    (pages shuffled) with its summary store; K/V and summaries written once here."""
+
+    def __init__(self, n, hq, hkv, d, bs, ps, dtype, device, seed, q_corr, cuda, layout="sglang", batch=1):
+        self.n, self.batch, self.hq, self.hkv, self.d = n, batch, hq, hkv, d
         g = torch.Generator(device=device).manual_seed(seed)
-        self.q, self.k, self.v, self.head_cls = synthetic_prompt(n, hq, hkv, d, bs, dtype, g, q_corr)
+        self.q, self.k, self.v, self.head_cls = synthetic_prompt(batch * n, hq, hkv, d, bs, dtype, g, q_corr)
         npages = -(-n // ps)
-        num_pages = npages + 2
-        slots = num_pages * ps
-        perm = torch.randperm(num_pages, device=device, generator=g)[:npages]
-        self.block_table = perm.view(1, npages).to(torch.int32).contiguous()
-        summ = alloc_summaries(slots, bs, hkv, d, dtype, device)
-        if layout == "vllm":
-            kv = torch.zeros(num_pages, hkv, ps, 2 * d, dtype=dtype, device=device)
-            self.cache = PagedKVCache.from_vllm(kv, hkv, d, summ)
-        else:
-            self.cache = PagedKVCache.from_sglang(torch.zeros(slots, hkv, d, dtype=dtype, device=device),
-                                                  torch.zeros(slots, hkv, d, dtype=dtype, device=device), ps, summ)
+        num_pages = batch * npages + 2
+        perm = torch.randperm(num_pages, device=device, generator=g)[: batch * npages]
+        self.block_table = perm.view(batch, npages).to(torch.int32).contiguous()
+        self.cache = new_cache(num_pages, ps, hkv, d, bs, dtype, device, layout)
         pos = torch.arange(n, device=device)
-        self.slot_mapping = self.block_table[0, pos // ps].to(torch.int64) * ps + pos % ps
-        self.cu = torch.tensor([0, n], dtype=torch.int32, device=device)
-        self.seq = torch.tensor([n], dtype=torch.int32, device=device)
+        self.slot_mapping = (self.block_table[:, pos // ps].to(torch.int64) * ps + pos % ps).flatten()
+        self.cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * n
+        self.seq = torch.full((batch,), n, dtype=torch.int32, device=device)
         self.cuda = cuda
         self.write(DashParams(block_size=bs))
 
     def write(self, params, sl=slice(None)):
-        """K/V + summaries of tokens ``sl`` (the op the engine calls before attention)."""
-        if self.cuda:
-            ops.cache_dash_prefill(self.k[sl], self.v[sl], self.cache, self.slot_mapping[sl], params,
-                                   head_cls=self.head_cls)
-        else:  # the interpreter: the Triton write directly (ops would take the PyTorch path on the CPU)
-            launcher.cache_dash_prefill_triton(self.k[sl], self.v[sl], self.cache, self.slot_mapping[sl], params,
-                                               self.head_cls)
+        """K/V + summaries of tokens ``sl``."""
+        write_kv(self.cuda, self.k[sl], self.v[sl], self.cache, self.slot_mapping[sl], params, self.head_cls)
 
 
 def prompt_sf(pr: Prompt, bs: int, fraction: float) -> float:
-    """The ``scaling_factor`` that selects about ``fraction`` of the candidates uncapped, calibrated on the prompt's
-    last queries (as decode steps at its end)."""
+    """The ``scaling_factor`` that selects about ``fraction`` of the candidates uncapped, calibrated on the first
+    prompt's last queries (as decode steps at its end)."""
     rows = min(8, pr.n)
-    tail = type("Tail", (), {"cache": pr.cache, "block_table": pr.block_table.expand(rows, -1).contiguous()})
-    return calibrate_sf(tail, pr.q[pr.n - rows:], pr.n, DashParams(block_size=bs), fraction)
+    tail = type("Tail", (), {"cache": pr.cache, "block_table": pr.block_table[:1].expand(rows, -1).contiguous()})
+    return calibrate_sf(tail, pr.q[pr.n - rows: pr.n], pr.n, DashParams(block_size=bs), fraction)
 
 
-def _owner(name: str):
-    """The kernel module holding constant ``name``: ``dash_core.kernels.prefill``, else its Gluon ``prefill_ws``."""
-    return pf if hasattr(pf, name) else pf.prefill_ws
+# ---------------------------------------------------------------------------- --tune
+
+GLUON_PREFIX = "gluon_"  # --tune gluon_warpgroups=2: a field of PrefillConfig.gluon
 
 
-def tunings(ap, texts: list) -> list:
-    """The settings ``--tune`` names (``NAME=VALUE,...`` each, constants of ``dash_core.kernels.prefill``
-    or ``prefill_ws``), after the defaults (``{}``)."""
-    out = [{}]
-    for t in texts:
-        kv = dict(x.split("=", 1) for x in t.split(","))
-        unknown = [k for k in kv if not hasattr(_owner(k), k)]
-        if unknown:
-            ap.error(f"--tune: {unknown} are not constants of dash_core.kernels.prefill or prefill_ws")
-        out.append({k: int(v) for k, v in kv.items()})
+def tune_configs(specs: list) -> list:
+    """``[(tag, PrefillConfig)]``: the defaults ``("", PrefillConfig())``, then one entry per ``--tune`` spec
+    (``name=value,...``; fields of ``PrefillConfig``, or ``gluon_<field>`` of its ``GluonConfig``, e.g.
+    ``route_tile_budget=2048,gluon_enabled=0``). ``tag`` is the suffix the settings add to a row's variant. Raises
+    ValueError naming an unknown setting."""
+    default = PrefillConfig()
+    out = [("", default)]
+    for spec in specs:
+        top, gluon = {}, {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            if "=" not in item:
+                raise ValueError(f"--tune: expected name=value, got {item!r}")
+            name, value = (x.strip().lower() for x in item.split("=", 1))
+            field, where = (name[len(GLUON_PREFIX):], gluon) if name.startswith(GLUON_PREFIX) else (name, top)
+            owner = default.gluon if where is gluon else default
+            if field == "gluon" or not hasattr(owner, field):
+                raise ValueError(f"--tune: {name!r} is not a setting of the prefill kernels (a field of "
+                                 "PrefillConfig, or gluon_<field> of its GluonConfig)")
+            where[field] = type(getattr(owner, field))(int(value))
+        config = dataclasses.replace(default, **top, gluon=dataclasses.replace(default.gluon, **gluon))
+        tag = "".join(f" {k}={int(v)}" for k, v in top.items()) + "".join(f" {GLUON_PREFIX}{k}={int(v)}"
+                                                                          for k, v in gluon.items())
+        out.append((tag, config))
     return out
 
 
-@contextlib.contextmanager
-def tuned(settings: dict):
-    """The kernels' constants set to ``settings`` (one of ``tunings``) inside the block, restored after it."""
-    saved = {k: getattr(_owner(k), k) for k in settings}
-    for k, v in settings.items():
-        setattr(_owner(k), k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(_owner(k), k, v)
-
+# ---------------------------------------------------------------------------- DASH calls
 
 def prefill_op(cuda):
-    return ops.paged_dash_prefill if cuda else pf.paged_dash_prefill_triton
+    """The op (on the CPU, the op on the kernels' path under the interpreter)."""
+    return ops.paged_dash_prefill if cuda else kernel_prefill
 
 
-def dash_fn(pr: Prompt, params, write: bool, chunk, out, workspace: bool = False):
-    """One DASH prefill of the whole prompt (at once, or chunk by chunk on the history). workspace: each
-    piece's calls share a ``PrefillWorkspace`` (made by the first call): the time of a layer after the
-    first of an engine step, whose plan and scratch the step's first layer made."""
+def dash_fn(pr: Prompt, params, write: bool, chunk, out, workspace: bool = False,
+            config: PrefillConfig = None):
+    """One DASH prefill of the prompts (at once, or one prompt chunk by chunk on its history), with the kernels'
+    ``config`` (default: the device's defaults). workspace: each piece's calls share a ``PrefillWorkspace`` (made
+    by the first call): the time of a layer after the first of an engine step, whose plan and scratch the step's
+    first layer made; else each call makes its own."""
     op = prefill_op(pr.cuda)
     dev = pr.q.device
     pieces = []
-    for s in range(0, pr.n, chunk or pr.n):
-        e = min(pr.n, s + (chunk or pr.n))
-        pieces.append((slice(s, e), torch.tensor([0, e - s], dtype=torch.int32, device=dev),
-                       torch.tensor([e], dtype=torch.int32, device=dev), PrefillWorkspace() if workspace else None))
+    if chunk is None:
+        pieces.append((slice(None), pr.cu, pr.seq, PrefillWorkspace(config) if workspace else None))
+    else:
+        assert pr.batch == 1, "chunks are run for one prompt only"
+        for s in range(0, pr.n, chunk):
+            e = min(pr.n, s + chunk)
+            pieces.append((slice(s, e), torch.tensor([0, e - s], dtype=torch.int32, device=dev),
+                           torch.tensor([e], dtype=torch.int32, device=dev),
+                           PrefillWorkspace(config) if workspace else None))
 
     def run():
-        for sl, cu, seq, ws in pieces:
+        for sl, cu, seq, shared in pieces:
+            ws = shared if shared is not None else PrefillWorkspace(config)
             if write:
                 op(pr.q[sl], pr.k[sl], pr.v[sl], pr.cache, pr.block_table, cu, seq, pr.slot_mapping[sl],
                    pr.head_cls, params, out=out[sl], workspace=ws)
@@ -185,29 +215,30 @@ def dash_fn(pr: Prompt, params, write: bool, chunk, out, workspace: bool = False
     return run
 
 
-def route_only_fn(pr: Prompt, params):
+def route_only_fn(pr: Prompt, params, config: PrefillConfig):
     """The op's routing waves alone (plan, scratch, the summary copy and every route launch, no attention, no
     write)."""
     def run():
-        plan, scratch = pf.plan_and_scratch(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params)
-        pf.gather_summaries(pr.cache, pr.block_table, pr.seq, params, scratch)
+        plan, scratch = pf_launch.plan_and_scratch(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params, config)
+        pf_route.gather_summaries(pr.cache, pr.block_table, pr.seq, params, scratch)
         for tile0, tiles in plan.waves():
-            pf.route_wave(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params, plan, scratch, tile0, tiles)
+            pf_route.route_wave(pr.q, pr.cache, pr.block_table, pr.cu, pr.seq, params, plan, scratch, tile0, tiles)
     return run
 
 
-def selection_stats(pr: Prompt, params) -> dict:
-    """Routing statistics of the whole prompt (outside any timing): routed (token, unit) blocks, the
-    union per (tile, unit) a tile loads, and the useful / executed attention work."""
+def selection_stats(pr: Prompt, params, config: PrefillConfig = None) -> dict:
+    """Routing statistics of the prompts (outside any timing): routed (token, unit) blocks, the union per (tile,
+    unit) a tile loads, and the useful / executed attention work."""
     q, cache, bt = pr.q, pr.cache, pr.block_table
     bs, lb = params.block_size, params.local_blocks
-    plan, scratch = pf.plan_and_scratch(q, cache, bt, pr.cu, pr.seq, params)
-    pf.gather_summaries(cache, bt, pr.seq, params, scratch)
+    config = PrefillConfig.for_device(q.device) if config is None else config
+    plan, scratch = pf_launch.plan_and_scratch(q, cache, bt, pr.cu, pr.seq, params, config)
+    pf_route.gather_summaries(cache, bt, pr.seq, params, scratch)
     hsel = scratch.sel_count.shape[1]
     routed = union = 0
     for tile0, tiles in plan.waves():
         scratch.sel_count.zero_()
-        pf.route_wave(q, cache, bt, pr.cu, pr.seq, params, plan, scratch, tile0, tiles)
+        pf_route.route_wave(q, cache, bt, pr.cu, pr.seq, params, plan, scratch, tile0, tiles)
         slots = tiles * plan.qt
         cnt = scratch.sel_count[:slots].long()
         routed += int(cnt.sum())
@@ -219,7 +250,7 @@ def selection_stats(pr: Prompt, params) -> dict:
         unit_of = torch.arange(hsel, device=q.device)[None, :, None].expand_as(idx)
         mark[tile_of, unit_of, idx] = True
         union += int(mark[..., : plan.max_cand].sum())
-    pos = torch.arange(pr.n, dtype=torch.float64)
+    pos = torch.arange(pr.n, dtype=torch.float64).repeat(pr.batch)  # every token's position in its prompt
     cur = torch.div(pos, bs, rounding_mode="floor")
     first_local = (cur - lb + 1).clamp(min=0)
     local_tokens = float((pos - first_local * bs + 1).sum())
@@ -230,12 +261,12 @@ def selection_stats(pr: Prompt, params) -> dict:
     attended = pr.hkv * local_tokens + routed_tokens  # (token, KV head, key) triples
     causal = pr.hkv * float((pos + 1).sum())
     useful_flops = 4 * pr.d * g * attended + 2 * pr.d * pr.hq * ncand
-    ntiles = -(-pr.n // plan.qt)
+    ntiles = pr.batch * -(-pr.n // plan.qt)
     rows = plan.qt * (1 << max(0, g - 1).bit_length())
     executed = 4 * pr.d * rows * bs * (pr.hkv * ntiles * lb + union * heads_per_unit) + 2 * pr.d * pr.hq * ncand
     return dict(kv_fraction=attended / causal, useful_flops=useful_flops, executed_flops=executed,
-                routed_per_token=routed / (pr.n * hsel), tile_reuse=routed / max(union, 1), qt=plan.qt,
-                waves=-(-plan.num_tiles // plan.wave), scratch_mb=pf.PrefillScratch.bytes_per_tile(
+                routed_per_token=routed / (pr.batch * pr.n * hsel), tile_reuse=routed / max(union, 1), qt=plan.qt,
+                waves=-(-plan.num_tiles // plan.wave), scratch_mb=pf_plan.PrefillScratch.bytes_per_tile(
                     plan.qt, pr.hq, pr.hkv, plan.max_cand, params, plan.recompute) * plan.wave / 2**20)
 
 
@@ -265,47 +296,6 @@ def timed(fn, a, cuda) -> float:
     return time_calls([fn], iters, 1, cuda)
 
 
-# ---------------------------------------------------------------------------- peers
-
-def sdpa_fn(pr: Prompt, chunk):
-    """PyTorch SDPA causal (flash backend where it applies), K/V heads repeated to Hq beforehand."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    g = pr.hq // pr.hkv
-    qh = pr.q.permute(1, 0, 2)[None].contiguous()
-    kh = pr.k.permute(1, 0, 2)[None].repeat_interleave(g, 1).contiguous()
-    vh = pr.v.permute(1, 0, 2)[None].repeat_interleave(g, 1).contiguous()
-    backends = [SDPBackend.FLASH_ATTENTION] if pr.cuda else [SDPBackend.MATH]
-    if chunk is None:
-        def run():
-            with sdpa_kernel(backends):
-                return sdpa(qh, kh, vh, is_causal=True)
-        return run
-    from torch.nn.attention.bias import causal_lower_right
-
-    pieces = [(s, min(pr.n, s + chunk)) for s in range(0, pr.n, chunk)]
-
-    def run_chunks():
-        with sdpa_kernel(backends):
-            for s, e in pieces:
-                sdpa(qh[:, :, s:e], kh[:, :, :e], vh[:, :, :e], attn_mask=causal_lower_right(e - s, e))
-    return run_chunks
-
-
-def flashinfer_fn(pr: Prompt, chunk):
-    import flashinfer  # optional peer
-
-    if chunk is None:
-        return lambda: flashinfer.single_prefill_with_kv_cache(pr.q, pr.k, pr.v, causal=True)
-    pieces = [(s, min(pr.n, s + chunk)) for s in range(0, pr.n, chunk)]
-
-    def run():  # causal aligned bottom-right: chunk tokens see the whole history
-        for s, e in pieces:
-            flashinfer.single_prefill_with_kv_cache(pr.q[s:e], pr.k[:e], pr.v[:e], causal=True)
-    return run
-
-
 def published_fn(pr: Prompt, params: DashParams):
     """The authors' prefill, all three stages, on contiguous ``[1, H, N, D]`` tensors."""
     prefill = import_published("prefill")
@@ -328,7 +318,13 @@ def published_bytes(n, hq, hkv, bs) -> float:
     return 4.0 * n * nblk * (hq + hkv)
 
 
-# ---------------------------------------------------------------------------- one prompt length
+def io_and_dense(n, batch, hq, hkv, d, esize, bw) -> tuple:
+    """``(bytes of q, out and one K/V read, the dense causal floor in ms)`` of ``batch`` prompts of ``n`` tokens."""
+    io_bytes = batch * (2 * n * hq * d * esize + 2 * n * hkv * d * esize)
+    return io_bytes, floor_ms(io_bytes, bw, batch * 4.0 * d * hq * n * (n + 1) / 2, PEAK_FLOPS)
+
+
+# ---------------------------------------------------------------------------- one prompt length (B 1)
 
 def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.bfloat16):
     hq, d, bs, ps = a.hq, a.head_dim, a.block_size, a.page_size
@@ -340,94 +336,265 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
     if sf is None:
         sf = prompt_sf(pr, bs, a.target_fraction)
         log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the candidates at the prompt's end")
-    dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
     common = dict(phase="prefill", batch=1, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
-                  device=dev_name, command=a.command, page_size=ps, graph=False,
+                  device=device_name(device), command=a.command, run=a.run, page_size=ps, graph=False,
                   query_correlation=a.query_correlation)
     out = torch.empty_like(pr.q)
-    io_bytes = 2 * n * hq * d * esize + 2 * n * hkv * d * esize  # q, out; K and V read once
-    dense_flops = 4.0 * d * hq * n * (n + 1) / 2
-    dense_floor = max(io_bytes / bw, dense_flops / PEAK_FLOPS) * 1e3
-
-    def add(method, variant, ms, *, topk=None, write=False, chunk=None, frac=1.0, floor=dense_floor, mem=None,
-            extra=None, note=None):
-        rec = dict(common, method=method, variant=variant, topk=topk, includes_write=write, chunk=chunk,
-                   ms=round(ms, 4), kv_fraction=round(frac, 5), floor_ms=round(floor, 4),
-                   floor_fraction=round(floor / ms, 4), peak_mb=None if mem is None or math.isnan(mem) else round(mem, 1))
-        if extra:
-            rec.update(extra)
-        if note:
-            rec["note"] = note
-        records.append(rec)
-        log(f"  {method:16s} {variant:14s} topk={str(topk):4s} write={int(write)}  {ms:10.2f} ms  "
-            f"({floor / ms:.0%} of floor)  peak {rec['peak_mb']} MiB")
+    io_bytes, dense_floor = io_and_dense(n, 1, hq, hkv, d, esize, bw)
+    add = adder(records, common, dense_floor)
 
     for topk in topks:
         params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
         st = selection_stats(pr, params)
-        floor = max((io_bytes + (2 * n * hkv * d * esize)) / bw, st["useful_flops"] / PEAK_FLOPS) * 1e3
-        extra = dict(tile_reuse=round(st["tile_reuse"], 2), routed_per_token=round(st["routed_per_token"], 2),
-                     executed_tflop=round(st["executed_flops"] / 1e12, 3), useful_tflop=round(st["useful_flops"] / 1e12, 3),
-                     tile_tokens=st["qt"], waves=st["waves"], scratch_alloc_mb=round(st["scratch_mb"], 1))
+        floor = floor_ms(io_bytes + 2 * n * hkv * d * esize, bw, st["useful_flops"], PEAK_FLOPS)
+        extra = stats_fields(st)
         log(f"  topk={topk}: {st['routed_per_token']:.1f} routed blocks per (token, unit), KV read "
             f"{st['kv_fraction']:.2%} of causal, tile reuse {st['tile_reuse']:.1f} of {st['qt']}, "
             f"{st['waves']} waves")
-        for tune in a.tunings:
-            with tuned(tune):
-                tag = "".join(f" {k.lower()}={v}" for k, v in tune.items()) + LAYOUT_TAG.get(a.layout, "")
-                ex = extra
-                if tune:  # tile sizes may change with the settings: their own sharing statistics
-                    st_t = selection_stats(pr, params)
-                    ex = dict(extra, tile_reuse=round(st_t["tile_reuse"], 2), tile_tokens=st_t["qt"],
-                              executed_tflop=round(st_t["executed_flops"] / 1e12, 3), waves=st_t["waves"])
-                for chunk in chunks:
-                    variant = ("one-shot" if chunk is None else f"chunks-{chunk}") + tag
-                    for write in (True, False):
-                        fn = dash_fn(pr, params, write, chunk, out)
+        for tag, config in a.tunings:
+            tag = tag + LAYOUT_TAG.get(a.layout, "")
+            ex = extra
+            if tag.strip():  # tile sizes may change with the settings: their own sharing statistics
+                st_t = selection_stats(pr, params, config)
+                ex = dict(extra, tile_reuse=round(st_t["tile_reuse"], 2), tile_tokens=st_t["qt"],
+                          executed_tflop=round(st_t["executed_flops"] / 1e12, 3), waves=st_t["waves"])
+            for chunk in chunks:
+                variant = ("one-shot" if chunk is None else f"chunks-{chunk}") + tag
+                for write in (True, False):
+                    fn = dash_fn(pr, params, write, chunk, out, config=config)
+                    ms = timed(fn, a, cuda)
+                    mem = peak_mb(fn, cuda)
+                    add("dash-triton", variant, ms, topk=topk, write=write, chunk=chunk, frac=st["kv_fraction"],
+                        floor=floor, mem=mem, extra=ex)
+                    if n <= a.workspace_max_context:  # a later layer of the step: plan and scratch reused
+                        fn = dash_fn(pr, params, write, chunk, out, workspace=True, config=config)
                         ms = timed(fn, a, cuda)
-                        mem = peak_mb(fn, cuda)
-                        add("dash-triton", variant, ms, topk=topk, write=write, chunk=chunk, frac=st["kv_fraction"],
-                            floor=floor, mem=mem, extra=ex)
-                        if n <= a.workspace_max_context:  # a later layer of the step: plan and scratch reused
-                            fn = dash_fn(pr, params, write, chunk, out, workspace=True)
-                            ms = timed(fn, a, cuda)
-                            add("dash-triton", variant + WORKSPACE_TAG, ms, topk=topk, write=write, chunk=chunk,
-                                frac=st["kv_fraction"], floor=floor, mem=mem, extra=ex,
-                                note="calls share a PrefillWorkspace: plan and scratch made by the first; peak mem "
-                                     "is the scratch the workspace holds (a call allocates none)")
-                if cuda:  # where the time goes: the routing waves alone (attention = the rest)
-                    ms = timed(route_only_fn(pr, params), a, cuda)
-                    add("dash-triton", "route-only" + tag, ms, topk=topk, frac=st["kv_fraction"],
-                        floor=2 * n * hq * d * esize / bw * 1e3, extra=ex,
-                        note="plan, scratch and every routing wave of the one-shot op; no attention, no write")
+                        add("dash-triton", variant + WORKSPACE_TAG, ms, topk=topk, write=write, chunk=chunk,
+                            frac=st["kv_fraction"], floor=floor, mem=mem, extra=ex,
+                            note="calls share a PrefillWorkspace: plan and scratch made by the first; peak mem "
+                                 "is the scratch the workspace holds (a call allocates none)")
+            if cuda:  # where the time goes: the routing waves alone (attention = the rest)
+                ms = timed(route_only_fn(pr, params, config), a, cuda)
+                add("dash-triton", "route-only" + tag, ms, topk=topk, frac=st["kv_fraction"],
+                    floor=floor_ms(2 * n * hq * d * esize, bw), extra=ex,
+                    note="plan, scratch and every routing wave of the one-shot op; no attention, no write")
         if cuda:
             torch.cuda.empty_cache()
 
-    peers = set(a.peers.split(",")) if a.peers else set()
+    peers = peers_of(a.peers)
     for chunk in chunks:
-        variant = "one-shot" if chunk is None else f"chunks-{chunk}"
-        if "sdpa" in peers:
+        for peer in [p for p in DENSE if p in peers]:
             try:
-                fn = sdpa_fn(pr, chunk)
+                fn, variant, note = prompt_peer(peer, pr.q, pr.k, pr.v, 1, chunk, cuda)
                 ms = timed(fn, a, cuda)
-                add("dense-sdpa", variant + (" flash" if cuda else " math"), ms, chunk=chunk, mem=peak_mb(fn, cuda),
-                    note="K/V heads repeated to Hq before the timed calls")
+                add("dense-" + peer, variant, ms, chunk=chunk, mem=peak_mb(fn, cuda), note=note)
             except Exception as e:  # a peer must not stop the run
-                log(f"  dense-sdpa {variant} skipped: {type(e).__name__}: {str(e)[:200]}")
+                log(f"  dense-{peer} {'one-shot' if chunk is None else f'chunks-{chunk}'} skipped: "
+                    f"{type(e).__name__}: {str(e)[:200]}")
             if cuda:
                 torch.cuda.empty_cache()
-        if "flashinfer" in peers:
-            try:
-                fn = flashinfer_fn(pr, chunk)
-                ms = timed(fn, a, cuda)
-                add("dense-flashinfer", variant, ms, chunk=chunk, mem=peak_mb(fn, cuda))
-            except Exception as e:
-                log(f"  dense-flashinfer {variant} skipped: {type(e).__name__}: {str(e)[:200]}")
     del pr, out
     if cuda:
         torch.cuda.empty_cache()
     return sf
 
+
+def device_name(device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)"
+
+
+def stats_fields(st: dict) -> dict:
+    """The routing statistics a DASH record carries."""
+    return dict(tile_reuse=round(st["tile_reuse"], 2), routed_per_token=round(st["routed_per_token"], 2),
+                executed_tflop=round(st["executed_flops"] / 1e12, 3), useful_tflop=round(st["useful_flops"] / 1e12, 3),
+                tile_tokens=st["qt"], waves=st["waves"], scratch_alloc_mb=round(st["scratch_mb"], 1))
+
+
+def adder(records: list, common: dict, dense_floor):
+    """``add(method, variant, ms, ...)``: appends one record of this case and logs it."""
+    def add(method, variant, ms, *, topk=None, write=False, chunk=None, frac=1.0, floor=dense_floor, mem=None,
+            extra=None, note=None):
+        rec = dict(common, method=method, variant=variant, topk=topk, includes_write=write, chunk=chunk,
+                   ms=round(ms, 4), kv_fraction=None if frac is None else round(frac, 5),
+                   floor_ms=None if floor is None else round(floor, 4),
+                   floor_fraction=None if floor is None else round(floor / ms, 4),
+                   peak_mb=None if mem is None or math.isnan(mem) else round(mem, 1))
+        if extra:
+            rec.update(extra)
+        if note:
+            rec["note"] = note
+        records.append(rec)
+        log(f"  {method:16s} {variant:14s} topk={str(topk):4s} write={int(write)}  {ms:10.3f} ms"
+            + ("" if floor is None else f"  ({floor / ms:.0%} of floor)") + f"  peak {rec['peak_mb']} MiB")
+    return add
+
+
+# ---------------------------------------------------------------------------- an engine step: the serving rows
+
+class Layers:
+    """``count`` layers of one step over the same prompts: each its own inputs (copies) and cache, as an engine's
+    layers are, so that no layer reads what the one before left in L2; layer 0 is the prompt's own."""
+
+    def __init__(self, pr: Prompt, count: int, layout: str, bs: int):
+        self.items = [(pr.q, pr.k, pr.v, pr.cache)]
+        for _ in range(count - 1):
+            cache = new_cache(pr.cache.k_pages.shape[0], pr.cache.page_size, pr.hkv, pr.d, bs, pr.q.dtype, pr.q.device,
+                              layout)
+            self.items.append((pr.q.clone(), pr.k.clone(), pr.v.clone(), cache))
+
+
+def step_fn(calls: list):
+    """One call that runs every layer's call in turn."""
+    def run():
+        for c in calls:
+            c()
+    return run
+
+
+def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat16) -> None:
+    """``batch`` prompts of ``n`` tokens in one step of ``a.layers`` layers sharing a ``PrefillWorkspace``, K/V +
+    summary write included; with ``dense``, the dense peers over the same layers. Records the time per layer."""
+    hq, d, bs, ps, nl = a.hq, a.head_dim, a.block_size, a.page_size, a.layers
+    cuda = device.type == "cuda"
+    esize = torch.empty((), dtype=dtype).element_size()
+    log(f"serving step: {batch} x {n} tokens, {nl} layers, Hq={hq} Hkv={hkv} D={d} bs={bs}: building")
+    pr = Prompt(n, hq, hkv, d, bs, ps, dtype, device, seed=11, q_corr=a.query_correlation, cuda=cuda,
+                layout=a.layout, batch=batch)
+    sf = a.sf if a.sf is not None else prompt_sf(pr, bs, a.target_fraction)
+    params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
+    st = selection_stats(pr, params)
+    layers = Layers(pr, nl, a.layout, bs)
+    common = dict(phase="prefill", batch=batch, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs,
+                  scaling_factor=round(sf, 4), device=device_name(device), command=a.command, run=a.run,
+                  page_size=ps, graph=False, query_correlation=a.query_correlation, layers=nl, layout=a.layout)
+    io_bytes, dense_floor = io_and_dense(n, batch, hq, hkv, d, esize, bw)
+    add = adder(records, common, dense_floor)
+    out = torch.empty_like(pr.q)
+    op = prefill_op(cuda)
+
+    def dash_step():
+        ws = PrefillWorkspace()  # one per step, as the adapters make it
+        for q, k, v, cache in layers.items:
+            op(q, k, v, cache, pr.block_table, pr.cu, pr.seq, pr.slot_mapping, pr.head_cls, params, out=out,
+               workspace=ws)
+
+    ms = timed(dash_step, a, cuda) / nl
+    floor = floor_ms(io_bytes + batch * 2 * n * hkv * d * esize, bw, st["useful_flops"], PEAK_FLOPS)
+    add("dash-triton", "serving", ms, topk=topk, write=True, frac=st["kv_fraction"], floor=floor,
+        mem=peak_mb(dash_step, cuda), extra=stats_fields(st),
+        note=f"per layer of a step of {nl} layers sharing one PrefillWorkspace (the first makes the plan and scratch)")
+    if cuda:
+        torch.cuda.empty_cache()
+    for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
+        try:
+            built = [prompt_peer(peer, q, k, v, batch, None, cuda) for q, k, v, _ in layers.items]
+            fn = step_fn([b[0] for b in built])
+            add("dense-" + peer, "serving", timed(fn, a, cuda) / nl, mem=peak_mb(fn, cuda),
+                note="; ".join(x for x in (f"per layer of {nl} layers", built[0][2]) if x))
+            del built, fn
+        except Exception as e:  # a peer must not stop the run
+            log(f"  dense-{peer} serving skipped: {type(e).__name__}: {str(e)[:200]}")
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+class MixedStep:
+    """One engine step that mixes ``nd`` decode tokens (requests with ``dctx`` tokens of context, the last one new)
+    and one prompt chunk of ``nc`` tokens (no history), in that order, over ``count`` layers (each its own cache,
+    histories written, and its own copy of the step's inputs)."""
+
+    def __init__(self, nd, dctx, nc, hq, hkv, d, bs, ps, dtype, device, q_corr, cuda, count, layout):
+        self.nd, self.dctx, self.nc, self.page_size = nd, dctx, nc, ps
+        g = torch.Generator(device=device).manual_seed(13)
+        dpages, cpages = -(-dctx // ps), -(-nc // ps)
+        num_pages = nd * dpages + cpages + 2
+        perm = torch.randperm(num_pages, device=device, generator=g).to(torch.int32)
+        bt = torch.zeros(nd + 1, max(dpages, cpages), dtype=torch.int32, device=device)
+        bt[:nd, :dpages] = perm[: nd * dpages].view(nd, dpages)
+        bt[nd, :cpages] = perm[nd * dpages: nd * dpages + cpages]
+        self.block_table = bt
+        hk, hv = synthetic_kv(nd * dctx, hkv, d, bs, g)
+        hk, hv = hk.to(dtype), hv.to(dtype)
+        qc, kc, vc, self.head_cls = synthetic_prompt(nc, hq, hkv, d, bs, dtype, g, q_corr)
+        qd = torch.randn(nd, hq, d, device=device, generator=g).to(dtype)
+
+        def slots(req, pos):
+            return bt[req, pos // ps].to(torch.int64) * ps + pos % ps
+
+        dpos = torch.arange(dctx, device=device)
+        hist_slots = torch.cat([slots(i, dpos) for i in range(nd)])
+        last = torch.tensor([i * dctx + dctx - 1 for i in range(nd)], device=device)
+        self.slot_mapping = torch.cat([hist_slots[last], slots(nd, torch.arange(nc, device=device))])
+        self.cu = torch.tensor(list(range(nd + 1)) + [nd + nc], dtype=torch.int32, device=device)
+        self.seq = torch.tensor([dctx] * nd + [nc], dtype=torch.int32, device=device)
+        q = torch.cat([qd, qc])
+        k, v = torch.cat([hk[last], kc]), torch.cat([hv[last], vc])
+        self.q, self.k, self.v, self.caches = [], [], [], []
+        params = DashParams(block_size=bs)
+        for i in range(count):
+            cache = new_cache(num_pages, ps, hkv, d, bs, dtype, device, layout)
+            write_kv(cuda, hk, hv, cache, hist_slots, params, self.head_cls)  # the histories, the new tokens too
+            self.caches.append(cache)
+            self.q.append(q if i == 0 else q.clone())
+            self.k.append(k if i == 0 else k.clone())
+            self.v.append(v if i == 0 else v.clone())
+        self._contiguous = {}
+
+    def contiguous_history(self, layer: int) -> tuple:
+        """``[nd, Hkv, dctx, D]`` K and V of the decode requests in ``layer``'s cache (for the SDPA peers)."""
+        if layer not in self._contiguous:
+            cache, ps = self.caches[layer], self.page_size
+            pos = torch.arange(self.dctx, device=self.block_table.device)
+            pages, rows = self.block_table[: self.nd, pos // ps].to(torch.int64), pos % ps
+            self._contiguous[layer] = (cache.k_pages[pages, rows].permute(0, 2, 1, 3).contiguous(),
+                                       cache.v_pages[pages, rows].permute(0, 2, 1, 3).contiguous())
+        return self._contiguous[layer]
+
+
+def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat16) -> None:
+    """The mixed step (``a.mixed``: decode tokens, their context, the chunk's tokens) in one ``paged_dash_prefill``
+    call per layer, the layers sharing a workspace; with ``dense``, the dense peers on the same step. Records the
+    time per layer."""
+    nd, dctx, nc = a.mixed
+    hq, d, bs, ps, nl = a.hq, a.head_dim, a.block_size, a.page_size, a.layers
+    cuda = device.type == "cuda"
+    log(f"mixed step: {nd} decode tokens at {dctx} + a {nc}-token prompt chunk, {nl} layers: building")
+    m = MixedStep(nd, dctx, nc, hq, hkv, d, bs, ps, dtype, device, a.query_correlation, cuda, nl, a.layout)
+    sf = a.sf
+    if sf is None:  # calibrated on the decode requests, at their context
+        tail = type("Tail", (), {"cache": m.caches[0], "block_table": m.block_table[:nd].contiguous()})
+        sf = calibrate_sf(tail, m.q[0][:nd], dctx, DashParams(block_size=bs), a.target_fraction)
+    params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
+    common = dict(phase="prefill", batch=nd + 1, context=dctx, hq=hq, hkv=hkv, head_dim=d, bs=bs,
+                  scaling_factor=round(sf, 4), device=device_name(device), command=a.command, run=a.run,
+                  page_size=ps, graph=False, query_correlation=a.query_correlation, layers=nl, layout=a.layout,
+                  decode_tokens=nd, prompt_tokens=nc)
+    add = adder(records, common, None)
+    out = torch.empty_like(m.q[0])
+    op = prefill_op(cuda)
+
+    def dash_step():
+        ws = PrefillWorkspace()
+        for i in range(nl):
+            op(m.q[i], m.k[i], m.v[i], m.caches[i], m.block_table, m.cu, m.seq, m.slot_mapping, m.head_cls, params,
+               out=out, workspace=ws)
+
+    add("dash-triton", "mixed", timed(dash_step, a, cuda) / nl, topk=topk, write=True, frac=None,
+        mem=peak_mb(dash_step, cuda), note=f"one paged_dash_prefill call per layer, {nl} layers sharing a workspace")
+    for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
+        try:
+            built = [mixed_peer(peer, m, i, cuda) for i in range(nl)]
+            fn = step_fn([b[0] for b in built])
+            add("dense-" + peer, "mixed", timed(fn, a, cuda) / nl, frac=None, mem=peak_mb(fn, cuda),
+                note=built[0][1])
+            del built, fn
+        except Exception as e:  # a peer must not stop the run
+            log(f"  dense-{peer} mixed skipped: {type(e).__name__}: {str(e)[:200]}")
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- the published kernels
 
 def run_published(a, n, hkv, sf, device, bw, records, dtype=torch.bfloat16):
     """The published prefill, uncapped at the same scaling_factor (run after the other cases, shortest
@@ -437,7 +604,7 @@ def run_published(a, n, hkv, sf, device, bw, records, dtype=torch.bfloat16):
     esize = torch.empty((), dtype=dtype).element_size()
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
     common = dict(phase="prefill", batch=1, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
-                  device=dev_name, command=a.command, page_size=ps, graph=False,
+                  device=dev_name, command=a.command, run=a.run, page_size=ps, graph=False,
                   query_correlation=a.query_correlation)
     params = DashParams(block_size=bs, scaling_factor=sf)
     need = published_bytes(n, hq, hkv, bs)
@@ -516,7 +683,7 @@ def run_published_isolated(a, cases, device, bw, records) -> None:
             break
         records.append(r)
         seen.add((r["context"], r["hkv"]))
-        flush_docs(a, records, bw)
+        flush_records(a, records)
     child.join(30)
     for n, hkv, sf in cases:
         if (n, hkv) in seen:
@@ -526,10 +693,10 @@ def run_published_isolated(a, cases, device, bw, records) -> None:
         log(f"  published-dash at {n} tokens: {why}")
         records.append(dict(phase="prefill", batch=1, context=n, hq=a.hq, hkv=hkv, head_dim=a.head_dim,
                             bs=a.block_size, scaling_factor=round(sf, 4), device=records[0]["device"] if records
-                            else str(device), command=a.command, page_size=a.page_size, graph=False,
+                            else str(device), command=a.command, run=a.run, page_size=a.page_size, graph=False,
                             query_correlation=a.query_correlation, method="published-dash", variant="one-shot",
                             topk=None, includes_write=True, chunk=None, ms=None, note=why))
-    flush_docs(a, records, bw)
+    flush_records(a, records)
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -539,119 +706,84 @@ def _key(r):
             r["method"], r["variant"], r["includes_write"])
 
 
-def _order(r):
-    return (r["device"], r["hkv"], r["context"], str(r.get("chunk")), str(r["topk"]), r["method"], r["variant"],
-            not r["includes_write"])
+
+# ---------------------------------------------------------------------------- records
+
+def record_key(r: dict) -> tuple:
+    """What a prefill record measures: a later record of the same key replaces it."""
+    return (r["device"], r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"], r["bs"], str(r["topk"]),
+            r["method"], r["variant"], r["includes_write"])
 
 
-def table(records: list) -> str:
-    head = ("| prompt | variant | Hq/Hkv | D | bs | topk | sf | method | write | time (ms) | KV read | floor (ms) | "
-            "of floor | peak mem (MiB) | tile reuse | vs best dense |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    dense = {}
-    for r in records:
-        if r["method"].startswith("dense") and r.get("ms"):
-            k = (r["device"], r["context"], r["hq"], r["hkv"], r["head_dim"], r.get("chunk"))
-            dense[k] = min(dense.get(k, float("inf")), r["ms"])
-    rows = [head]
-    for r in records:
-        k = (r["device"], r["context"], r["hq"], r["hkv"], r["head_dim"], r.get("chunk"))
-        if r.get("ms") is None:
-            rows.append(f"| {r['context']} | {r['variant']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | none | "
-                        f"{r['scaling_factor']} | {r['method']} | - | not run: {r.get('note', '')} | | | | | | |")
-            continue
-        sp = f"{dense[k] / r['ms']:.2f}x" if k in dense else "-"
-        mem = "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
-        reuse = "-" if r.get("tile_reuse") is None else f"{r['tile_reuse']:.1f}/{r['tile_tokens']}"
-        rows.append(f"| {r['context']} | {r['variant']} | {r['hq']}/{r['hkv']} | {r['head_dim']} | {r['bs']} | "
-                    f"{r['topk'] if r['topk'] is not None else 'none'} | {r['scaling_factor']} | {r['method']} | "
-                    f"{'yes' if r['includes_write'] else 'no'} | {r['ms']:.2f} | {_fmt(r.get('kv_fraction'), '.2%')} | "
-                    f"{_fmt(r.get('floor_ms'), '.2f')} | {_fmt(r.get('floor_fraction'), '.0%')} | {mem} | {reuse} | {sp} |")
-    return "\n".join(rows)
+def record_order(r: dict) -> tuple:
+    return (r["device"], r["hkv"], r["context"], r["batch"], str(r.get("chunk")), str(r["topk"]), r["method"],
+            r["variant"], not r["includes_write"])
 
 
-def _fmt(v, spec: str) -> str:
-    """A table cell: ``v`` formatted, or ``-`` where a record has no value (route-only rows, old records)."""
-    return "-" if v is None else format(v, spec)
+def flush_records(a, records: list) -> None:
+    """Merge this run's records into the JSON (after every case, so that a run cut short by a time limit still
+    leaves what it measured)."""
+    if a.no_write or not records:
+        return
+    merge_records(Path(a.json), records, record_key, record_order)
 
 
-def summary(records: list) -> str:
-    """Where sparse prefill (with its write, default settings on SGLang's layout: rows of ``--tune`` settings,
-    whose variant names a setting, of a shared workspace and of another layout are left out) loses to the faster
-    dense peer, and the crossover length, per (device, Hkv, topk, chunking)."""
-    ours, dense = {}, {}
-    for r in records:
-        if not r.get("ms"):
-            continue
-        where = (r["device"], r["hkv"], r.get("chunk"))
-        if (r["method"] == "dash-triton" and r["includes_write"] and "=" not in r["variant"]
-                and WORKSPACE_TAG not in r["variant"] and not any(t in r["variant"] for t in LAYOUT_TAG.values())):
-            o = ours.setdefault(where + (r["topk"],), {})
-            o[r["context"]] = min(o.get(r["context"], float("inf")), r["ms"])
-        elif r["method"].startswith("dense"):
-            d = dense.setdefault(where, {})
-            d[r["context"]] = min(d.get(r["context"], float("inf")), r["ms"])
-    lines = []
-    for (dev, hkv, chunk, topk), series in sorted(ours.items(), key=str):
-        cx, losing = crossover(series, dense.get((dev, hkv, chunk), {}))
-        what = f"Hkv {hkv}, topk {topk if topk is not None else 'none'}, " + (
-            "one shot" if chunk is None else f"in chunks of {chunk}")
-        if cx is not None:
-            line = f"- {what}: faster than the faster dense peer from {cx} tokens on"
-        else:
-            line = f"- {what}: not faster than the faster dense peer at the longest measured prompt"
-        if losing:
-            line += f"; slower at {', '.join(str(s) for s in losing)} tokens"
-        lines.append(line)
-    return "\n".join(lines) if lines else "- no DASH and dense rows to compare"
+# ---------------------------------------------------------------------------- a profiler's call
 
+def profile(a, device) -> int:
+    """One prompt (the first ``--context``, ``--hkv`` and ``--topk``; the last ``--tune`` setting), no write: a
+    warm-up call, then for ``ncu`` one call between ``cudaProfilerStart`` and ``cudaProfilerStop`` (``ncu
+    --profile-from-start off`` sees that call's kernels only; ``ci/gpu.sh prefill profile`` picks a wave of them),
+    for ``torch`` ``--iters`` calls under ``torch.profiler``, printed as a table of kernels."""
+    n, hkv = int(a.context.split(",")[0]), int(a.hkv.split(",")[0])
+    t = a.topk.split(",")[0].strip().lower()
+    topk = None if t == "none" else int(t)
+    pr = Prompt(n, a.hq, hkv, a.head_dim, a.block_size, a.page_size, torch.bfloat16, device, 11,
+                a.query_correlation, True, layout=a.layout)
+    sf = a.sf if a.sf is not None else prompt_sf(pr, a.block_size, a.target_fraction)
+    tag, config = a.tunings[-1]
+    fn = dash_fn(pr, DashParams(block_size=a.block_size, topk=topk, scaling_factor=sf), False, None,
+                 torch.empty_like(pr.q), config=config)
+    log(f"profiling one {n}-token prompt, Hkv {hkv}, topk {topk}, sf {sf:.4g}{tag}")
+    fn()
+    torch.cuda.synchronize()
+    if a.profile == "ncu":
+        torch.cuda.cudart().cudaProfilerStart()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return 0
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
-def write_outputs(a, all_recs: list, bw: float, device: str) -> None:
-    recs = [r for r in all_recs if r["device"] == device]
-    body = (f"## Prefill (`benchmarks/prefill.py`)\n\nCommand: `{a.command}`\n\n"
-            f"Device: {device}; measured copy bandwidth {bw / 1e12:.2f} TB/s. One request (B 1) per row: the whole "
-            "prompt at once, or in chunks on the paged history the earlier chunks wrote; `write` = the time includes "
-            "the K/V + summary write. Times are medians of CUDA-event-timed calls after warm-up. The floor is the "
-            "larger of bytes over that bandwidth and useful FLOPs (attended tokens + candidate scoring for DASH, the "
-            "causal triangle for dense) over 989 TFLOPS. `peak mem`: most memory allocated during one call beyond "
-            "its inputs (DASH: the routing scratch; dense SDPA/FlashInfer: their output and workspace). `tile "
-            "reuse`: routed (token, block) pairs per block a tile of query tokens loads, out of the tile's tokens "
-            f"(queries follow an AR(1) walk, correlation {a.query_correlation}). JSON: `docs/perf/prefill.json`; "
-            "chart: `docs/perf/prefill.svg`.\n\n" + table(recs) + "\n\nCrossover (DASH with its write against the "
-            "faster dense peer):\n\n" + summary(recs) + "\n")
-    replace_section(Path(a.markdown), MARK_BEGIN, MARK_END, body)
-    groups = {}
-    for r in recs:
-        if r.get("ms") is None:
-            continue
-        k = (f"{r['context']} tokens{'' if not r.get('chunk') else ' in chunks of ' + str(r['chunk'])}, Hkv {r['hkv']}")
-        lab = (f"{r['method']}{' topk ' + str(r['topk']) if r['method'] == 'dash-triton' else ''}"
-               f"{' +write' if r['includes_write'] and r['method'] == 'dash-triton' else ''}")
-        if r["method"] == "dash-triton":  # what else sets the row apart: route-only, settings, layout, workspace
-            words = r["variant"].split()
-            lab += "".join(" " + w for w in (words[1:] if words[0] == "one-shot" or words[0].startswith("chunks-")
-                                             else words))
-        groups.setdefault(k, []).append((lab, r["ms"]))
-    svg_bars(Path(a.svg), groups, "DASH prefill time per layer, B 1 (log scale)", "ms",
-             {"dash-triton": "#1f77b4", "dense-sdpa": "#7f7f7f", "dense-flashinfer": "#2ca02c",
-              "published-dash": "#d62728"})
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.iters):
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+    return 0
 
 
 # ---------------------------------------------------------------------------- main
 
-def flush_docs(a, records: list, bw: float) -> None:
-    """Merge this run's records into the JSON and rewrite the prefill section and chart (after every
-    prompt length, so that a run cut short by a time limit still leaves its results)."""
-    if a.no_write_docs or not records:
-        return
-    all_recs = merge_records(Path(a.json), records, _key, _order)
-    write_outputs(a, all_recs, bw, records[0]["device"])
+def parse_serving_cases(spec: str) -> list:
+    """``--serving-cases``: ``BxN,...`` (requests x tokens each), or ``all`` for the serving table's."""
+    if spec == "all":
+        return list(SERVING_CASES)
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        b, _, n = item.lower().partition("x")
+        if not (b.isdigit() and n.isdigit()):
+            raise ValueError(f"--serving-cases: expected requests x tokens such as 8x2048, got {item!r}")
+        out.append((int(b), int(n)))
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", choices=["required", "matrix"],
-                    help="required: 2k..128k, topk 64 and none, 128k also in 8k chunks")
+    ap.add_argument("--preset", choices=["serving", "required", "matrix"],
+                    help="serving: the engine-step rows (--serving-cases) and the mixed step, topk 64; required: "
+                         "B 1, 2k..128k, topk 64 and none, 128k also in 8k chunks; matrix: 4k..128k, Hkv 8 and 2")
     ap.add_argument("--context", default="8192,32768,131072")
     ap.add_argument("--chunk-contexts", default="131072", help="prompt lengths also run in chunks")
     ap.add_argument("--chunk", type=int, default=8192)
@@ -661,46 +793,87 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang",
                     help="DASH's cache layout: token-major (SGLang) or head-major (vLLM); dense peers read K/V as "
                          "they are")
+    ap.add_argument("--serving-cases", default="all", help="--preset serving: requests x tokens, e.g. 16x1024,8x2048")
+    ap.add_argument("--no-mixed", action="store_true", help="--preset serving: leave the mixed step out")
+    ap.add_argument("--layers", type=int, default=SERVING_LAYERS, help="layers of a serving or mixed step")
     ap.add_argument("--published-max-context", type=int, default=131072)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--workspace-max-context", type=int, default=32768,
                     help="also time calls sharing a PrefillWorkspace (later layers of a step) up to this length")
     ap.add_argument("--tune", action="append", default=[],
-                    help="extra DASH kernel settings to time, e.g. --tune ATTN_ROWS=128,ATTN_WARPS=8 (repeatable; "
-                         "names of constants of dash_core.kernels.prefill or prefill_ws)")
+                    help="extra DASH kernel settings to time, e.g. --tune attn_stages=2,route_tile_budget=2048 "
+                         "(repeatable; the prefill kernels' settings, lower case)")
+    ap.add_argument("--profile", choices=["ncu", "torch"],
+                    help="no records: one prompt's calls for a profiler (ci/gpu.sh prefill profile runs ncu)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     add_output_args(ap, "prefill")
     a = ap.parse_args(argv)
     a.command = shown_command("prefill.py", list(argv if argv is not None else sys.argv[1:]))
-    a.tunings = tunings(ap, a.tune)
+    a.run = run_id()
+    try:
+        a.tunings = tune_configs(a.tune)
+        peers_of(a.peers)
+        serving = parse_serving_cases(a.serving_cases)
+    except ValueError as e:
+        ap.error(str(e))
+    a.mixed = MIXED
     if a.preset == "required":
         a.context, a.chunk_contexts, a.hkv, a.topk = "2048,4096,8192,32768,131072", "131072", "8", "64,none"
     elif a.preset == "matrix":
         a.context, a.chunk_contexts, a.hkv, a.topk = "4096,16384,65536,131072", "65536,131072", "8,2", "16,64,256,none"
+    elif a.preset == "serving":
+        a.hkv, a.topk = "8", "64"
     if a.smoke:
-        a.context, a.chunk_contexts, a.chunk, a.hkv, a.topk = "200", "200", 96, "2", "4,none"
-        a.hq, a.head_dim, a.block_size, a.page_size, a.peers = 4, 64, 16, 32, "sdpa,published"
-        a.published_max_context = 0
-    if a.smoke and os.environ.get("TRITON_INTERPRET") == "1":
-        import tests.kernels._kernel_env  # noqa: F401  (the interpreter shims the kernel tests use)
+        a.context, a.chunk_contexts, a.chunk, a.hkv = "200", "200", 96, "2"
+        a.topk = "4" if a.preset == "serving" else "4,none"
+        a.hq, a.head_dim, a.block_size, a.page_size, a.peers = 4, 64, 16, 32, "cudnn,sdpa,published"
+        a.published_max_context, a.layers, a.mixed, serving = 0, 2, (2, 300, 96), [(2, 96)]
+        if a.json == str(ROOT / "docs/perf/prefill.json"):
+            a.json = str(Path(os.environ.get("TMPDIR", "/tmp")) / "dash_prefill_smoke" / "prefill.json")
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            import tests.kernels._kernel_env  # noqa: F401  (the interpreter shims the kernel tests use)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if device.type != "cuda" and not a.smoke:
         log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
         return 2
+    if a.profile:
+        if device.type != "cuda":
+            log("--profile needs a CUDA device")
+            return 2
+        return profile(a, device)
     bw = copy_bandwidth(device)
-    log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; copy bandwidth "
-        f"{bw / 1e12:.2f} TB/s")
+    log(f"device {device_name(device)}; copy bandwidth {bw / 1e12:.2f} TB/s")
     records: list = []
     topks = sorted([None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")],
                    key=lambda t: -1 if t is None else t)
-    chunked = {int(x) for x in a.chunk_contexts.split(",") if x}
-    if a.smoke:
-        tmp = Path(os.environ.get("TMPDIR", "/tmp")) / "dash_prefill_smoke"
-        a.json, a.markdown, a.svg = str(tmp / "prefill.json"), str(tmp / "PERFORMANCE.md"), str(tmp / "prefill.svg")
     t0 = time.time()
+    if a.preset == "serving":
+        for hkv in [int(x) for x in a.hkv.split(",")]:
+            for topk in topks:
+                dense = topk == topks[0]  # the dense peers once a shape
+                for batch, n in serving:
+                    try:
+                        run_serving(a, batch, n, hkv, topk, device, bw, records, dense)
+                    except torch.cuda.OutOfMemoryError as e:
+                        log(f"  out of memory, {batch} x {n} skipped: {e}")
+                    if device.type == "cuda":  # the step's layers are gone: give their memory back
+                        torch.cuda.empty_cache()
+                    flush_records(a, records)
+                    log(f"elapsed {time.time() - t0:.0f} s")
+                if not a.no_mixed:
+                    try:
+                        run_mixed(a, hkv, topk, device, bw, records, dense)
+                    except torch.cuda.OutOfMemoryError as e:
+                        log(f"  out of memory, the mixed step skipped: {e}")
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    flush_records(a, records)
+                    log(f"elapsed {time.time() - t0:.0f} s")
+        return finish(a, records)
+    chunked = {int(x) for x in a.chunk_contexts.split(",") if x}
     sfs = {}
     for hkv in [int(x) for x in a.hkv.split(",")]:
-        # longest prompts first: they carry the targets, and the docs are rewritten after every length
+        # longest prompts first: they carry the targets, and the records are written after every length
         for n in sorted((int(x) for x in a.context.split(",")), reverse=True):
             chunks = [None] + ([a.chunk] if n in chunked and a.chunk < n else [])
             sf_n = None
@@ -710,10 +883,9 @@ def main(argv=None) -> int:
                 log(f"  out of memory, prompt length {n} skipped: {e}")
                 torch.cuda.empty_cache()
             sfs[(hkv, n)] = sf_n
-            flush_docs(a, records, bw)
+            flush_records(a, records)
             log(f"elapsed {time.time() - t0:.0f} s")
-    peers = set(a.peers.split(",")) if a.peers else set()
-    if "published" in peers and None in topks:
+    if "published" in peers_of(a.peers) and None in topks:
         cases = [(n, hkv, sf_n) for (hkv, n), sf_n in sorted(sfs.items(), key=lambda kv: (kv[0][0], kv[0][1]))
                  if sf_n is not None]
         if device.type == "cuda":
@@ -722,9 +894,17 @@ def main(argv=None) -> int:
             for n, hkv, sf_n in cases:
                 run_published(a, n, hkv, sf_n, device, bw, records)
         log(f"elapsed {time.time() - t0:.0f} s")
-    print("\n" + table(records) + "\n\n" + summary(records) + "\n", flush=True)
-    if not a.no_write_docs:
-        log(f"wrote {a.json}, {a.markdown}, {a.svg}")
+    return finish(a, records)
+
+
+def finish(a, records: list) -> int:
+    """Write the records and print this run's tables."""
+    flush_records(a, records)
+    import report  # the tables of docs/PERFORMANCE.md, here for this run's records
+
+    print("\n" + report.run_table(records) + "\n\n" + report.crossover_lines(records) + "\n", flush=True)
+    if not a.no_write:
+        log(f"wrote {a.json}; python benchmarks/report.py makes the docs' tables and charts from it")
     return 0
 
 

@@ -1,4 +1,4 @@
-# Shared set-up of the GPU scripts (sourced by ci/gpu.sh, ci/gpu_prefill.sh and ci/gpu_segments.sh, not run).
+# Shared set-up of the GPU runs (sourced by ci/gpu.sh, not run).
 # Sets root (cd there), out ($OUT, default ./out), py ($PYTHON, default python3: the GPU image's python3 holds torch)
 # and the environment every script needs. The GPU machine has no package registry: optional packages travel as wheels under
 # .whl/ (ignored by git; docs/segments.md says how they are built), at most 64 MiB per call. What does not fit
@@ -142,18 +142,17 @@ gpu_tests() {
   return $t
 }
 
-# gpu_bench NAME SCRIPT LIMIT_S [ARGS...]: benchmarks/SCRIPT.py (default ARGS: --preset required) writing its JSON,
-# PERFORMANCE.md and SVG under $out, merged with the repository's docs; log $out/NAME.log; returns its status.
+# gpu_bench NAME SCRIPT LIMIT_S [ARGS...]: benchmarks/SCRIPT.py (default ARGS for decode and prefill: --preset
+# required) writing its records to $out/SCRIPT.json, merged with the repository's docs/perf/SCRIPT.json; log
+# $out/NAME.log; returns its status. The tables and charts come from the records: python benchmarks/report.py.
 gpu_bench() {
   local name=$1 script=$2 limit=$3 b
   shift 3
   local args=("$@")
-  [ ${#args[@]} -eq 0 ] && args=(--preset required)
+  if [ ${#args[@]} -eq 0 ] && [ "$script" != model ]; then args=(--preset required); fi
   [ -f "docs/perf/$script.json" ] && cp "docs/perf/$script.json" "$out/$script.json"
-  [ -f docs/PERFORMANCE.md ] && cp docs/PERFORMANCE.md "$out/PERFORMANCE.md"
   echo "== $script benchmark ${args[*]}, limit ${limit}s"
-  timeout "$limit" "$py" "benchmarks/$script.py" "${args[@]}" --json "$out/$script.json" \
-    --markdown "$out/PERFORMANCE.md" --svg "$out/$script.svg" > "$out/$name.log" 2>&1
+  timeout "$limit" "$py" "benchmarks/$script.py" "${args[@]}" --json "$out/$script.json" > "$out/$name.log" 2>&1
   b=$?
   tail -45 "$out/$name.log"
   echo "benchmark exit status $b"

@@ -1,8 +1,6 @@
-"""``benchmarks/prefill.py``'s ``--tune``: constants of the Triton prefill module or of its Gluon attention."""
+"""``benchmarks/prefill.py``'s ``--tune``: configurations of the prefill kernels built from the fields' names."""
 
 from __future__ import annotations
-
-import argparse
 
 import pytest
 
@@ -16,17 +14,22 @@ def bench():
     return import_benchmark("prefill")  # benchmarks/prefill.py
 
 
-def test_tune_sets_constants_of_either_module_and_restores_them(bench):
-    pf = bench.pf
-    before = (pf.UNION_TILE, pf.prefill_ws.WS_REGS)
-    settings = bench.tunings(argparse.ArgumentParser(), ["UNION_TILE=2048,WS_REGS=160"])
-    assert settings == [{}, {"UNION_TILE": 2048, "WS_REGS": 160}]
-    with bench.tuned(settings[1]):
-        assert (pf.UNION_TILE, pf.prefill_ws.WS_REGS) == (2048, 160)
-        assert not hasattr(pf, "WS_REGS")  # set where it is read, not added beside it
-    assert (pf.UNION_TILE, pf.prefill_ws.WS_REGS) == before
+def test_tune_builds_configurations_of_either_level(bench):
+    default = bench.PrefillConfig()
+    configs = bench.tune_configs(["union_tile=2048,gluon_regs=160", "gluon_enabled=0,attn_tma=0"])
+    assert [tag for tag, _ in configs] == ["", " union_tile=2048 gluon_regs=160", " attn_tma=0 gluon_enabled=0"]
+    assert configs[0][1] == default
+    tuned = configs[1][1]
+    assert (tuned.union_tile, tuned.gluon.regs) == (2048, 160)
+    assert tuned.route_tile_budget == default.route_tile_budget and tuned.gluon.warpgroups == default.gluon.warpgroups
+    off = configs[2][1]
+    assert off.gluon.enabled is False and off.attn_tma is False  # the switches stay booleans
 
 
 def test_tune_refuses_names_of_neither_module(bench):
-    with pytest.raises(SystemExit):
-        bench.tunings(argparse.ArgumentParser(), ["NOT_A_CONSTANT=1"])
+    with pytest.raises(ValueError, match="not_a_setting"):
+        bench.tune_configs(["not_a_setting=1"])
+    with pytest.raises(ValueError, match="name=value"):
+        bench.tune_configs(["attn_stages"])
+    with pytest.raises(SystemExit):  # the command line reports it as a usage error
+        bench.main(["--tune", "not_a_setting=1", "--no-write"])

@@ -1,7 +1,7 @@
 """Segment backends on the GPU: TRITON, TORCH, FLASHINFER, FLASH_ATTN against the oracle, against
 the Triton backend, under CUDA-graph replay, and the FlashInfer plan cache.
 
-Run one backend at a time (``ci/gpu_segments.sh BACKEND``); a backend whose library is not
+Run one backend at a time (``ci/gpu.sh segments tests BACKEND``); a backend whose library is not
 installed is skipped. Scenarios are the CPU tests' (``tests/test_segments.py``): the selection
 comes from the oracle's ``route`` or is random, empty segments and local-only rows included,
 and ``reference.attend`` is fed the same selection and prior.

@@ -33,9 +33,7 @@ from dash_core.kernels.decode import attention as decode_attention, route as dec
 from dash_core.kernels.decode.buffers import DecodeBuffers  # noqa: E402
 from dash_core.kernels.decode.launch import paged_dash_decode_triton  # noqa: E402
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries  # noqa: E402
-from tests._benchmarks import import_benchmark  # noqa: E402
-
-ptxas_usage = import_benchmark("common").ptxas_usage
+from tests.kernels._ptxas import ptxas_usage  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block

@@ -14,7 +14,6 @@ from dash_core.kernels import routing
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.config import DecodeConfig
-from tests._benchmarks import import_benchmark
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import kernel_selection, make_scenario, oracle_route, selection_mismatches
 
@@ -92,11 +91,12 @@ def test_small_topk_on_the_smallest_radix_tile():
 
 
 def test_radix_select_where_the_kernel_runs_it():
-    """The kernel's radix select (``routing.radix_kth``, run alone by ``benchmarks/histogram_probe.py``) on tiles of
+    """The kernel's radix select (``routing.radix_kth``, run alone by ``tests/kernels/_radix_probe.py``) on tiles of
     ``RADIX_MIN_KEYS`` and more keys, one per thread of ``SELECT_WARPS`` warps, with keys made in registers as the
     kernel makes them: every histogram and topk-th key right (on the H200 smaller, replicated tiles get wrong keys in 5-16% of the cases, which 40 cases a shape would
     catch; the kernel runs the pivot search there)."""
-    probe = import_benchmark("histogram_probe").probe
+    from tests.kernels._radix_probe import probe
+
     g = torch.Generator().manual_seed(0)
     for ts in (routing.RADIX_MIN_KEYS.value, 2 * routing.RADIX_MIN_KEYS.value):
         for nh in (2, 4):

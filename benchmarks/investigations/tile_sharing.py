@@ -3,8 +3,7 @@
 The prefill attention kernel (``dash_core.kernels.prefill``) runs a tile of ``QT`` query tokens (times
 the G query heads of a KV head) over the union of the blocks those tokens routed to: every row of the
 tile over every union block. Executed work is ``QT x union`` block-rows; useful work is the routed
-(token, block) pairs. On the H200 at 128k tokens, topk 64, the kernel executes 3.3 times the useful
-work (``docs/PERFORMANCE.md``), and attention is about 60% of the prefill time.
+(token, block) pairs (``docs/PERFORMANCE.md``, "Where the time goes").
 
 This script routes sampled tiles of the prefill benchmark's synthetic prompt with the float64 oracle on
 the CPU (the same generator as ``benchmarks/prefill.py``; CPU random draws differ from CUDA's, not their
@@ -20,13 +19,13 @@ scoring are the same for every tiling) for:
 
 With ``--group N`` it also routes the ``N - 1`` tiles after each sampled one and prints how many blocks the union
 of the ``N`` neighbouring tiles' unions holds, over the sum of their sizes: the K/V a group of tiles sharing one
-ring would load, against what tiles loading their own unions do (``benchmarks/union_loop.py --share``).
+ring would load, against what tiles loading their own unions do.
 
 It also prints, per (token, KV head), how many candidates lie within 1 of some query head's maximum score
 (the *band*: every other score is below every threshold the entmax's Halley steps try, so a router could read
 the band alone) against the candidates and the entmax's support.
 
-    python benchmarks/tile_sharing.py --context 131072 --topk 64 --samples 8
+    python benchmarks/investigations/tile_sharing.py --context 131072 --topk 64 --samples 8
 """
 
 from __future__ import annotations
@@ -38,14 +37,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from prefill import synthetic_prompt  # noqa: E402
 
 from dash_core import DashParams  # noqa: E402
-from dash_core.kernels.prefill import tile_tokens  # noqa: E402
+from dash_core.kernels.prefill.config import PrefillConfig  # noqa: E402
+from dash_core.kernels.prefill.tiles import tile_tokens  # noqa: E402
 from dash_core.reference import block_summaries, entmax15_threshold, route, routing_scores  # noqa: E402
 
 THRESHOLDS = (2, 4, 6, 8)
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     sf = a.sf if a.sf is not None else default_sf(n, hkv)
     topk = None if a.topk.lower() == "none" else int(a.topk)
     p = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
-    qt = tile_tokens(hq, hkv, bs)
+    qt = tile_tokens(hq, hkv, bs, PrefillConfig().attn_rows)
     if qt % 4:
         raise SystemExit(f"tiles of {qt} tokens: the quarter tilings need a multiple of 4")
     q, k, _, head_cls = synthetic_prompt(n, hq, hkv, d, bs, torch.bfloat16, torch.Generator().manual_seed(11),

@@ -1,27 +1,14 @@
-"""Where the decode radix select goes wrong on tiles whose keys several threads hold: the pattern, isolated.
-
-The decode cap's radix select (``routing.select_kept``) runs only on tiles of at least ``RADIX_MIN_KEYS`` keys,
-where every thread of the select kernel holds distinct keys: with smaller tiles it kept the wrong block on the
-H200 (triton 3.6). This script checks the pieces apart on random inputs against torch: the histogram of a
-[TS] tile loaded from memory, the kernel's own 4-pass radix select (``routing.radix_kth``) on it, and the same
-with keys made as the kernel makes them in registers (a reduction over heads of a [1, NH, TS] tile, reshaped to
-[TS]). It prints one line per shape with the number of wrong results; run it after a Triton upgrade before
-moving the bound:
-
-    python benchmarks/histogram_probe.py          # a CUDA GPU; TRITON_INTERPRET=1 checks the script on the CPU
-"""
+"""The decode cap's radix select run alone on random tiles, checked against torch: each histogram and the topk-th
+key. ``test_kernel_routing`` runs it where the kernel uses the radix select (tiles of ``RADIX_MIN_KEYS`` keys and
+more); ``benchmarks/investigations/histogram_probe.py`` sweeps the smaller tiles where it went wrong."""
 
 from __future__ import annotations
-
-import os
-import sys
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dash_core.kernels.routing import radix_kth  # noqa: E402  (the kernel's own radix select)
+from dash_core.kernels.routing import radix_kth  # the kernel's own radix select
 
 
 @triton.jit
@@ -48,7 +35,8 @@ def _probe_kernel(x_ptr, n_ptr, topk_ptr, hist_ptr, kth_ptr, keys_ptr, TS: tl.co
 
 
 def probe(device, ts: int, nh: int, from_heads: bool, warps: int, trials: int, g: torch.Generator) -> tuple:
-    """(wrong histograms, wrong topk-th keys) in ``trials`` random cases."""
+    """(wrong histograms, wrong topk-th keys) in ``trials`` random cases of tiles of ``ts`` keys (made from ``nh``
+    heads in registers with ``from_heads``, else loaded), on a program of ``warps`` warps."""
     wrong_hist = wrong_kth = 0
     for _ in range(trials):
         n = int(torch.randint(1, ts + 1, (1,), generator=g))
@@ -69,26 +57,3 @@ def probe(device, ts: int, nh: int, from_heads: bool, warps: int, trials: int, g
         wrong_hist += int(not torch.equal(hist.cpu(), ref))
         wrong_kth += int(pos.numel() >= topk and int(kth) != int(torch.topk(pos, topk).values[-1]))
     return wrong_hist, wrong_kth
-
-
-def main() -> int:
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    if not torch.cuda.is_available() and not interp:
-        print("needs a CUDA GPU (or TRITON_INTERPRET=1 to check the script on the CPU)")
-        return 2
-    device = "cpu" if interp else "cuda"
-    g = torch.Generator().manual_seed(0)
-    trials = 2 if interp else 100
-    bad = 0
-    for warps in (1, 4, 8):
-        for ts in (16, 32, 64, 128, 256, 512):
-            for nh in (0, 2, 4, 16):  # 0: keys loaded from memory
-                wh, wk = probe(device, ts, max(nh, 1), nh > 0, warps, trials, g)
-                bad += wh + wk
-                print(f"warps {warps} TS {ts:4d} keys {'from memory' if nh == 0 else f'from {nh:2d} heads'}: "
-                      f"histogram wrong {wh}/{trials}, topk-th key wrong {wk}/{trials}", flush=True)
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
