@@ -30,6 +30,8 @@ import torch
 
 from . import DashParams, dash_reference
 from .layout import PagedKVCache, alloc_summaries
+from .llama import LlamaModel, LlamaShape, LlamaWeights
+from .model_timing import DashSettings, fit_layers, measure_point, speedup_sentence
 from .ops import cache_dash_prefill, paged_dash_decode
 from .reference import route
 
@@ -175,9 +177,6 @@ def _time_model(a, dev: torch.device, shape=None, settings=None) -> None:
     """One decode step of a Llama-3-8B-shaped model at this demo's batch and context, DASH against dense SDPA,
     timed by ``dash_core.model_timing.measure_point`` (the code of ``benchmarks/model.py``). ``shape`` and
     ``settings`` replace the model's sizes and DASH's settings (tests run it tiny on the CPU)."""
-    from .llama import LlamaModel, LlamaShape, LlamaWeights
-    from .model_timing import DashSettings, fit_layers, measure_point, speedup_sentence
-
     shape = LlamaShape() if shape is None else shape
     settings = DashSettings() if settings is None else settings
     cuda = dev.type == "cuda"

@@ -54,6 +54,9 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from graphs.decode import DecodeGraphBuffers
 
 from .layout import PagedKVCache, alloc_summaries
 from .ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill
@@ -338,7 +341,6 @@ class DashAttention:
         if not step.decode:
             self.workspace = PrefillWorkspace()
             return
-        from graphs.decode import DecodeGraphBuffers
 
         st, s = step.store, step.store.shape
         bufs = self.buffers
@@ -387,8 +389,6 @@ class DenseAttention:
         self.step = step
         st, s = step.store, step.store.shape
         if self.peer.startswith("sdpa-"):
-            from torch.nn.attention import SDPBackend
-
             self._fn = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
                         "sdpa-math": SDPBackend.MATH}[self.peer]
         elif self.peer == "flashinfer":
@@ -439,8 +439,6 @@ class DenseAttention:
         store.v[layer].index_copy_(0, st.slot_mapping, v)
         b, new, hq, d = st.batch, st.new, q.shape[1], q.shape[2]
         if self.peer.startswith("sdpa-"):
-            from torch.nn.attention import sdpa_kernel
-
             kk, vv = store.dense_kv(layer, st.context)
             q4 = q.view(b, new, hq, d).transpose(1, 2)
             with sdpa_kernel([self._fn]):

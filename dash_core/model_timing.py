@@ -41,6 +41,7 @@ from .llama import (PEERS, DashAttention, DenseAttention, KVStore, LlamaModel, L
                     correlated_rows)
 from .ops import cache_dash_prefill
 from .params import DashParams
+from .reference import route
 
 if HAVE_TRITON:  # the decode routing measures the selected fraction on CUDA
     from .kernels.decode.buffers import DecodeBuffers
@@ -134,8 +135,6 @@ def selected_fraction(q: torch.Tensor, store: KVStore, layer: int, block_table: 
         bufs = DecodeBuffers.for_step(q, cache, block_table, params)
         route_decode_step(q, cache, block_table, seq, params, bufs)
         return float(bufs.sel_count[:r].double().mean()) / ncand
-    from .reference import route
-
     bs, ps = params.block_size, store.page_size
     blk = torch.arange(ncand)
     kept = 0.0
