@@ -30,9 +30,10 @@ INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
 SELECT_WARPS = 8  # warps of the decode select kernel
 # The one-tile cap's radix select runs on tiles of at least this many keys (one per thread of the select kernel),
 # else the pivot search. On a smaller tile several threads hold each key, and with the keys made in registers
-# (X_IN_REGS: the mean over heads of a [1, NH, TS] tile, reshaped) the compiled radix select found the wrong
-# topk-th key on the H200 (triton 3.6): 23 of 600 short decode cases at topk 1-3. Each histogram alone is right
-# and the same keys loaded from memory give the right key (benchmarks/histogram_probe.py isolates it).
+# (X_IN_REGS: the mean over heads of a [1, NH, TS] tile, reshaped) the compiled radix select finds the wrong
+# topk-th key (Triton 3.6, sm_90); each histogram alone is right, and the same keys loaded from memory give the
+# right key. benchmarks/investigations/histogram_probe.py isolates it: rerun it after a Triton upgrade before moving
+# this bound.
 RADIX_MIN_KEYS = tl.constexpr(32 * SELECT_WARPS)
 
 
@@ -86,7 +87,7 @@ def mp_key_range(mp, ok, npos, key_min, key_max):
 def radix_kth(keys, kvalid, topk):
     """The ``topk``-th largest of the ``kvalid`` entries of ``keys [T]`` (int32 bits of positive floats, ordered as
     the floats): 8 bits a pass, each pass a 256-bin histogram of the next byte of the keys under the prefix found
-    so far (``select_kept``'s one-tile cap; ``benchmarks/histogram_probe.py`` runs it alone)."""
+    so far (``select_kept``'s one-tile cap; ``tests/kernels/_radix_probe.py`` runs it alone)."""
     bins = tl.arange(0, 512)
     prefix = topk * 0
     krem = topk
@@ -207,7 +208,7 @@ def select_kept(
             key_first = _mp_keys(mp_ptr, mp_unit, offs_s, n_u, n_load)
         while tl.max(hi_k - lo_k, axis=0) > 1:
             # Even steps of the span in int32 (any pivots inside it narrow it: at least one is while it exceeds 1;
-            # those past it change nothing); the exact split of an int64 product took about 100 instructions a pass.
+            # those past it change nothing); the exact split of an int64 product costs far more instructions a pass.
             step = tl.maximum((hi_k - lo_k) // (NPIV + 1), 1)
             piv = lo_k[:, None] + step[:, None] * (offs_p[None, :] + 1)
             if ONE_TILE:
