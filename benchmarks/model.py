@@ -18,7 +18,7 @@ method, after every point), the chart to ``docs/perf/model.svg`` (matplotlib, th
 README table is printed (``readme_table``, also importable by the docs scripts).
 
     python benchmarks/model.py                                    # every point, every peer that imports
-    python benchmarks/model.py --points ttft --peers sdpa-cudnn,sdpa-flash
+    python benchmarks/model.py --points ttft --peers cudnn,sdpa
     python benchmarks/model.py --points tpot:4x131072,ttft:1x2048 --iters 5
     python benchmarks/model.py --render-only                      # chart and tables from the JSON alone
     python benchmarks/model.py --smoke                            # CPU: 2 tiny layers, outputs in a temp dir

@@ -75,7 +75,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-layers", type=int, default=32,
                     help="GPU: layers of the timed Llama-3-8B-shaped model (default 32, lowered if memory is short)")
-    ap.add_argument("--peers", default="sdpa-cudnn,sdpa-flash",
+    ap.add_argument("--peers", default="cudnn,sdpa",
                     help="GPU: dense peers of the model timing (dash_core.llama.PEERS, or auto for every one)")
     ap.add_argument("--no-model", action="store_true", help="GPU: skip the whole-model timing")
     a = ap.parse_args(argv)

@@ -64,7 +64,9 @@ from .params import DashParams
 from .workspace import PrefillWorkspace
 
 # Dense peers: PyTorch SDPA with one backend forced, FlashInfer, FlashAttention 4 (flash_attn.cute).
-PEERS = ("sdpa-cudnn", "sdpa-flash", "flashinfer", "fa4", "sdpa-math")
+PEERS = ("cudnn", "sdpa", "flashinfer", "flash-attn", "sdpa-math")
+# The dense peers PyTorch SDPA runs, by the backend forced (the kernel benchmarks' names: cudnn, sdpa = its flash)
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa": SDPBackend.FLASH_ATTENTION, "sdpa-math": SDPBackend.MATH}
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
 
 
@@ -365,9 +367,9 @@ class DenseAttention:
     """Dense causal attention with one of ``PEERS``, over the same cache.
 
     Every call first stores the layer's new K/V at the step's slots (``index_copy_``), then attends:
-    ``sdpa-*`` with that SDPA backend forced over the requests' ``[B, Hkv, L, D]`` views (GQA native,
-    ``enable_gqa``); ``flashinfer`` with a ragged prefill (planned once per step, as engines plan) or a paged
-    decode wrapper in CUDA-graph mode (planned before capture); ``fa4`` with ``flash_attn.cute``'s varlen
+    ``cudnn``, ``sdpa`` (its flash backend) and ``sdpa-math`` with that SDPA backend forced over the requests'
+    ``[B, Hkv, L, D]`` views (GQA native, ``enable_gqa``); ``flashinfer`` with a ragged prefill (planned once per step, as engines plan) or a paged
+    decode wrapper in CUDA-graph mode (planned before capture); ``flash-attn`` with ``flash_attn.cute``'s varlen
     call over the contiguous requests. Optional libraries are imported by ``prepare`` (RuntimeError naming
     the extra when missing).
     """
@@ -388,9 +390,8 @@ class DenseAttention:
     def prepare(self, step: Step) -> None:
         self.step = step
         st, s = step.store, step.store.shape
-        if self.peer.startswith("sdpa-"):
-            self._fn = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION,
-                        "sdpa-math": SDPBackend.MATH}[self.peer]
+        if self.peer in SDPA_BACKENDS:
+            self._fn = SDPA_BACKENDS[self.peer]
         elif self.peer == "flashinfer":
             try:
                 import flashinfer
@@ -422,13 +423,13 @@ class DenseAttention:
                 w.plan(cu, cu, s.q_heads, s.kv_heads, s.head_dim, causal=True, q_data_type=st.dtype,
                        kv_data_type=st.dtype)
             self._wrapper = w
-        elif self.peer == "fa4":
+        elif self.peer == "flash-attn":
             try:
                 from flash_attn.cute import flash_attn_varlen_func
             except ImportError as e:
-                raise RuntimeError(f"peer fa4 needs FlashAttention 4: pip install dash-serve[flash-attn] ({e})")
+                raise RuntimeError(f"peer flash-attn needs FlashAttention 4: pip install dash-serve[flash-attn] ({e})")
             if st.stride != step.context:
-                raise ValueError("the fa4 peer needs contexts that fill their pages exactly")
+                raise ValueError("the flash-attn peer needs contexts that fill their pages exactly")
             self._fn = flash_attn_varlen_func
             self._cu_k = torch.arange(0, (step.batch + 1) * st.stride, st.stride, dtype=torch.int32, device=st.device)
 
@@ -438,7 +439,7 @@ class DenseAttention:
         store.k[layer].index_copy_(0, st.slot_mapping, k)
         store.v[layer].index_copy_(0, st.slot_mapping, v)
         b, new, hq, d = st.batch, st.new, q.shape[1], q.shape[2]
-        if self.peer.startswith("sdpa-"):
+        if self.peer in SDPA_BACKENDS:
             kk, vv = store.dense_kv(layer, st.context)
             q4 = q.view(b, new, hq, d).transpose(1, 2)
             with sdpa_kernel([self._fn]):

@@ -203,11 +203,11 @@ def available_peers(peers: Sequence[str], device: torch.device) -> tuple:
         why = None
         if p != "sdpa-math" and device.type != "cuda":
             why = "needs a CUDA device"
-        elif p == "sdpa-cudnn" and not torch.backends.cudnn.is_available():
+        elif p == "cudnn" and not torch.backends.cudnn.is_available():
             why = "cuDNN is not available to torch"
-        elif p == "sdpa-flash" and not torch.backends.cuda.is_flash_attention_available():
+        elif p == "sdpa" and not torch.backends.cuda.is_flash_attention_available():
             why = "torch was built without flash attention"
-        elif p in ("flashinfer", "fa4"):
+        elif p in ("flashinfer", "flash-attn"):
             module = "flashinfer" if p == "flashinfer" else "flash_attn.cute"
             try:
                 __import__(module)

@@ -138,16 +138,16 @@ def test_tables_divide_by_the_fastest_dense_peer_and_name_the_slower_points(benc
     dash = dict(block_size=64, topk=64, local=64, scaling_factor=1.4, selected_fraction=0.05)
     recs = [
         _rec("ttft", 1, 2048, "dash", 120.0, 20.0, **dash),
-        _rec("ttft", 1, 2048, "dense-sdpa-flash", 110.0, 10.0),
-        _rec("ttft", 1, 2048, "dense-sdpa-cudnn", 105.0, 5.0),
+        _rec("ttft", 1, 2048, "dense-sdpa", 110.0, 10.0),
+        _rec("ttft", 1, 2048, "dense-cudnn", 105.0, 5.0),
         _rec("ttft", 1, 2048, "dense-flashinfer", None, note="not run: import flashinfer failed"),
         _rec("tpot", 4, 131072, "dash", 5.0, 1.0, **dash),
-        _rec("tpot", 4, 131072, "dense-sdpa-flash", 10.0, 6.0),
+        _rec("tpot", 4, 131072, "dense-sdpa", 10.0, 6.0),
     ]
     rows = {(c[1].strip(), c[2].strip(), c[3].strip()): c for c in
             (line.split("|") for line in bench.readme_table(recs).splitlines()[2:])}
     ttft = rows[("TTFT", "1", "2k")]
-    assert "105.00 (sdpa-cudnn)" in ttft[6] and ttft[7].strip() == "**0.88x**" and ttft[9].strip() == "0.25x"
+    assert "105.00 (cudnn)" in ttft[6] and ttft[7].strip() == "**0.88x**" and ttft[9].strip() == "0.25x"
     tpot = rows[("TPOT", "4", "128k")]
     assert tpot[7].strip() == "**2.00x**" and tpot[9].strip() == "6.00x"
     assert bench.slower_points(recs) == [("ttft", 1, 2048, 0.875)]

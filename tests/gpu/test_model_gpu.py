@@ -19,7 +19,7 @@ def model():
     return LlamaModel(LlamaWeights(SHAPE, torch.bfloat16, "cuda", seed=0))
 
 
-@pytest.mark.parametrize("method", ["dash", "dense-sdpa-flash", "dense-sdpa-cudnn"])
+@pytest.mark.parametrize("method", ["dash", "dense-sdpa", "dense-cudnn"])
 def test_captured_decode_step_replays_the_eager_step(model, method):
     if method != "dash" and available_peers([method[len("dense-"):]], torch.device("cuda"))[1]:
         pytest.skip(f"{method} cannot run here")
@@ -41,7 +41,7 @@ def test_captured_decode_step_replays_the_eager_step(model, method):
 
 @pytest.mark.parametrize("phase,batch,context", [("ttft", 2, 2048), ("tpot", 4, 4096)])
 def test_measure_point_times_dash_and_the_dense_peers(model, phase, batch, context):
-    recs = measure_point(model, phase, batch, context, ["sdpa-cudnn", "sdpa-flash"], DashSettings(), iters=2,
+    recs = measure_point(model, phase, batch, context, ["cudnn", "sdpa"], DashSettings(), iters=2,
                          replays=5, log=print)
     by = {r["method"]: r for r in recs}
     assert by["dash"]["ms"] is not None and by["dash"]["attention_ms"] is not None
