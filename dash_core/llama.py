@@ -368,9 +368,9 @@ class DenseAttention:
 
     Every call first stores the layer's new K/V at the step's slots (``index_copy_``), then attends:
     ``cudnn``, ``sdpa`` (its flash backend) and ``sdpa-math`` with that SDPA backend forced over the requests'
-    ``[B, Hkv, L, D]`` views (GQA native, ``enable_gqa``); ``flashinfer`` with a ragged prefill (planned once per step, as engines plan) or a paged
-    decode wrapper in CUDA-graph mode (planned before capture); ``flash-attn`` with ``flash_attn.cute``'s varlen
-    call over the contiguous requests. Optional libraries are imported by ``prepare`` (RuntimeError naming
+    ``[B, Hkv, L, D]`` views (GQA native, ``enable_gqa``); ``flashinfer`` with a ragged prefill (planned once per
+    step, as engines plan) or a paged decode wrapper in CUDA-graph mode (planned before capture); ``flash-attn``
+    with ``flash_attn.cute``'s varlen call over the contiguous requests. Optional libraries are imported by ``prepare`` (RuntimeError naming
     the extra when missing).
     """
 
