@@ -370,8 +370,8 @@ class DenseAttention:
     ``cudnn``, ``sdpa`` (its flash backend) and ``sdpa-math`` with that SDPA backend forced over the requests'
     ``[B, Hkv, L, D]`` views (GQA native, ``enable_gqa``); ``flashinfer`` with a ragged prefill (planned once per
     step, as engines plan) or a paged decode wrapper in CUDA-graph mode (planned before capture); ``flash-attn``
-    with ``flash_attn.cute``'s varlen call over the contiguous requests. Optional libraries are imported by ``prepare`` (RuntimeError naming
-    the extra when missing).
+    with ``flash_attn.cute``'s varlen call over the contiguous requests. Optional libraries are imported by
+    ``prepare`` (RuntimeError naming the extra when missing).
     """
 
     def __init__(self, peer: str):
