@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sf", type=float, default=None, help="fixed scaling_factor (default: calibrated per point)")
     ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="JSON records (default docs/perf/model.json; smoke: a temp dir)")
+    ap.add_argument("--out", "--json", default=None, help="JSON records (default docs/perf/model.json; smoke: a temp dir)")
     ap.add_argument("--svg", default=None, help="chart (default next to --out, model.svg)")
     ap.add_argument("--no-write", action="store_true", help="print the tables only")
     ap.add_argument("--render-only", action="store_true", help="chart and tables from the JSON, no measurement")

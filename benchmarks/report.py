@@ -1,8 +1,8 @@
-"""The generated parts of ``docs/PERFORMANCE.md`` and the charts, from the benchmarks' JSON records.
+"""The generated parts of ``docs/PERFORMANCE.md`` and the README, and the charts, from the benchmarks' JSON records.
 
 The benchmarks write records only (``docs/perf/decode.json``, ``prefill.json``, ``model.json``); this script writes
-each table between its markers in ``docs/PERFORMANCE.md`` (``<!-- report:NAME -->`` ... ``<!-- /report:NAME -->``;
-the prose around them is left alone) and the charts ``docs/perf/decode.svg`` and ``prefill.svg`` (plain SVG, no
+each table between its markers in ``docs/PERFORMANCE.md`` and ``README.md`` (``<!-- report:NAME -->`` ...
+``<!-- /report:NAME -->``; the prose around them is left alone; the whole model's table is ``model.py``'s) and the charts ``docs/perf/decode.svg`` and ``prefill.svg`` (plain SVG, no
 plotting library). Every "vs best dense" divides by the fastest dense peer recorded for the same shape, taken from the
 DASH row's own run where that run measured any (records carry their run's id), else from any run.
 
@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from model import readme_table as model_table  # noqa: E402  (the whole model's table, one renderer)
 DOC = ROOT / "docs" / "PERFORMANCE.md"
+README = ROOT / "README.md"  # its performance section leads with the whole model's table (marker report:model)
 PERF = ROOT / "docs" / "perf"
 DOC_TOPKS = (64, None)  # the caps the one-prompt and decode tables show; the records hold every cap measured
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -313,27 +316,6 @@ def published_table(decode: list, prefill: list) -> str:
     return md_table(["phase", "B", "context", "Hkv", "published", "DASH uncapped", "DASH faster by"], rows)
 
 
-def model_table(records: list) -> str:
-    """The whole model (``benchmarks/model.py``): a step's time for DASH and every dense peer, per point."""
-    dash = sorted(pick(records, method="dash"), key=lambda r: (r["phase"] != "ttft", r["batch"], r["context"]))
-    rows = []
-    for r in dash:
-        found = [x for x in records if x["method"].startswith("dense-") and x.get("ms") and x["phase"] == r["phase"]
-                 and x["batch"] == r["batch"] and x["context"] == r["context"] and x["device"] == r["device"]]
-        same_run = [x for x in found if r.get("run") and x.get("run") == r.get("run")]
-        peers: dict = {}
-        for x in same_run or found:
-            peers[x["method"][len("dense-"):]] = min(peers.get(x["method"][len("dense-"):], math.inf), x["ms"])
-        share = r.get("attention_ms")
-        rows.append([r["phase"].upper(), r["batch"], tokens(r["context"]), r.get("layers", "-"), num(r["ms"]),
-                     "-" if share is None else f"{share / r['ms']:.0%}", peers_cell(peers),
-                     speedup(best(peers), r["ms"])])
-    if not rows:
-        return "_No model records yet: `bash ci/gpu.sh model bench`._"
-    return md_table(["phase", "B", "context", "layers", "DASH step (ms)", "attention share", "dense peers (ms)",
-                     "vs best dense"], rows)
-
-
 # ---------------------------------------------------------------------------- charts
 
 def _svg(width: int, height: int, body: list, title: str) -> str:
@@ -449,11 +431,13 @@ def fill(text: str, parts: dict) -> str:
     return text
 
 
-def outputs(doc: Path, perf: Path) -> dict:
+def outputs(doc: Path, perf: Path, readme: Path = README) -> dict:
     """``{path: text}`` of everything this script writes."""
     out = {}
-    if doc.exists():
-        out[doc] = fill(doc.read_text(), sections(perf))
+    parts = sections(perf)
+    for path in (doc, readme):
+        if path.exists():
+            out[path] = fill(path.read_text(), parts)
     out[perf / "decode.svg"] = decode_chart(load(perf / "decode.json"))
     out[perf / "prefill.svg"] = prefill_chart(load(perf / "prefill.json"))
     return out
