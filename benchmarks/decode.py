@@ -37,15 +37,15 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
     import tests.kernels._kernel_env  # noqa: F401
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, capture, copy_bandwidth,  # noqa: E402
+from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, capture, copy_bandwidth,
                     flash_attn_varlen, import_published, log, merge_records, peers_of, run_id, sdpa_fn,
                     shown_command, time_calls)
-from dash_core import DashParams, ops, segments_paged  # noqa: E402
-from dash_core.kernels.decode import launch as decode_launch  # noqa: E402
-from dash_core.kernels.decode.buffers import DecodeBuffers  # noqa: E402
-from dash_core.kernels.kv_write import write_kv_and_summaries  # noqa: E402
-from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
-from tests.kernels._kernel_ops import kernel_decode  # noqa: E402
+from dash_core import DashParams, ops, segments_paged
+from dash_core.kernels.decode import launch as decode_launch
+from dash_core.kernels.decode.buffers import DecodeBuffers
+from dash_core.kernels.kv_write import write_kv_and_summaries
+from dash_core.layout import PagedKVCache, alloc_summaries
+from tests.kernels._kernel_ops import kernel_decode
 
 # --preset serving: (B, context) of the serving table, topk 64, graph-captured with the K/V write
 SERVING_CASES = ((1, 32768), (8, 32768), (32, 32768), (64, 32768), (1, 131072), (8, 131072), (32, 131072))
@@ -339,7 +339,8 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
                 add(common, "dash-triton", f"{only}-only", ms, (sb if only == "scores" else 0.0) / bw * 1e3, kv_frac,
                     sb if only == "scores" else 0.0, graph=True)
             kvb = nbytes - sb
-            graphs = [capture(lambda lay=lay: decode_launch.attend(q, lay.cache, lay.block_table, seq, params, bufs, out))
+            graphs = [capture(lambda lay=lay: decode_launch.attend(q, lay.cache, lay.block_table, seq, params, bufs,
+                                                                   out))
                       for lay in layers]
             ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
             add(common, "dash-triton", "attend-only", ms, kvb / bw * 1e3, kv_frac, kvb, graph=True,

@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import copy_bandwidth, time_calls  # noqa: E402
+from common import copy_bandwidth, time_calls
 
-from dash_core.kernels import kv_write  # noqa: E402
-from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+from dash_core.kernels import kv_write
+from dash_core.layout import PagedKVCache, alloc_summaries
 
 
 def per_token(k, v, cache, slot_mapping, head_cls, bs) -> None:

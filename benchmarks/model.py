@@ -39,8 +39,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dash_core.llama import PEERS, LlamaModel, LlamaShape, LlamaWeights  # noqa: E402
-from dash_core.model_timing import DashSettings, measure_point, speedup_sentence, speedups  # noqa: E402
+from dash_core.llama import PEERS, LlamaModel, LlamaShape, LlamaWeights
+from dash_core.model_timing import DashSettings, measure_point, speedup_sentence, speedups
 
 TTFT_POINTS = [(1, 2048), (1, 4096), (8, 2048), (4, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536),
                (1, 131072)]
@@ -159,7 +159,7 @@ def peers_table(records: list) -> str:
     """Every record: each method's whole-step and attention time at each point, and the DASH settings."""
     rows = ["| | B | context | layers | method | step (ms) | attention (ms) | no attention (ms) | graph | notes |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"
     for (_, phase, b, n), recs in by_point(records).items():
         for r in recs:
             notes = []
@@ -264,7 +264,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sf", type=float, default=None, help="fixed scaling_factor (default: calibrated per point)")
     ap.add_argument("--target-fraction", type=float, default=0.05, help="uncapped selection to calibrate sf for")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", "--json", default=None, help="JSON records (default docs/perf/model.json; smoke: a temp dir)")
+    ap.add_argument("--out", "--json", default=None,
+                    help="JSON records (default docs/perf/model.json; smoke: a temp dir)")
     ap.add_argument("--svg", default=None, help="chart (default next to --out, model.svg)")
     ap.add_argument("--no-write", action="store_true", help="print the tables only")
     ap.add_argument("--render-only", action="store_true", help="chart and tables from the JSON, no measurement")

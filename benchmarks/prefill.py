@@ -48,18 +48,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import (add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, import_published,  # noqa: E402
+from common import (add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, import_published,
                     log, merge_records, peers_of, run_id, shown_command, time_calls)
-from decode import calibrate_sf  # noqa: E402
-from prefill_peers import mixed_peer, prompt_peer  # noqa: E402
+from decode import calibrate_sf
+from prefill_peers import mixed_peer, prompt_peer
 
-from dash_core import DashParams, ops  # noqa: E402
-from dash_core.kernels import kv_write  # noqa: E402
-from dash_core.kernels.prefill import launch as pf_launch, plan as pf_plan, route as pf_route  # noqa: E402
-from dash_core.kernels.prefill.config import PrefillConfig  # noqa: E402
-from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
-from dash_core.workspace import PrefillWorkspace  # noqa: E402
-from tests.kernels._kernel_ops import kernel_prefill  # noqa: E402
+from dash_core import DashParams, ops
+from dash_core.kernels import kv_write
+from dash_core.kernels.prefill import launch as pf_launch, plan as pf_plan, route as pf_route
+from dash_core.kernels.prefill.config import PrefillConfig
+from dash_core.layout import PagedKVCache, alloc_summaries
+from dash_core.workspace import PrefillWorkspace
+from tests.kernels._kernel_ops import kernel_prefill
 
 PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
 WORKSPACE_TAG = " workspace"  # variant suffix of the rows whose calls share a PrefillWorkspace

@@ -2,9 +2,10 @@
 
 The benchmarks write records only (``docs/perf/decode.json``, ``prefill.json``, ``model.json``); this script writes
 each table between its markers in ``docs/PERFORMANCE.md`` and ``README.md`` (``<!-- report:NAME -->`` ...
-``<!-- /report:NAME -->``; the prose around them is left alone; the whole model's table is ``model.py``'s) and the charts ``docs/perf/decode.svg`` and ``prefill.svg`` (plain SVG, no
-plotting library). Every "vs best dense" divides by the fastest dense peer recorded for the same shape, taken from the
-DASH row's own run where that run measured any (records carry their run's id), else from any run.
+``<!-- /report:NAME -->``; the prose around them is left alone; the whole model's table is ``model.py``'s) and the
+charts ``docs/perf/decode.svg`` and ``prefill.svg`` (plain SVG, no plotting library). Every "vs best dense" divides
+by the fastest dense peer recorded for the same shape, taken from the DASH row's own run where that run measured any
+(records carry their run's id), else from any run.
 
     python benchmarks/report.py            # rewrite the tables and charts
     python benchmarks/report.py --check    # exit 1 if they differ from what the records give
@@ -20,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from model import readme_table as model_table  # noqa: E402  (the whole model's table, one renderer)
+from model import readme_table as model_table
 DOC = ROOT / "docs" / "PERFORMANCE.md"
 README = ROOT / "README.md"  # its performance section leads with the whole model's table (marker report:model)
 PERF = ROOT / "docs" / "perf"

@@ -123,7 +123,7 @@ class LlamaWeights:
         def rand(*size, std=1.0):
             return (torch.randn(*size, generator=g, device=self.device, dtype=torch.float32) * std).to(dtype)
 
-        ones = lambda: torch.ones(s.hidden, dtype=dtype, device=self.device)  # noqa: E731
+        ones = lambda: torch.ones(s.hidden, dtype=dtype, device=self.device)
         self.wqkv, self.wo, self.wgu, self.wd, self.ln1, self.ln2, self.head_cls = [], [], [], [], [], [], []
         for _ in range(self.layers):
             self.wqkv.append(rand((s.q_heads + 2 * s.kv_heads) * s.head_dim, s.hidden, std=s.hidden ** -0.5))
@@ -161,7 +161,7 @@ class KVStore:
         self.page_size, self.block_size, self.dtype, self.device = page_size, block_size, dtype, torch.device(device)
         self.stride = -(-context // page_size) * page_size
         slots = batch * self.stride
-        z = lambda: torch.zeros(slots, shape.kv_heads, shape.head_dim, dtype=dtype, device=self.device)  # noqa: E731
+        z = lambda: torch.zeros(slots, shape.kv_heads, shape.head_dim, dtype=dtype, device=self.device)
         self.k = [z() for _ in range(layers)]
         self.v = [z() for _ in range(layers)]
         self.summaries = [alloc_summaries(slots, block_size, shape.kv_heads, shape.head_dim, dtype, self.device)
@@ -176,7 +176,7 @@ class KVStore:
     def dense_kv(self, layer: int, length: int) -> tuple:
         """The first ``length`` tokens of every request as ``[B, Hkv, length, D]`` K and V views (no copy)."""
         b, s, h, d = self.batch, self.stride, self.shape.kv_heads, self.shape.head_dim
-        view = lambda x: x.view(b, s, h, d)[:, :length].transpose(1, 2)  # noqa: E731
+        view = lambda x: x.view(b, s, h, d)[:, :length].transpose(1, 2)
         return view(self.k[layer]), view(self.v[layer])
 
     def fill_synthetic(self, head_cls: Sequence[torch.Tensor], params: DashParams, seed: int = 0,

@@ -309,7 +309,7 @@ def segment_lengths(used: torch.Tensor, geo: SegmentGeometry) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def import_flashinfer():
     try:
-        import flashinfer  # noqa: F401
+        import flashinfer
     except ImportError as e:
         raise RuntimeError("backend FLASHINFER needs FlashInfer: pip install dash-serve[flashinfer] "
                            f"(import flashinfer failed: {e})") from e

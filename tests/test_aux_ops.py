@@ -27,7 +27,7 @@ def make_cache(dtype, slots=512, store=True):
 
 def inputs(n, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dtype)  # noqa: E731
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dtype)
     return r(n, HQ, D), r(n, HKV, D), r(n, HKV, D), r(n, HI, D, sc=2.0), r(n, D, sc=2.0)
 
 
@@ -71,7 +71,7 @@ def test_indexer_prefill_and_decode(dtype, store):
     hci = torch.randn(D, generator=torch.Generator().manual_seed(3)).to(dtype)
     cache = make_cache(dtype, store=store)
     bt, slots, cu, sl = batch(reqs, [0, 0], lens)
-    cat = lambda j, lo, hi: torch.cat([d[j][a:b] for d, a, b in zip(data, lo, hi)])  # noqa: E731
+    cat = lambda j, lo, hi: torch.cat([d[j][a:b] for d, a, b in zip(data, lo, hi)])
     out = paged_dash_prefill(cat(0, [0, 0], lens), cat(1, [0, 0], lens), cat(2, [0, 0], lens), cache, bt, cu, sl,
                              slots, None, p, iq=cat(3, [0, 0], lens), ik=cat(4, [0, 0], lens), head_cls_i=hci)
     for i, (d, n) in enumerate(zip(data, lens)):
@@ -121,8 +121,8 @@ def test_page_mode_prefill_and_decode(dtype, indexer):
     hc = torch.randn(HKV, D, generator=torch.Generator().manual_seed(7))
     lens = [n, len(other)]
     bt, slots, cu, sl = batch(reqs, [0, 0], lens)
-    cat = lambda j, lo, hi: torch.cat([d0[j][lo[0]:hi[0]], d1[j][lo[1]:hi[1]]])  # noqa: E731
-    ind = lambda lo, hi: dict(iq=cat(3, lo, hi), ik=cat(4, lo, hi), head_cls_i=hci) if indexer else {}  # noqa: E731
+    cat = lambda j, lo, hi: torch.cat([d0[j][lo[0]:hi[0]], d1[j][lo[1]:hi[1]]])
+    ind = lambda lo, hi: dict(iq=cat(3, lo, hi), ik=cat(4, lo, hi), head_cls_i=hci) if indexer else {}
     positions = torch.cat([torch.arange(n), torch.arange(len(other))])
     out = paged_dash_prefill(cat(0, [0, 0], lens), cat(1, [0, 0], lens), cat(2, [0, 0], lens), cache, bt, cu, sl,
                              slots, hc, p, roles=torch.tensor(roles + other), positions=positions, page_rope=PR,
@@ -206,7 +206,7 @@ def test_engine_writes_first_then_attends():
     # mixed batch: request 0's whole prompt, request 1's first generated token
     bt, slots, cu, sl = batch(reqs, [0, n], [n, n + 1])
     pos = torch.cat([torch.arange(n), torch.tensor([n])])
-    cat = lambda j: torch.cat([d0[j], d1[j][n:]])  # noqa: E731
+    cat = lambda j: torch.cat([d0[j], d1[j][n:]])
     cache_dash_prefill(cat(1), cat(2), cache, slots, p, ik=cat(4), head_cls_i=hci, roles=torch.tensor(roles + [0]),
                        positions=pos, page_rope=PR, block_table=bt, cu_seqlens_q=cu)
     out = paged_dash_prefill(cat(0), None, None, cache, bt, cu, sl, None, None, p, iq=cat(3), head_cls_i=hci,
@@ -337,7 +337,7 @@ def test_padded_decode_rows_write_nothing():
         before = [x.clone() for x in (cache.k_pages, cache.aux, cache.summaries)]
         bt, slots, _, sl = batch([req], [n], [n + 1])
         sel = [0, 0] if pad else [0]
-        rows = lambda x: x[n:][sel]  # noqa: E731
+        rows = lambda x: x[n:][sel]
         if pad:
             bt, sl = torch.cat([bt, torch.zeros_like(bt)]), torch.tensor([n + 1, 0], dtype=I32)
             slots = torch.cat([slots, torch.tensor([-1])])
@@ -373,7 +373,7 @@ def test_page_invariance_through_the_op(indexer):
         data.append(x)
     lens = [len(r) for r in prompts]
     bt, slots, cu, sl = batch(reqs, [0, 0], lens)
-    cat = lambda j: torch.cat([d[j] for d in data])  # noqa: E731
+    cat = lambda j: torch.cat([d[j] for d in data])
     ind = dict(iq=cat(3), ik=cat(4), head_cls_i=torch.randn(D, generator=g).to(torch.bfloat16)) if indexer else {}
     paged_dash_prefill(cat(0), cat(1), cat(2), cache, bt, cu, sl, slots, torch.randn(HKV, D, generator=g), p,
                        roles=torch.tensor(sum(prompts, [])), positions=torch.cat([torch.arange(n) for n in lens]),

@@ -18,7 +18,8 @@ def test_defaults_follow_the_spec():
     ("block_size", 8), ("block_size", 48), ("block_size", 512), ("block_size", 64.0), ("block_size", True),
     ("topk", 0), ("topk", -3), ("topk", 2.5),
     ("local", 32), ("local", 96), ("local", 0),
-    ("scaling_factor", -0.1), ("scaling_factor", float("inf")), ("scaling_factor", float("nan")), ("scaling_factor", "1"),
+    ("scaling_factor", -0.1), ("scaling_factor", float("inf")), ("scaling_factor", float("nan")),
+    ("scaling_factor", "1"),
     ("sigma", 0.5), ("sigma", float("nan")),
     ("estimate_diagonal", 1), ("router", "query"),
 ])

@@ -27,10 +27,10 @@ import torch
 if not torch.cuda.is_available():  # the Triton kernel test runs in the interpreter (set before triton loads it)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dash_core import DashParams  # noqa: E402
-from dash_core import reference as ref  # noqa: E402
-from dash_core import segments as seg, segments_paged as segp  # noqa: E402
-from dash_core.layout import PagedKVCache  # noqa: E402
+from dash_core import DashParams
+from dash_core import reference as ref
+from dash_core import segments as seg, segments_paged as segp
+from dash_core.layout import PagedKVCache
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
 
@@ -61,8 +61,8 @@ def make_case(seed, *, router="kv_head", dtype=torch.float32, hq=4, hkv=2, d=16,
         cache = PagedKVCache(torch.zeros(npages + 3, hkv, page_size, d, dtype=dtype, device=device).permute(0, 2, 1, 3),
                              torch.zeros(npages + 3, hkv, page_size, d, dtype=dtype, device=device).permute(0, 2, 1, 3))
     else:
-        cache = PagedKVCache.from_vllm(torch.zeros(npages + 3, hkv + 1, page_size, 2 * d + 8, dtype=dtype, device=device),
-                                       hkv, d)
+        kv = torch.zeros(npages + 3, hkv + 1, page_size, 2 * d + 8, dtype=dtype, device=device)
+        cache = PagedKVCache.from_vllm(kv, hkv, d)
     pad = npages * page_size - length
     kf = torch.cat([k, k.new_zeros(hkv, pad, d)], 1).permute(1, 0, 2).reshape(npages, page_size, hkv, d)
     vf = torch.cat([v, v.new_zeros(hkv, pad, d)], 1).permute(1, 0, 2).reshape(npages, page_size, hkv, d)
@@ -149,7 +149,8 @@ def test_oracle_routing(router, dtype, backend):
 @pytest.mark.parametrize("seed", [2, 3, 4])
 @pytest.mark.parametrize("router", ["kv_head", "shared"])
 def test_random_selections(seed, router):
-    params, q, k, v, pos, cache, bt = make_case(seed, router=router, local=16, hq=6, hkv=3 if router == "kv_head" else 2,
+    hkv = 3 if router == "kv_head" else 2
+    params, q, k, v, pos, cache, bt = make_case(seed, router=router, local=16, hq=6, hkv=hkv,
                                                 positions=(0, 70, 15, 16, 31, 120, 199, 64))
     routing = random_routing(seed, params, k.shape[0], pos, limit=2)
     out, (_, _, used, _) = run_segments(params, q, pos, cache, bt, routing, cap=2)  # cap < topk: padded

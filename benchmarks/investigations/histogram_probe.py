@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.kernels._radix_probe import probe  # noqa: E402
+from tests.kernels._radix_probe import probe
 
 
 def main() -> int:

@@ -41,12 +41,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from prefill import synthetic_prompt  # noqa: E402
+from prefill import synthetic_prompt
 
-from dash_core import DashParams  # noqa: E402
-from dash_core.kernels.prefill.config import PrefillConfig  # noqa: E402
-from dash_core.kernels.prefill.tiles import tile_tokens  # noqa: E402
-from dash_core.reference import block_summaries, entmax15_threshold, route, routing_scores  # noqa: E402
+from dash_core import DashParams
+from dash_core.kernels.prefill.config import PrefillConfig
+from dash_core.kernels.prefill.tiles import tile_tokens
+from dash_core.reference import block_summaries, entmax15_threshold, route, routing_scores
 
 THRESHOLDS = (2, 4, 6, 8)
 

@@ -206,7 +206,8 @@ def test_decode_graph_replay_equals_eager(backend, router, variant):
 
     refill(0)
     if variant == "zero-copy":
-        kp, vp, table, used, bias = segp.segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count, params)
+        kp, vp, table, used, bias = segp.segment_pages(cache, block_table, seq_lens, sel_idx, sel_bias, sel_count,
+                                                       params)
         key = segp.prepare_flash_dash_attention_paged(q, kp, vp, table, used, bias, backend, bs, local,
                                                      plan_cache=plan_cache)
     else:

@@ -1,8 +1,8 @@
 """Where the kernel tests run: compiled on a CUDA machine and under the Triton interpreter elsewhere.
 
 ``TRITON_INTERPRET=1`` must be set before triton is imported, so ``conftest.py`` imports this
-module first; it sets it only when no CUDA device is present. Three shims make the triton 3.6 interpreter compute what the compiled
-kernels compute (they touch nothing when compiling):
+module first; it sets it only when no CUDA device is present. Three shims make the triton 3.6 interpreter compute
+what the compiled kernels compute (they touch nothing when compiling):
 
 - a loaded scalar is a one-element array that ``range`` bounds convert with ``int()``, which
   numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream after 3.6): squeeze it first;
@@ -25,7 +25,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 try:
-    import triton  # noqa: F401
+    import triton
 except ImportError:  # the kernel suite is not collected (conftest.py)
     triton = None
 

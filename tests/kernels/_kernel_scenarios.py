@@ -58,7 +58,7 @@ def make_scenario(seed: int, lens: List[int], *, hq: int = 4, hkv: int = 2, d: i
     params = params or DashParams(block_size=bs)
     ps = bs * pages_per_block
     n = len(lens)
-    need = [-(-l // ps) for l in lens]
+    need = [-(-length // ps) for length in lens]
     shared = 0
     if n >= 2 and shared_prefix_pages and lens[0] > 0 and lens[1] > 0:
         shared = min(shared_prefix_pages, (lens[0] - 1) // ps, (lens[1] - 1) // ps)

@@ -151,7 +151,8 @@ def oracle_routing(case: PrefillCase, i: int, summaries: Optional[torch.Tensor] 
 
 
 def exempt(case: PrefillCase, rt: Routing, x: torch.Tensor, unit: int, row: int, ncand: int) -> torch.Tensor:
-    """``[nblk]`` bool: entries docs/semantics.md section 7 lets two implementations decide apart (``near_decisions``)."""
+    """``[nblk]`` bool: entries docs/semantics.md section 7 lets two implementations decide apart
+    (``near_decisions``)."""
     p = case.params
     hq = x.shape[0]
     g = hq // case.cache.num_kv_heads

@@ -137,7 +137,8 @@ def test_indexer_launch_checks():
     p = DashParams(block_size=BS)
     cache = PagedKVCache.from_sglang(torch.zeros(128, HKV, D, dtype=dtype, device=DEV),
                                      torch.zeros(128, HKV, D, dtype=dtype, device=DEV), PS,
-                                     alloc_summaries(128, BS, 1, D, dtype, DEV), aux=alloc_aux_sglang(128, D, dtype, DEV))
+                                     alloc_summaries(128, BS, 1, D, dtype, DEV),
+                                     aux=alloc_aux_sglang(128, D, dtype, DEV))
     q = torch.zeros(1, HQ, D, dtype=dtype, device=DEV)
     bt = torch.zeros(1, 4, dtype=torch.int32, device=DEV)
     sl = torch.ones(1, dtype=torch.int32, device=DEV)
@@ -239,7 +240,8 @@ def test_captured_decode_with_indexer_and_page_mode():
     prompt_slots = bt[prompt_req, prompt_pos // PS].long() * PS + prompt_pos % PS
     for c in caches:
         ops.paged_dash_prefill(cat(0, [0, 0], lens), cat(1, [0, 0], lens), cat(2, [0, 0], lens), c, bt, cu,
-                               torch.tensor(lens, dtype=torch.int32, device=DEV), prompt_slots, hc, p, iq=cat(3, [0, 0], lens), ik=cat(4, [0, 0], lens), head_cls_i=hci,
+                               torch.tensor(lens, dtype=torch.int32, device=DEV), prompt_slots, hc, p,
+                               iq=cat(3, [0, 0], lens), ik=cat(4, [0, 0], lens), head_cls_i=hci,
                                roles=torch.tensor(ROLES + PLAIN, device=DEV), positions=prompt_pos, page_rope=PR)
     bufs = DecodeBuffers.allocate(2, HQ, HKV, D, PS, bt.shape[1], p, DEV, indexer_heads=HI)
     static = {}

@@ -158,7 +158,8 @@ def test_prefill_route_lists_keep_the_oracle_blocks(router, topk):
     case = make_prefill_case(23, [(16 * 45 + 5, 20), (300, 12)], hq=4, hkv=2, params=p, q_scale=1.5).to(DEV)
     plan, scratch = plan_and_scratch(case)
     scratch.mp_cand.fill_(-1)
-    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0,
+                        plan.num_tiles)
     check_routing(case, plan, scratch)
     cand = scratch.mp_cand.cpu()
     mp = scratch.mp.cpu()

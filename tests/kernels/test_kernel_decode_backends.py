@@ -70,7 +70,8 @@ def test_zero_copy_choice_follows_the_layout():
     assert not segments_paged.zero_copy_possible(make_scenario(1, [40], params=p, layout="sglang").cache, p)
     shared = DashParams(block_size=16, topk=2, router="shared")
     assert segments_paged.zero_copy_possible(make_scenario(1, [40], params=shared, layout="sglang").cache, shared)
-    assert not segments_paged.zero_copy_possible(make_scenario(1, [40], params=p, layout="vllm", pages_per_block=2).cache,
+    assert not segments_paged.zero_copy_possible(make_scenario(1, [40], params=p, layout="vllm",
+                                                               pages_per_block=2).cache,
                                            p)
 
 

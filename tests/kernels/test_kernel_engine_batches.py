@@ -6,7 +6,8 @@ head sizes the kernels do not support (the CPU engine tests use tiny models) are
 page ids are relabelled onto a compact pool (same order) so that the cache stays small. Decode
 batches are compared with the torch paged path on the same cache and stored summaries (only
 near-threshold routing may differ, docs/semantics.md section 7); prefill batches' K/V + summary writes with
-the torch write. On the GPU the ops dispatch to the kernels; here the op runs on the kernels' path under the interpreter.
+the torch write. On the GPU the ops dispatch to the kernels; here the op runs on the kernels' path under the
+interpreter.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def replay(rec, seed):
     kb = torch.randn(slots, hkv, d, generator=g).to(dtype)
     vb = torch.randn(slots, hkv, d, generator=g).to(dtype)
     hc = torch.randn(hkv, d, generator=g).to(dtype)
-    cache = PagedKVCache.from_sglang(kb.to(DEV), vb.to(DEV), ps, alloc_summaries(slots, p.block_size, hkv, d, dtype, DEV))
+    cache = PagedKVCache.from_sglang(kb.to(DEV), vb.to(DEV), ps,
+                                     alloc_summaries(slots, p.block_size, hkv, d, dtype, DEV))
     try:
         kchecks.check_kernel_config(dtype, hq, cache, p)
     except ValueError:
@@ -80,7 +82,7 @@ def replay(rec, seed):
         if sm is not None:
             k = torch.randn(n, hkv, d, generator=g).to(dtype)
             v = torch.randn(n, hkv, d, generator=g).to(dtype)
-        to = (lambda t: None if t is None else t.to(DEV))  # noqa: E731
+        to = (lambda t: None if t is None else t.to(DEV))
         args = (to(q), to(k), to(v), cache, to(bt), to(lens), to(sm), hc.to(DEV), p)
         out = (ops.paged_dash_decode(*args) if cuda else kernel_decode(*args)).cpu()
         if k is not None:

@@ -63,10 +63,10 @@ def test_prefill_write_and_summaries(seed, ntok, bs, ppb, layout, d, dtype, pad)
     num_slots = npages * ps
     if layout == "sglang":
         kb, vb = torch.zeros(num_slots, hkv, d, dtype=dtype), torch.zeros(num_slots, hkv, d, dtype=dtype)
-        make = lambda s: PagedKVCache.from_sglang(kb.to(DEV), vb.to(DEV), ps, s)  # noqa: E731
+        make = lambda s: PagedKVCache.from_sglang(kb.to(DEV), vb.to(DEV), ps, s)
     else:
         kv = torch.zeros(npages, hkv + 1, ps, 2 * d, dtype=dtype)
-        make = lambda s: PagedKVCache.from_vllm(kv.to(DEV), hkv, d, s)  # noqa: E731
+        make = lambda s: PagedKVCache.from_vllm(kv.to(DEV), hkv, d, s)
     cache = make(alloc_summaries(num_slots, bs, hkv, d, dtype, DEV))
     write_kv_and_summaries(k.to(DEV), v.to(DEV), cache, slot_mapping.to(DEV), head_cls.to(DEV), bs, decode=False)
     keep = slot_mapping >= 0

@@ -191,7 +191,8 @@ def test_routing_matches_oracle(seed, reqs, router, topk, est, sigma, sf, local_
                              dtype=dtype, params=p, shared_prefix_pages=1).to(DEV)
     plan, scratch = plan_and_scratch(case, recompute=router == "kv_head" and not stored)
     assert (scratch.summary_copy is not None) == (router == "kv_head" and not stored)
-    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
+                        plan.num_tiles)
     check_routing(case, plan, scratch)
 
 
@@ -257,7 +258,8 @@ def test_routing_from_the_summary_copy(group, topk, est, tma):
         pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, narrow, 0, 1)
     scratch.scores.fill_(float("nan"))  # the group sums' pass reads back only what the mp pass wrote
     scratch.mp.fill_(float("nan"))  # and the MMAs only the queries staged there
-    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
+                        plan.num_tiles)
     check_routing(case, plan, scratch)
 
 
@@ -292,7 +294,8 @@ def check_attention(case) -> None:
     plan, scratch = plan_and_scratch(case)
     routings = fill_selection(case, plan, scratch)
     out = torch.full_like(case.q, float("nan"))
-    pf_attention.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, out, 0,
+    pf_attention.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch,
+                             out, 0,
                    plan.num_tiles)
     out = out.cpu()
     for i, (total, new) in enumerate(case.reqs):
@@ -380,7 +383,8 @@ def test_prefill_row_equals_decode_step():
     p = DashParams(block_size=16, scaling_factor=3.0, topk=3, estimate_diagonal=True, sigma=2.0)
     case = make_prefill_case(9, [(102, 12)], hq=8, hkv=2, params=p, q_scale=1.3).to(DEV)
     plan, scratch = plan_and_scratch(case)
-    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0, plan.num_tiles)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
+                        plan.num_tiles)
     out_pf = torch.empty_like(case.q)
     pf_attention.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, out_pf, 0,
                    plan.num_tiles)

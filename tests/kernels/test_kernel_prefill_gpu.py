@@ -404,7 +404,7 @@ def test_golden_through_paged_prefill(path, split):
     hc = g["head_cls"].to(DEVICE)
     pos = torch.arange(n, device=DEVICE)
     slots = bt[:, pos // ps].long() * ps + pos % ps  # [B, N]
-    flat = lambda x: x.permute(0, 2, 1, 3).reshape(b * n, x.shape[1], d).to(DEVICE)  # noqa: E731
+    flat = lambda x: x.permute(0, 2, 1, 3).reshape(b * n, x.shape[1], d).to(DEVICE)
     qf, kf, vf = flat(q), flat(k), flat(v)
     cuts = [0, n] if split is None else [0, int(split * n), n]
     out = torch.empty(b, n, hq, d, dtype=q.dtype, device=DEVICE)

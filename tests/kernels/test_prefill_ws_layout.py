@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dash_core.kernels.prefill import gluon  # noqa: E402
-from dash_core.layout import PagedKVCache  # noqa: E402
+from dash_core.kernels.prefill import gluon
+from dash_core.layout import PagedKVCache
 
 
 def _sglang(pages, ps, hkv, d):

@@ -40,8 +40,9 @@ class PrefillConfig:
     Scratch and waves:
         scratch_bytes: routing scratch of one wave (scores, mp, selection, union lists); keeps a 128k prompt's
             scratch under 1 GB. resident_ctas: programs of either launch resident on one multiprocessor (registers and
-            shared memory allow 2 at D 128 on sm_90; waves are sized in whole rounds of them; 0: the budget alone). waves_last_first: issue a call's waves from its
-            last: a prompt's first waves (short contexts) run in less time than the host takes to issue one.
+            shared memory allow 2 at D 128 on sm_90; waves are sized in whole rounds of them; 0: the budget alone).
+            waves_last_first: issue a call's waves from its last: a prompt's first waves (short contexts) run in less
+            time than the host takes to issue one.
     Tiles:
         attn_rows: query rows of one tile (tokens x padded GQA group).
     Routing (``route.py``):
@@ -59,8 +60,9 @@ class PrefillConfig:
         attn_warps, attn_stages: warps and pipeline stages. attn_keys: keys of one union tile (a power of two).
         union_chunk: union block ids loaded at once for tiles of one block (the loop then computes K/V addresses
         from registers, so the pipeliner issues them ahead); union_chunk_gather: for tiles of several blocks (ids
-        picked by ``tl.gather``, which with 32 ids hit an illegal address compiled with Triton 3.6: keep it at 16). attn_tma: union tiles of one block loaded by TMA (Hopper and
-        later). union_tile, union_list_tile: elements of the union-building ``[TU, QT]`` and ``[QT, TJ]`` tiles.
+        picked by ``tl.gather``, which with 32 ids hit an illegal address compiled with Triton 3.6: keep it at 16).
+        attn_tma: union tiles of one block loaded by TMA (Hopper and later). union_tile, union_list_tile: elements
+        of the union-building ``[TU, QT]`` and ``[QT, TJ]`` tiles.
         zero_tail_programs: programs a query head of the launch that zeroes the rows of no request.
     gluon: the Hopper attention launch (``GluonConfig``).
     """
