@@ -22,6 +22,8 @@ level() {
 }
 
 level core-setup 600 bash ci/setup_core.sh "$venvs/core"
+# The house style ([tool.ruff] in pyproject.toml): a violation fails the run like a failing test.
+level lint 120 "$venvs/core/bin/ruff" check .
 # CI has no GPU: every Triton kernel runs under the interpreter (set before anything imports triton).
 level core 1200 env TRITON_INTERPRET=1 "$venvs/core/bin/python" -m pytest -q -rs -m "not gpu and not engine_sglang and not engine_vllm" \
   --ignore=tests/engines --doctest-modules dash_core tests
