@@ -15,7 +15,7 @@ ones (``DashParams.from_config``: ``chunk_size``, ``scaling_factor``, ``sigma``,
 | `dash_page_token_id` | `AuxConfig` | the placeholder id whose prompt tokens get role 2 (later tokens of that page) |
 | `dash_page_rope_tok_pairs` | `DashParams` | page RoPE split `r` (`DashParams.page_rope_tok_pairs`; None = a quarter of the rotary dim) |
 | `architectures` | `is_dash_model` | a DASH checkpoint names one of `DASH_ARCHITECTURES` |
-| `DASH_ALLOW_DENSE` (environment) | `check_attention_choice` | `1`: a DASH checkpoint may start with the engine's dense attention (comparisons only) |
+| `DASH_ALLOW_DENSE` (env.) | `check_attention_choice` | `1`: a DASH checkpoint may start with dense attention |
 
 The rule both adapters apply before the weights load (``check_attention_choice``): a DASH checkpoint
 runs DASH attention, and DASH attention runs only a DASH checkpoint. A DASH-trained model served with
@@ -171,8 +171,8 @@ def check_attention_choice(hf_config: Any, dash_attention: bool, chosen: str, da
     Raises
     ------
     ValueError
-        DASH attention for a model that is not a DASH model, or a DASH model without DASH attention (unless
-        ``DASH_ALLOW_DENSE=1``); the message names the flag to add.
+        DASH attention for a model that is not a DASH model (the message names ``chosen``), or a DASH model
+        without DASH attention unless ``DASH_ALLOW_DENSE=1`` (the message names ``dash_flag``, to add).
     """
     archs = list(_get(hf_config, "architectures") or ())
     dash_model = is_dash_model(hf_config)
@@ -180,7 +180,7 @@ def check_attention_choice(hf_config: Any, dash_attention: bool, chosen: str, da
         raise ValueError(f"{chosen} selects DASH attention, but the model is not a DASH model (architectures "
                          f"{archs}): DASH routes with the per-layer weight of a DASH checkpoint (architectures "
                          f"{list(DASH_ARCHITECTURES)}, weight model.layers.N.self_attn.indexer_q); serve a DASH "
-                         f"checkpoint, or leave out {dash_flag}")
+                         f"checkpoint, or drop {chosen}")
     if dash_model and not dash_attention:
         if allow_dense(environ):
             return True
