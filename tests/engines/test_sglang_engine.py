@@ -70,7 +70,9 @@ def sparse_ckpt(tmp_path_factory):
 def test_dense_equivalent_matches_torch_native_and_reference(dense_ckpt):
     runs = {}
     for backend in ("dash", "torch_native"):
-        with engine(dense_ckpt, attention_backend=backend) as eng:
+        # SGLang's dense backend on a DASH checkpoint: the comparison DASH_ALLOW_DENSE exists for
+        with environment(DASH_ALLOW_DENSE="1" if backend != "dash" else "0"), \
+                engine(dense_ckpt, attention_backend=backend) as eng:
             runs[backend] = generate(eng, PROMPTS, NEW_TOKENS)
             assert eng.get_server_info()["attention_backend"] == backend
     for ids, d, n in zip(PROMPTS, runs["dash"], runs["torch_native"]):

@@ -105,13 +105,16 @@ def sparse_engine(checkpoint, record_dir):
             os.environ[k] = v
 
 
-def test_dense_equivalent_matches_the_engines_dense_backend(checkpoint):
+def test_dense_equivalent_matches_the_engines_dense_backend(checkpoint, monkeypatch):
+    monkeypatch.delenv("DASH_ALLOW_DENSE", raising=False)
     dash = _engine(checkpoint, hf_overrides=DENSE_EQUIVALENT)
     try:
         got = _generate(dash, _prompts())
         (stats,) = dash.apply_model(support.dash_stats)
     finally:
         _close(dash)
+    # vLLM's dense backend on a DASH checkpoint: the comparison DASH_ALLOW_DENSE exists for
+    monkeypatch.setenv("DASH_ALLOW_DENSE", "1")
     dense = _engine(checkpoint, attention_backend="CPU_ATTN", block_size=32)  # CPU_ATTN needs multiples of 32
     try:
         want = _generate(dense, _prompts())
