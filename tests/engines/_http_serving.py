@@ -247,3 +247,45 @@ MALFORMED = [
     ("a prompt longer than the context", json.dumps({"model": "tiny-dash", "prompt": [5] * 2100,
                                                      "max_tokens": 2}).encode()),
 ]
+
+
+def throughput(port: int, requests: int, prompt_len: int, new_tokens: int, model: str, seed: int = 0) -> dict:
+    """``requests`` concurrent completions of distinct random prompts of ``prompt_len`` tokens and
+    ``new_tokens`` new tokens each (after one warm-up request); wall time and tokens per second."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [(torch.randint(0, 95, (prompt_len,), generator=g) + 3).tolist() for _ in range(requests + 1)]
+
+    def one(ids):
+        status, out = request(port, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": new_tokens,
+                                                        "temperature": 0, "ignore_eos": True}, timeout=3600)
+        assert status == 200, out
+        return out["usage"]["completion_tokens"]
+
+    one(prompts[0])
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=requests) as pool:
+        generated = sum(pool.map(one, prompts[1:]))
+    wall = time.monotonic() - start
+    return {"wall_s": wall, "prompt_tok_s": requests * prompt_len / wall, "generated_tok_s": generated / wall,
+            "total_tok_s": (requests * prompt_len + generated) / wall}
+
+
+def main(argv=None) -> None:
+    """``python -m tests.engines._http_serving --port 8000 [--requests 8 --prompt-len 1024 --new-tokens 16]``:
+    the throughput of a running server (either engine's OpenAI endpoint), as the README's CPU figure."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tests.engines._http_serving", description=main.__doc__)
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model", default="tiny-dash")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    a = ap.parse_args(argv)
+    r = throughput(a.port, a.requests, a.prompt_len, a.new_tokens, a.model)
+    print(f"{a.requests} concurrent requests x ({a.prompt_len} prompt + {a.new_tokens} new tokens): {r['wall_s']:.1f} s, "
+          f"{r['total_tok_s']:.0f} tokens/s ({r['prompt_tok_s']:.0f} prompt, {r['generated_tok_s']:.1f} generated)")
+
+
+if __name__ == "__main__":
+    main()
