@@ -123,8 +123,9 @@ class Server:
         self.log_path = log_path
         self.started = time.monotonic()
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd.with_port(self.port), cwd=cwd, env=subprocess_env({**cmd.env, **(env or {})}),
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd.with_port(self.port), cwd=cwd,
+                                         env=subprocess_env({**cmd.env, **(env or {})}), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self, tail: int = 0) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -214,7 +215,7 @@ def curl_request(cmd: Command) -> tuple[str, dict]:
 def readme_requests(port: int, requests: list) -> tuple[dict, list]:
     """Send the README's completion and streamed requests; returns (completion response, stream events)."""
     (path, body), (spath, sbody) = (curl_request(c) for c in requests)
-    assert not body.get("stream") and sbody.get("stream") is True, "README: the first curl completes, the second streams"
+    assert not body.get("stream") and sbody.get("stream") is True, "README: one curl completes, the next streams"
     status, out = request(port, path, body)
     assert status == 200, out
     return out, stream(port, spath, sbody)
@@ -283,7 +284,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     a = ap.parse_args(argv)
     r = throughput(a.port, a.requests, a.prompt_len, a.new_tokens, a.model)
-    print(f"{a.requests} concurrent requests x ({a.prompt_len} prompt + {a.new_tokens} new tokens): {r['wall_s']:.1f} s, "
+    print(f"{a.requests} concurrent requests x ({a.prompt_len} prompt + {a.new_tokens} new tokens): "
+          f"{r['wall_s']:.1f} s, "
           f"{r['total_tok_s']:.0f} tokens/s ({r['prompt_tok_s']:.0f} prompt, {r['generated_tok_s']:.1f} generated)")
 
 
