@@ -15,7 +15,9 @@ if [[ $# -ne 1 ]]; then
     echo "usage: $0 VENV_DIR" >&2
     exit 2
 fi
-VENV_DIR=$1
+# Absolute: the .pth file written below must name the shim directory from any working directory.
+mkdir -p "$(dirname "$1")"
+VENV_DIR=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 SGLANG_VERSION=0.5.23

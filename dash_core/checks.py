@@ -14,7 +14,7 @@ import torch
 
 from .kernels.checks import check_kernel_step, check_write_config
 from .layout import PagedKVCache, check_page_size
-from .limits import HAVE_TRITON, KERNEL_DTYPES, OP_DTYPES
+from .limits import OP_DTYPES, uses_kernels
 from .params import DashParams
 from .rope import PageRopeSettings
 from .segments import check_decode_backend
@@ -34,12 +34,6 @@ class Step:
     kernels: bool
     aux: bool
     indexer: bool
-
-
-def uses_kernels(x: torch.Tensor) -> bool:
-    """Whether a step whose queries (or keys) are ``x`` runs on the Triton kernels: CUDA with fp16/bf16 (fp32 and
-    CPU tensors take the PyTorch paged path)."""
-    return HAVE_TRITON and x.is_cuda and x.dtype in KERNEL_DTYPES
 
 
 def check_cache(cache: PagedKVCache, params: DashParams) -> None:
@@ -195,7 +189,7 @@ def check_step(q: torch.Tensor, k, v, cache: PagedKVCache, block_table: torch.Te
     check_workspace(workspace)
     if decode:
         check_decode_backend(backend, params)
-    kernels = uses_kernels(q) if kernels is None else kernels
+    kernels = uses_kernels(q.device, q.dtype) if kernels is None else kernels
     if kernels:  # the settings first: a block size the kernels do not run fails whatever the cache
         params.check_kernel_support()
     t = q.shape[0]

@@ -25,6 +25,12 @@ KERNEL_MAX_PAGE_SIZE = 256
 KERNEL_MAX_INDEXER_HEADS = 8 * KERNEL_MAX_GROUP
 
 
+def uses_kernels(device, dtype: torch.dtype) -> bool:
+    """Whether the ops run tensors on ``device`` in ``dtype`` on the Triton kernels (CUDA with fp16/bf16); all others
+    take the PyTorch paged path."""
+    return HAVE_TRITON and torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES
+
+
 def kernel_block_size_error(block_size: int) -> str:
     """The message for a block size the kernels do not run, or '' where they do."""
     if block_size in KERNEL_BLOCK_SIZES:

@@ -36,11 +36,10 @@ from typing import Optional
 import torch
 
 from . import paged, recorder
-from .checks import (SLOT_GUARD, Step, check_aux, check_cache, check_step, check_tokens,
-                     check_writes, uses_kernels)
+from .checks import SLOT_GUARD, Step, check_aux, check_cache, check_step, check_tokens, check_writes
 from .kernels.checks import check_write_config
 from .layout import PagedKVCache
-from .limits import HAVE_TRITON
+from .limits import HAVE_TRITON, uses_kernels
 from .params import DashParams
 from .rope import PageRopeSettings
 from .segments_paged import decode_segment_attention
@@ -101,7 +100,7 @@ def cache_dash_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, sl
     aux = check_aux(cache, t, None, ik, head_cls_i, roles, positions, page_rope, decode=False, indexer=indexer,
                     roles_optional=True)
     check_writes(k, v, slot_mapping, cache, params, head_cls, t, k.device, summarise_k=not indexer)
-    kernels = uses_kernels(k) and cache.dtype == k.dtype
+    kernels = uses_kernels(k.device, k.dtype) and cache.dtype == k.dtype
     if kernels:
         check_write_config(cache, params)
         if indexer and cache.summaries is not None:

@@ -1,136 +1,26 @@
-"""A tiny random DASH Llama checkpoint, and a plain PyTorch forward of it that calls the oracle.
+"""The float64 reference forward of the tiny DASH Llama that ``dash_core.tiny_checkpoint`` writes.
 
-Both engines load the checkpoint this writes (safetensors + config + an offline char-level
-tokenizer); the engine tests compare their log-probabilities and greedy tokens with
-``reference_logprobs`` / ``reference_generate``. Weights use a large init scale so that
-attention is far from uniform (a dummy-weights model cannot catch attention bugs).
-
-Options for the auxiliary head (docs/semantics.md section 9):
-
-- ``indexer_heads = Hi``: every layer gets an indexer (config ``dash_indexer_heads``), weights
-  ``model.layers.{i}.self_attn.dash_indexer.wq.weight [Hi * D, hidden]``, ``...wk.weight [D, hidden]``
-  and ``...head_cls [D]``; ``iq = wq(x)``, ``ik = wk(x)`` on the layer's normed input, rotated like
-  q and k (same theta and head size), and routing uses them (the shared selection).
-- ``page_mode = True`` (config ``dash_page_mode``, ``dash_page_start_token_id``,
-  ``dash_page_token_id``, ``dash_page_rope_tok_pairs``): prompt tokens equal to the page-start id
-  get role 1, those equal to the page-token id role 2, the rest role 0; generated tokens role 0.
-  q, k (and iq, ik) get page RoPE at the coordinates ``dash_core.rope.page_coordinates`` gives.
-
-The indexer weights are drawn after every other weight, so an indexer model's other weights equal
-those of the plain model of the same seed.
-
-    python -m tests.tiny_dash_llama OUT_DIR [--chunk-size 16] [--scaling-factor 4] [--indexer-heads 2]
-        [--page-mode] ...
+The engine tests compare the engines' log-probabilities and greedy tokens with ``reference_logprobs`` /
+``reference_generate``: a plain PyTorch Llama whose attention is the oracle ``dash_reference`` (or dense
+causal attention), with the indexer and page RoPE of docs/semantics.md section 9 where the checkpoint
+has them. The writer and its defaults are re-exported from ``dash_core.tiny_checkpoint`` (the tool
+``python -m dash_core.tiny_checkpoint OUT ...``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import string
 from typing import Optional
 
 import torch
 
 from dash_core import DashParams, dash_reference
 from dash_core.rope import PageRopeSettings, RotarySettings, page_coordinates, page_rope
+from dash_core.tiny_checkpoint import DEFAULTS, PAGE_START_TOKEN_ID, PAGE_TOKEN_ID, write_checkpoint
 
-DEFAULTS = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, initializer_range=0.25,
-    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    hidden_act="silu", attention_bias=False, mlp_bias=False,
-    # DASH keys under their published names (docs/semantics.md section 1)
-    chunk_size=16, scaling_factor=1.0, sigma=1e6, estimate_diagonal=False,
-)
-# Page placeholder ids of page-mode checkpoints: the last two ids of the vocabulary (never produced
-# by the char-level tokenizer, so prompts carry them as token ids).
-PAGE_START_TOKEN_ID = DEFAULTS["vocab_size"] - 2
-PAGE_TOKEN_ID = DEFAULTS["vocab_size"] - 1
-
-
-def write_checkpoint(path: str, seed: int = 0, *, indexer_heads: Optional[int] = None, page_mode: bool = False,
-                     page_start_token_id: Optional[int] = None, page_token_id: Optional[int] = None,
-                     page_rope_tok_pairs: Optional[int] = None, **overrides) -> dict:
-    """Write a seeded random DASH Llama to ``path``; returns its config dict.
-
-    ``overrides`` replace config keys (including ``dash_topk``, ``dash_local``, ``dash_router``).
-    The per-layer DASH weight is saved under the published name
-    ``model.layers.{i}.self_attn.indexer_q`` as a flat ``[Hkv * D]`` vector.
-    indexer_heads: ``Hi`` for a model with an indexer (None: none). page_mode: a page-mode model whose
-    placeholders are ``page_start_token_id`` / ``page_token_id`` (default: the last two vocabulary ids)
-    and whose page RoPE split is ``page_rope_tok_pairs`` (None: a quarter of the head size).
-    """
-    cfg = dict(DEFAULTS, **overrides)
-    if indexer_heads is not None:
-        if indexer_heads < 1:
-            raise ValueError(f"indexer_heads must be None or >= 1, got {indexer_heads}")
-        cfg["dash_indexer_heads"] = indexer_heads
-    if page_mode:
-        vocab = cfg["vocab_size"]
-        cfg.update(dash_page_mode=True,
-                   dash_page_start_token_id=vocab - 2 if page_start_token_id is None else page_start_token_id,
-                   dash_page_token_id=vocab - 1 if page_token_id is None else page_token_id,
-                   dash_page_rope_tok_pairs=page_rope_tok_pairs)
-    cfg.update(architectures=["DashLlamaForCausalLM"], model_type="llama", torch_dtype="float32")
-    os.makedirs(path, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    std = cfg["initializer_range"]
-    hid, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-
-    def rnd(*shape, scale=std):
-        return (torch.randn(*shape, generator=g) * scale).contiguous()
-
-    sd = {"model.embed_tokens.weight": rnd(cfg["vocab_size"], hid, scale=1.0),
-          "model.norm.weight": 1 + rnd(hid, scale=0.1), "lm_head.weight": rnd(cfg["vocab_size"], hid)}
-    for i in range(cfg["num_hidden_layers"]):
-        pre = f"model.layers.{i}."
-        sd[pre + "input_layernorm.weight"] = 1 + rnd(hid, scale=0.1)
-        sd[pre + "post_attention_layernorm.weight"] = 1 + rnd(hid, scale=0.1)
-        sd[pre + "self_attn.q_proj.weight"] = rnd(hq * hd, hid)
-        sd[pre + "self_attn.k_proj.weight"] = rnd(hkv * hd, hid)
-        sd[pre + "self_attn.v_proj.weight"] = rnd(hkv * hd, hid)
-        sd[pre + "self_attn.o_proj.weight"] = rnd(hid, hq * hd, scale=std / 2)
-        sd[pre + "self_attn.indexer_q"] = rnd(hkv * hd, scale=1.0)
-        sd[pre + "mlp.gate_proj.weight"] = rnd(inter, hid)
-        sd[pre + "mlp.up_proj.weight"] = rnd(inter, hid)
-        sd[pre + "mlp.down_proj.weight"] = rnd(hid, inter, scale=std / 2)
-    for i in range(cfg["num_hidden_layers"]) if indexer_heads is not None else ():
-        pre = f"model.layers.{i}.self_attn.dash_indexer."
-        sd[pre + "wq.weight"] = rnd(indexer_heads * hd, hid)
-        sd[pre + "wk.weight"] = rnd(hd, hid)
-        sd[pre + "head_cls"] = rnd(hd, scale=1.0)
-    from safetensors.torch import save_file
-
-    save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f)
-    _write_tokenizer(path, cfg["vocab_size"])
-    return cfg
-
-
-def _write_tokenizer(path: str, vocab_size: int) -> None:
-    """A char-level WordLevel tokenizer that works offline (skipped if ``tokenizers`` is absent)."""
-    try:
-        import tokenizers
-    except ImportError:
-        return
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for ch in string.printable[:95]:
-        vocab.setdefault(ch, len(vocab))
-    while len(vocab) < vocab_size:
-        vocab[f"<extra_{len(vocab)}>"] = len(vocab)
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
-    tok.decoder = tokenizers.decoders.Fuse()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "unk_token": "<unk>", "model_max_length": 1 << 20}, f)
+__all__ = ["DEFAULTS", "PAGE_START_TOKEN_ID", "PAGE_TOKEN_ID", "load", "page_rope_settings", "prompt_roles",
+           "reference_generate", "reference_logprobs", "write_checkpoint"]
 
 
 def load(path: str) -> tuple[dict, dict]:
@@ -240,24 +130,3 @@ def reference_generate(path: str, prompt_ids, max_new_tokens: int, dense: bool =
         lps.append(float(lp[tok]))
         ids.append(tok)
     return new, lps
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chunk-size", type=int, default=DEFAULTS["chunk_size"])
-    ap.add_argument("--scaling-factor", type=float, default=DEFAULTS["scaling_factor"])
-    ap.add_argument("--topk", type=int, default=None)
-    ap.add_argument("--indexer-heads", type=int, default=None)
-    ap.add_argument("--page-mode", action="store_true")
-    args = ap.parse_args()
-    extra = {} if args.topk is None else {"dash_topk": args.topk}
-    cfg = write_checkpoint(args.out, seed=args.seed, chunk_size=args.chunk_size,
-                           scaling_factor=args.scaling_factor, indexer_heads=args.indexer_heads,
-                           page_mode=args.page_mode, **extra)
-    print(f"wrote {args.out}: {cfg['num_hidden_layers']} layers, block size {cfg['chunk_size']}")
-
-
-if __name__ == "__main__":
-    main()

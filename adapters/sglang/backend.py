@@ -52,12 +52,15 @@ from dash_core.layout import (
     block_table_from_req_to_token,
     check_page_size,
 )
-from dash_core.ops import SUPPORTED_DTYPES, paged_dash_decode, paged_dash_prefill
-from dash_core.model_config import AuxConfig, serving_params
+from dash_core.limits import OP_DTYPES, uses_kernels
+from dash_core.ops import paged_dash_decode, paged_dash_prefill
+from dash_core.model_config import AuxConfig, serving_params, serving_summary
 from dash_core.workspace import PrefillWorkspace
 from graphs.decode import DecodeGraphBuffers
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.runtime_context import get_parallel
+
+from .startup import page_mode_problems, reject
 
 logger = logging.getLogger(__name__)
 
@@ -117,10 +120,6 @@ def aux_store(pool) -> list:
     return store
 
 
-def _reject(what: str, why: str) -> ValueError:
-    return ValueError(f"attention backend 'dash' does not support {what}: {why}")
-
-
 class DashAttnBackend(AttentionBackend):
     """DASH sparse attention for SGLang (``--attention-backend dash``).
 
@@ -140,6 +139,8 @@ class DashAttnBackend(AttentionBackend):
         self.params = serving_params(model_runner.model_config.hf_config)
         self.num_q_heads = model_runner.model_config.get_num_attention_heads(self._attn_tp_size())
         check_page_size(self.page_size, self.params.block_size, PAGE_SIZE_FLAG)
+        if uses_kernels(self.device, self.token_to_kv_pool.dtype):  # the kernels' block sizes (dash_core.limits)
+            self.params.check_kernel_support()
         self.aux = AuxConfig.from_config(model_runner.model_config.hf_config)
         self._validate_runner(model_runner)
         self.summaries = summary_store(self.token_to_kv_pool, self.params.block_size, self.aux.summary_heads)
@@ -148,73 +149,67 @@ class DashAttnBackend(AttentionBackend):
         self.max_pages = -(-self.max_context_len // self.page_size)
         self.forward_metadata: Optional[DashForwardMetadata] = None
         self.graph_buffers: Optional[DecodeGraphBuffers] = None  # made by init_cuda_graph_state
-        logger.info("DASH attention backend: %s, page size %d", self.params, self.page_size)
-        if self.params.attention_backend != "TRITON" and torch.device(self.device).type != "cuda":
-            logger.info("DASH attention_backend %s runs on CUDA only; on %s the PyTorch path computes the same "
-                        "attention", self.params.attention_backend, self.device)
+        # The one start-up line: the path DASH takes on this device and dtype, and its settings.
+        logger.info("%s", serving_summary(self.params, self.device, self.token_to_kv_pool.dtype, self.aux,
+                                          self.page_size))
 
     # ---- start-up checks -------------------------------------------------------------------
 
     def _validate_runner(self, runner) -> None:
         pool = self.token_to_kv_pool
         dtype = getattr(pool, "dtype", None)
-        if dtype not in SUPPORTED_DTYPES or getattr(pool, "store_dtype", dtype) != dtype:
-            raise _reject(f"KV cache dtype {dtype}", f"use --kv-cache-dtype auto with one of {SUPPORTED_DTYPES}")
+        if dtype not in OP_DTYPES or getattr(pool, "store_dtype", dtype) != dtype:
+            raise reject(f"KV cache dtype {dtype}", f"use --kv-cache-dtype auto with one of {OP_DTYPES}")
         for name in ("get_key_buffer", "get_value_buffer", "head_num", "head_dim", "size", "layer_num"):
             if not hasattr(pool, name):
-                raise _reject(f"the KV pool {type(pool).__name__}", "DASH needs SGLang's MHA token-to-KV pool")
+                raise reject(f"the KV pool {type(pool).__name__}", "DASH needs SGLang's MHA token-to-KV pool")
         k0 = pool.get_key_buffer(pool.start_layer)
         if k0.dim() != 3 or tuple(k0.shape[1:]) != (pool.head_num, pool.head_dim):
-            raise _reject(f"the KV buffer layout {tuple(k0.shape)}",
-                          "DASH reads token-major [slots, Hkv, D] buffers (unset SGLANG_USE_HND_KVCACHE and "
-                          "--enable-page-major-kv-layout)")
+            raise reject(f"the KV buffer layout {tuple(k0.shape)}",
+                         "DASH reads token-major [slots, Hkv, D] buffers (unset SGLANG_USE_HND_KVCACHE and "
+                         "--enable-page-major-kv-layout)")
         translator = getattr(runner, "kv_index_translator", None)
         if translator is not None and getattr(translator, "reads_are_translated", False):
-            raise _reject("the unified KV pool (--enable-unified-memory)",
-                          "its slots are virtual and need translation DASH does not do")
+            raise reject("the unified KV pool (--enable-unified-memory)",
+                         "its slots are virtual and need translation DASH does not do")
         self.kv_index_translator = translator
         spec = getattr(runner, "spec_algorithm", None)
         if spec is not None and not spec.is_none():
-            raise _reject(f"speculative decoding ({spec})", "TARGET_VERIFY / draft batches are not implemented")
+            raise reject(f"speculative decoding ({spec})", "TARGET_VERIFY / draft batches are not implemented")
         names = {getattr(runner, "prefill_attention_backend_str", None) or "dash",
                  getattr(runner, "decode_attention_backend_str", None) or "dash"}
         if names != {"dash"}:
-            raise _reject(f"a hybrid prefill/decode backend pair {sorted(names)}",
-                          "DASH must see every K/V write to keep its block summaries; use "
-                          "--attention-backend dash for both")
+            raise reject(f"a hybrid prefill/decode backend pair {sorted(names)}",
+                         "DASH must see every K/V write to keep its block summaries; use "
+                         "--attention-backend dash for both")
         model = getattr(runner, "model", None)
         if getattr(model, "config", None) is not None and not getattr(model, "dash_layers", None):
-            raise _reject(f"the model {type(model).__name__}",
-                          "it passes no head_cls to attention; serve a DASH checkpoint "
-                          "(\"architectures\": [\"DashLlamaForCausalLM\"])")
+            raise reject(f"the model {type(model).__name__}",
+                         "it passes no head_cls to attention; serve a DASH checkpoint "
+                         "(\"architectures\": [\"DashLlamaForCausalLM\"])")
         self.page_rope = None
         if self.aux.page_mode:
             self.page_rope = getattr(model, "dash_page_rope", None)
             if self.page_rope is None:
-                raise _reject(f"page mode with the model {type(model).__name__}",
-                              "it does not hand unrotated q/k and its page RoPE settings to DASH; serve "
-                              "DashLlamaForCausalLM")
+                raise reject(f"page mode with the model {type(model).__name__}",
+                             "it does not hand unrotated q/k and its page RoPE settings to DASH; serve "
+                             "DashLlamaForCausalLM")
             self._check_page_mode_args(runner)
         tp = self._attn_tp_size()
         if self.params.router == "shared" and tp > 1:
-            raise _reject(f"router 'shared' with attention tensor parallelism {tp}",
-                          "its block selection averages routing probabilities over all query heads, which "
-                          "would need an all-reduce across ranks every layer; use router 'kv_head'")
+            raise reject(f"router 'shared' with attention tensor parallelism {tp}",
+                         "its block selection averages routing probabilities over all query heads, which "
+                         "would need an all-reduce across ranks every layer; use router 'kv_head'")
 
     @staticmethod
     def _check_page_mode_args(runner) -> None:
         """Page mode prefills each prompt in one chunk and keeps decode tokens out of extend batches."""
         args = getattr(runner, "server_args", None)
-        chunk = getattr(args, "chunked_prefill_size", None)
         context = getattr(getattr(runner, "model_config", None), "context_len", None)
-        if chunk is not None and chunk > 0 and (context is None or chunk < context):
-            raise _reject(f"page mode (dash_page_mode) with --chunked-prefill-size {chunk}",
-                          f"a page-mode prompt must be prefilled in one chunk (the coordinates of its text "
-                          f"depend on the whole prompt); pass --chunked-prefill-size -1 (or at least the context "
-                          f"length {context})")
-        if getattr(args, "enable_mixed_chunk", False):
-            raise _reject("page mode with --enable-mixed-chunk",
-                          "decode tokens inside an extend batch would take roles from their ids")
+        problems = page_mode_problems(getattr(args, "chunked_prefill_size", None), context,
+                                      getattr(args, "enable_mixed_chunk", False))
+        if problems:
+            raise reject(*problems[0])
         if args is not None and not getattr(args, "disable_radix_cache", True):
             logger.warning("DASH page mode with the radix cache: a prefix hit is exact only when the cached part "
                            "has the coordinates the new prompt gives it (docs/sglang.md, 'Indexer and page mode'); "
@@ -224,7 +219,7 @@ class DashAttnBackend(AttentionBackend):
     def _attn_tp_size() -> int:
         try:
             return int(get_parallel().attn_tp_size)
-        except Exception:  # noqa: BLE001 - the parallel context is unpublished in unit fixtures
+        except Exception:
             return 1
 
     # ---- metadata --------------------------------------------------------------------------
@@ -336,8 +331,8 @@ class DashAttnBackend(AttentionBackend):
                              f"{layer.layer_id} passed none); serve a DASH model such as DashLlamaForCausalLM")
         if getattr(layer, "is_cross_attention", False) or getattr(layer, "sliding_window_size", -1) not in (None, -1) \
                 or getattr(layer, "logit_cap", 0) not in (None, 0, 0.0):
-            raise _reject(f"layer {layer.layer_id}'s attention type",
-                          "cross attention, sliding windows and logit caps are not part of DASH")
+            raise reject(f"layer {layer.layer_id}'s attention type",
+                         "cross attention, sliding windows and logit caps are not part of DASH")
         md = self.forward_metadata
         hq, hkv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         q3 = q.reshape(-1, hq, d)

@@ -12,7 +12,10 @@ so ``python -m sglang.launch_server ... --attention-backend dash`` and
 - adds ``dash`` to SGLang's closed list of ``--attention-backend`` choices;
 - registers the backend factory (the backend module is imported only where a model runs);
 - registers ``adapters.sglang.models`` out of tree (``DashLlamaForCausalLM``); importing that
-  package also hooks SGLang's KV-pool sizing so that the DASH summary store is counted per token.
+  package also hooks SGLang's KV-pool sizing so that the DASH summary store is counted per token;
+- wraps a step of SGLang's server-argument resolution with the start-up checks of
+  ``adapters.sglang.startup`` (the serving rule, the page size, ...), which run where the arguments are
+  parsed, before the scheduler process loads the weights.
 
 Plugins run in every SGLang process, also in those that never load a model (tokenizer,
 detokenizer), so ``register()`` stays light: when SGLang's model registry is not imported yet it
@@ -60,6 +63,9 @@ def register() -> None:
     if BACKEND_NAME not in ATTENTION_BACKENDS:
         register_attention_backend(BACKEND_NAME)(_create_backend)
     _register_models()
+    from .startup import register_checks
+
+    register_checks()
 
 
 def _register_models() -> None:

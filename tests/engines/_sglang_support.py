@@ -62,7 +62,7 @@ def fake_tp(tp: int, rank: int, **extra):
 class KitTestCase:
     """The ``testcase`` argument SGLang's attention kit expects (it only calls ``skipTest``)."""
 
-    def skipTest(self, reason):  # noqa: N802 - unittest's name
+    def skipTest(self, reason):
         pytest.skip(reason)
 
 

@@ -23,7 +23,7 @@ import pytest
 pytestmark = pytest.mark.engine_sglang
 pytest.importorskip("sglang")
 
-from tests.engines._sglang_support import (  # noqa: E402
+from tests.engines._sglang_support import (
     budget,
     engine,
     environment,
@@ -35,7 +35,7 @@ from tests.engines._sglang_support import (  # noqa: E402
     ref_prompt_logprobs,
     write_tiny_checkpoint,
 )
-from tests.tiny_dash_llama import PAGE_START_TOKEN_ID, PAGE_TOKEN_ID, reference_generate  # noqa: E402
+from tests.tiny_dash_llama import PAGE_START_TOKEN_ID, PAGE_TOKEN_ID, reference_generate
 
 _budget = budget("aux", 360)
 

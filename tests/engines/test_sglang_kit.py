@@ -19,9 +19,9 @@ import torch
 pytestmark = pytest.mark.engine_sglang
 pytest.importorskip("sglang")
 
-from dash_core import DashParams, dash_reference  # noqa: E402
-from graphs.decode import DecodeGraphBuffers  # noqa: E402
-from tests.engines._sglang_support import KitTestCase, budget, dash_kit, head_cls_for  # noqa: E402,F401
+from dash_core import DashParams, dash_reference
+from graphs.decode import DecodeGraphBuffers
+from tests.engines._sglang_support import KitTestCase, budget, dash_kit, head_cls_for
 
 _budget = budget("kit", 90)
 

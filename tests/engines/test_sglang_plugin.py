@@ -15,7 +15,7 @@ import torch
 pytestmark = pytest.mark.engine_sglang
 pytest.importorskip("sglang")
 
-from tests.engines._sglang_support import budget, fake_tp  # noqa: E402
+from tests.engines._sglang_support import budget, fake_tp
 
 _budget = budget("plugin", 60)
 
@@ -116,7 +116,7 @@ def test_aux_head_and_indexer_summaries_are_counted_in_the_kv_cell_size():
 
 def test_pool_sizing_hook_is_applied_when_the_models_load():
     """Importing the model package (SGLang does it before sizing the KV pool) hooks _compute_cell_size."""
-    import adapters.sglang.models  # noqa: F401
+    import adapters.sglang.models
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
 
     fn = DefaultPoolConfigurator._compute_cell_size

@@ -1,132 +1,151 @@
-"""The SGLang HTTP server with ``--attention-backend dash`` on 127.0.0.1, started and stopped by its pid.
+"""The SGLang HTTP server started with the README's CPU command, as a user pastes it (only the port differs).
 
-- ``python -m sglang.launch_server ... --attention-backend dash`` answers ``/generate`` (text through
-  the checkpoint's offline tokenizer, and token ids with log-probabilities equal to the reference
-  forward) and reports the backend in ``/get_server_info``.
-- ``--page-size 8`` with 16-token DASH blocks stops the server at start-up with docs/semantics.md's error.
+One server serves every check of this module: the README's completion and streamed requests; the start-up
+line; tokens equal to the reference model; 32 concurrent requests of mixed lengths with shared prefixes,
+whose tokens equal the same requests run one at a time; malformed requests answered with 400, after which
+the server still answers. Start-up errors: the serving rule (through SGLang's own argument resolution, in
+this process) and a ``--page-size`` that does not fit, which stops the real server before the weights load.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 pytestmark = pytest.mark.engine_sglang
 pytest.importorskip("sglang")
 
-from tests.engines._sglang_support import MAX_TOTAL_TOKENS, budget, prompt, write_tiny_checkpoint  # noqa: E402
-from tests.tiny_dash_llama import reference_generate  # noqa: E402
+from tests.engines import _http_serving as http
+from tests.engines._sglang_support import budget, check_free_disk, environment, prompt
+from tests.tiny_dash_llama import reference_generate
 
-_budget = budget("server", 240)
-START_TIMEOUT_S = 300
+_budget = budget("server", 420)
 LOGPROB_TOL = 2e-3  # as in test_sglang_engine.py
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(model: str, port: int, log_path: str, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
-           "--dtype", "float32", "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--attention-backend", "dash",
-           "--page-size", "16", "--disable-cuda-graph", "--host", "127.0.0.1", "--port", str(port),
-           "--random-seed", "0", *extra]
-    with open(log_path, "w") as log:
-        # A session of its own, so that stopping it reaches the scheduler and detokenizer it spawns.
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """TERM, then KILL, the server's process group (the one this test created)."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _tail(path: str, n: int = 4000) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()[-n:]
-
-
-def _http(port: int, path: str, body: dict | None = None, timeout: float = 60):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.status, json.loads(r.read() or b"null")
-
-
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("sglang_server") / "sparse")
-    write_tiny_checkpoint(path, chunk_size=16, scaling_factor=4.0, dash_topk=2)
+def workdir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("sglang_server"))
+    check_free_disk(path)
     return path
 
 
-def test_http_server_generates_with_dash(checkpoint, tmp_path):
-    port, log = _free_port(), str(tmp_path / "server.log")
-    proc = _launch(checkpoint, port, log)
+@pytest.fixture(scope="module")
+def commands():
+    return http.readme_commands()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(commands, workdir):
+    return http.make_checkpoint(commands["checkpoint"], workdir)
+
+
+@pytest.fixture(scope="module")
+def server(commands, checkpoint, workdir):
+    srv = http.Server(commands["sglang"], workdir, os.path.join(workdir, "server.log"))
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"server not healthy after {START_TIMEOUT_S} s:\n{_tail(log)}"
-            try:
-                if _http(port, "/health", timeout=5)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(2)
-
-        status, info = _http(port, "/get_server_info")
-        assert status == 200 and info["attention_backend"] == "dash"
-
-        status, out = _http(port, "/generate", {"text": "DASH routes each query to a few blocks.",
-                                                "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
-        assert status == 200 and isinstance(out["text"], str) and out["meta_info"]["completion_tokens"] == 4
-
-        ids = prompt(70, seed=11)
-        status, out = _http(port, "/generate", {"input_ids": ids, "return_logprob": True,
-                                                "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
-        assert status == 200
-        new, lps = reference_generate(checkpoint, ids, 4)
-        assert out["output_ids"] == new
-        got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
-        assert max(abs(a - b) for a, b in zip(got, lps)) < LOGPROB_TOL
+        srv.wait_healthy()
+        yield srv
     finally:
-        _stop(proc)
-    assert proc.poll() is not None
+        srv.stop()
 
 
-def test_page_size_not_multiple_of_block_stops_startup(checkpoint, tmp_path):
-    port, log = _free_port(), str(tmp_path / "bad_page.log")
-    proc = _launch(checkpoint, port, log, "--page-size", "8")
-    try:
-        proc.wait(timeout=START_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"server with --page-size 8 did not stop within {START_TIMEOUT_S} s:\n{_tail(log)}")
-    finally:
-        _stop(proc)
-    text = _tail(log, 20000)
-    assert proc.returncode != 0
-    assert "page size must be a multiple of the DASH block size" in text and "--page-size is 8" in text, text[-3000:]
+def _generate(port: int, ids: list, new_tokens: int, logprobs: bool = False) -> dict:
+    status, out = http.request(port, "/generate", {
+        "input_ids": ids, "return_logprob": logprobs,
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}})
+    assert status == 200, out
+    return out
+
+
+def test_readme_completion_and_stream(server):
+    out, events = http.readme_requests(server.port, http.readme_commands()["requests"])
+    text = out["choices"][0]["text"]
+    assert out["usage"]["completion_tokens"] == 8 and isinstance(text, str) and text
+    assert "".join(e["choices"][0]["text"] for e in events) == text  # greedy: the stream carries the same text
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_start_up_line_names_the_path_and_the_settings(server):
+    log = server.log()
+    lines = [ln for ln in log.splitlines() if "DASH attention on:" in ln]
+    assert len(lines) == 1, log[-4000:]
+    assert "PyTorch paged path (cpu, float32: for correctness and tests" in lines[0]
+    assert "block size 16, page size 16, topk 2, local 16, router kv_head, scaling_factor 4" in lines[0]
+    assert "attention_backend='TRITON'" not in log and "Triton kernels" not in lines[0]
+
+
+def test_tokens_equal_the_reference_model(server, checkpoint):
+    ids = prompt(70, seed=11)
+    out = _generate(server.port, ids, 4, logprobs=True)
+    new, lps = reference_generate(checkpoint, ids, 4)
+    assert out["output_ids"] == new
+    got = [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(got, lps)) < LOGPROB_TOL
+
+
+def test_32_concurrent_requests_equal_one_at_a_time(server):
+    prompts = http.load_prompts()
+    one_by_one = [_generate(server.port, ids, n)["output_ids"] for ids, n in prompts]
+    together = http.run_concurrently(lambda ids, n: _generate(server.port, ids, n)["output_ids"], prompts)
+    assert [len(t) for t in one_by_one] == [n for _, n in prompts]
+    assert together == one_by_one
+
+
+def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
+    ids = prompt(40, seed=3)
+    before = _generate(server.port, ids, 4)["output_ids"]
+    for what, raw in http.MALFORMED:
+        status, out = http.request(server.port, "/v1/completions", raw=raw)
+        assert status == 400, f"{what}: {status} {out}"
+    assert http.request(server.port, "/health")[0] == 200
+    assert _generate(server.port, ids, 4)["output_ids"] == before
+
+
+def _resolve(*argv: str):
+    """SGLang's own argument resolution in this process, where the plugin's start-up checks run."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    args = prepare_server_args(list(argv))
+    args.resolve_once()
+    return args
+
+
+def test_a_dash_checkpoint_needs_the_dash_backend(checkpoint):
+    cpu = ("--device", "cpu", "--dtype", "float32", "--page-size", "16")
+    with pytest.raises(ValueError, match=r"DASH checkpoint .* \(torch_native\) would serve it with dense attention.*"
+                                         r"add --attention-backend dash.*DASH_ALLOW_DENSE=1"):
+        _resolve("--model-path", checkpoint, *cpu)
+    with environment(DASH_ALLOW_DENSE="1"):
+        _resolve("--model-path", checkpoint, *cpu)  # the comparison the override exists for
+
+
+def test_dash_needs_a_dash_checkpoint(checkpoint, workdir):
+    import json
+    import shutil
+
+    plain = os.path.join(workdir, "plain")
+    shutil.copytree(checkpoint, plain, dirs_exist_ok=True)
+    with open(os.path.join(plain, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    with open(os.path.join(plain, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=r"--attention-backend dash selects DASH attention, but the model is not a "
+                                         r"DASH model \(architectures \['LlamaForCausalLM'\]\)"):
+        _resolve("--model-path", plain, "--device", "cpu", "--attention-backend", "dash", "--page-size", "16")
+
+
+def test_a_page_size_that_does_not_fit_stops_the_server_before_the_weights_load(commands, checkpoint, workdir):
+    cmd = commands["sglang"]
+    argv = list(cmd.argv)
+    argv[argv.index("--page-size") + 1] = "8"
+    srv = http.Server(http.Command(cmd.line, cmd.env, argv), workdir, os.path.join(workdir, "bad_page.log"))
+    rc, _ = srv.wait_exit()
+    log = srv.log()
+    assert rc != 0
+    assert "page size must be a multiple of the DASH block size: --page-size is 8" in log, log[-3000:]
+    assert "Load weight" not in log  # refused while the arguments resolve, before the scheduler loads anything

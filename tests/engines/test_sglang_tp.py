@@ -16,8 +16,8 @@ import torch
 pytestmark = pytest.mark.engine_sglang
 pytest.importorskip("sglang")
 
-from dash_core import DashParams  # noqa: E402
-from tests.engines._sglang_support import (  # noqa: E402,F401
+from dash_core import DashParams
+from tests.engines._sglang_support import (
     KitTestCase,
     budget,
     dash_kit,

@@ -25,10 +25,10 @@ pytest.importorskip("vllm")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default would reserve most of RAM)
 
-import torch  # noqa: E402
+import torch
 
-from tests.engines import _vllm_support as support  # noqa: E402
-from tests.tiny_dash_llama import DEFAULTS, reference_generate, write_checkpoint  # noqa: E402
+from tests.engines import _vllm_support as support
+from tests.tiny_dash_llama import DEFAULTS, reference_generate, write_checkpoint
 
 pytestmark = pytest.mark.engine_vllm
 _budget = support.budget("aux-head", 300)

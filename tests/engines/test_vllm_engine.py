@@ -26,12 +26,12 @@ pytest.importorskip("vllm")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default would reserve most of RAM)
 
-import torch  # noqa: E402
+import torch
 
-from dash_core import DashParams, dash_reference  # noqa: E402
+from dash_core import DashParams, dash_reference
 
-from tests.engines import _vllm_support as support  # noqa: E402
-from tests.tiny_dash_llama import load, reference_generate, write_checkpoint  # noqa: E402
+from tests.engines import _vllm_support as support
+from tests.tiny_dash_llama import load, reference_generate, write_checkpoint
 
 pytestmark = pytest.mark.engine_vllm
 _budget = support.budget("engine", 240)
@@ -105,13 +105,16 @@ def sparse_engine(checkpoint, record_dir):
             os.environ[k] = v
 
 
-def test_dense_equivalent_matches_the_engines_dense_backend(checkpoint):
+def test_dense_equivalent_matches_the_engines_dense_backend(checkpoint, monkeypatch):
+    monkeypatch.delenv("DASH_ALLOW_DENSE", raising=False)
     dash = _engine(checkpoint, hf_overrides=DENSE_EQUIVALENT)
     try:
         got = _generate(dash, _prompts())
         (stats,) = dash.apply_model(support.dash_stats)
     finally:
         _close(dash)
+    # vLLM's dense backend on a DASH checkpoint: the comparison DASH_ALLOW_DENSE exists for
+    monkeypatch.setenv("DASH_ALLOW_DENSE", "1")
     dense = _engine(checkpoint, attention_backend="CPU_ATTN", block_size=32)  # CPU_ATTN needs multiples of 32
     try:
         want = _generate(dense, _prompts())

@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
+import torch
 
-from dash_core import DashParams, dash_reference  # noqa: E402
-from dash_core.reference import block_summaries  # noqa: E402
+from dash_core import DashParams, dash_reference
+from dash_core.reference import block_summaries
 
-from tests.engines._vllm_support import (allocate_kv_cache, budget, common_metadata, dash_layer,  # noqa: E402
+from tests.engines._vllm_support import (allocate_kv_cache, budget, common_metadata, dash_layer,
                                          engine_config, slots)
-from tests.tiny_dash_llama import write_checkpoint  # noqa: E402
+from tests.tiny_dash_llama import write_checkpoint
 
 pytestmark = pytest.mark.engine_vllm
 _budget = budget("harness", 60)

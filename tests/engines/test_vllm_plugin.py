@@ -9,12 +9,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
+import torch
 
-from dash_core import DashParams  # noqa: E402
+from dash_core import DashParams
 
-from tests.engines._vllm_support import allocate_kv_cache, budget, dash_layer, engine_config  # noqa: E402
-from tests.tiny_dash_llama import write_checkpoint  # noqa: E402
+from tests.engines._vllm_support import allocate_kv_cache, budget, dash_layer, engine_config
+from tests.tiny_dash_llama import write_checkpoint
 
 pytestmark = pytest.mark.engine_vllm
 _budget = budget("plugin-and-spec", 60)
@@ -101,7 +101,12 @@ def test_summary_store_lives_in_the_page_padding(checkpoints, layout):
 
 
 def test_block_size_other_than_dash_block_is_refused(checkpoints):
-    cfg = engine_config(checkpoints[16], block_size=32)
+    # by the plugin's config hook, when vLLM builds the configuration
+    with pytest.raises(ValueError, match=r"page size must be a multiple of the DASH block size.*--block-size 16"):
+        engine_config(checkpoints[16], block_size=32)
+    # and by the layer's builder, for a configuration changed after the hook ran
+    cfg = engine_config(checkpoints[16], block_size=16)
+    cfg.cache_config.block_size = 32
     with pytest.raises(ValueError, match=r"page size must be a multiple of the DASH block size.*--block-size 16"):
         dash_layer(cfg, DashParams(block_size=16), torch.zeros(2, 32))
 

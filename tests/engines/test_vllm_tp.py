@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import torch  # noqa: E402
+import torch
 
-from tests.engines._vllm_support import budget, engine_config  # noqa: E402
-from tests.tiny_dash_llama import load, write_checkpoint  # noqa: E402
+from tests.engines._vllm_support import budget, engine_config
+from tests.tiny_dash_llama import load, write_checkpoint
 
 pytestmark = pytest.mark.engine_vllm
 _budget = budget("tp-sharding", 90)
