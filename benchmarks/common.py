@@ -7,6 +7,7 @@ tables of ``docs/PERFORMANCE.md`` and the charts from them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -218,3 +219,33 @@ def import_published(module: str):
         return importlib.import_module(f"dash_attn.{module}")
     finally:
         torch.set_float32_matmul_precision(prec)
+
+
+def tune_configs(specs: list, default) -> list:
+    """``--tune``: ``[(tag, config)]``, the ``default`` frozen configuration first (tag ``""``), then one per spec
+    (``name=value,...``; fields of the configuration, a field of a nested one as ``<field>_<name>``, e.g.
+    ``gluon_regs=160`` for ``PrefillConfig.gluon.regs``). ``tag`` is the suffix the settings add to a row's variant.
+    Raises ValueError naming an unknown setting."""
+    nested = {f.name for f in dataclasses.fields(default) if dataclasses.is_dataclass(getattr(default, f.name))}
+    out = [("", default)]
+    for spec in specs:
+        top: dict = {}
+        inner: dict = {n: {} for n in nested}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            if "=" not in item:
+                raise ValueError(f"--tune: expected name=value, got {item!r}")
+            name, value = (x.strip().lower() for x in item.split("=", 1))
+            owner, where, field = default, top, name
+            for n in nested:
+                if name.startswith(n + "_"):
+                    owner, where, field = getattr(default, n), inner[n], name[len(n) + 1:]
+            if field in nested or not hasattr(owner, field):
+                raise ValueError(f"--tune: {name!r} is not a setting of {type(default).__name__} (its fields, or "
+                                 f"<field>_<name> for {sorted(nested) or 'no'} nested ones)")
+            where[field] = type(getattr(owner, field))(int(value))
+        config = dataclasses.replace(default, **top, **{n: dataclasses.replace(getattr(default, n), **inner[n])
+                                                        for n in nested})
+        tag = "".join(f" {k}={int(v)}" for k, v in top.items())
+        tag += "".join(f" {n}_{k}={int(v)}" for n in sorted(nested) for k, v in inner[n].items())
+        out.append((tag, config))
+    return out

@@ -39,10 +39,11 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, capture, copy_bandwidth,
                     flash_attn_varlen, import_published, log, merge_records, peers_of, run_id, sdpa_fn,
-                    shown_command, time_calls)
+                    shown_command, time_calls, tune_configs)
 from dash_core import DashParams, ops, segments_paged
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
+from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
 from tests.kernels._kernel_ops import kernel_decode
@@ -325,6 +326,16 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
                 ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
                 add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write, graph=True)
                 del graphs
+            for tag, config in a.tunings[1:]:  # --tune: the captured step with the K/V write, and its routing
+                tuned = DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params, config=config)
+                graphs = [capture(dash_fn(layer, True, bufs=tuned)) for layer in layers]
+                ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+                add(common, "dash-triton", "zero-copy" + tag, ms, floor, kv_frac, nbytes, write=True, graph=True)
+                graphs = [capture(lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params,
+                                                                      tuned)) for lay in layers]
+                ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+                add(common, "dash-triton", "route-only" + tag, ms, floor, kv_frac, nbytes, graph=True)
+                del graphs, tuned
             # where the time goes: each stage alone, replayed from a graph
             sb = b * hkv * ((ctx - 1) // bs) * d * esize + b * hq * d * esize
             graphs = [capture(lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, bufs))
@@ -437,6 +448,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--max-layers", type=int, default=16)
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--tune", action="append", default=[],
+                    help="DecodeConfig settings to time beside the defaults, e.g. --tune score_split_min_candidates=32 "
+                         "(repeatable; captured steps with the write, and their routing)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     add_output_args(ap, "decode")
     a = ap.parse_args(argv)
@@ -457,7 +471,11 @@ def main(argv=None) -> int:
         a.preset = None
         if a.json == str(ROOT / "docs/perf/decode.json"):
             a.json = str(Path(os.environ.get("TMPDIR", "/tmp")) / "dash_decode_smoke" / "decode.json")
-    peers_of(a.peers)  # refuses unknown names before any work
+    try:
+        peers_of(a.peers)  # refuses unknown names before any work
+        a.tunings = tune_configs(a.tune, DecodeConfig())
+    except ValueError as e:
+        ap.error(str(e))
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     if device.type != "cuda" and not a.smoke:
         log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")

@@ -33,7 +33,6 @@ Writes JSON records to ``docs/perf/prefill.json`` (merged by case); ``benchmarks
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import multiprocessing
 import os
@@ -49,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import (add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, import_published,
-                    log, merge_records, peers_of, run_id, shown_command, time_calls)
+                    log, merge_records, peers_of, run_id, shown_command, time_calls, tune_configs)
 from decode import calibrate_sf
 from prefill_peers import mixed_peer, prompt_peer
 
@@ -144,37 +143,6 @@ def prompt_sf(pr: Prompt, bs: int, fraction: float) -> float:
     rows = min(8, pr.n)
     tail = type("Tail", (), {"cache": pr.cache, "block_table": pr.block_table[:1].expand(rows, -1).contiguous()})
     return calibrate_sf(tail, pr.q[pr.n - rows: pr.n], pr.n, DashParams(block_size=bs), fraction)
-
-
-# ---------------------------------------------------------------------------- --tune
-
-GLUON_PREFIX = "gluon_"  # --tune gluon_warpgroups=2: a field of PrefillConfig.gluon
-
-
-def tune_configs(specs: list) -> list:
-    """``[(tag, PrefillConfig)]``: the defaults ``("", PrefillConfig())``, then one entry per ``--tune`` spec
-    (``name=value,...``; fields of ``PrefillConfig``, or ``gluon_<field>`` of its ``GluonConfig``, e.g.
-    ``route_tile_budget=2048,gluon_enabled=0``). ``tag`` is the suffix the settings add to a row's variant. Raises
-    ValueError naming an unknown setting."""
-    default = PrefillConfig()
-    out = [("", default)]
-    for spec in specs:
-        top, gluon = {}, {}
-        for item in filter(None, (x.strip() for x in spec.split(","))):
-            if "=" not in item:
-                raise ValueError(f"--tune: expected name=value, got {item!r}")
-            name, value = (x.strip().lower() for x in item.split("=", 1))
-            field, where = (name[len(GLUON_PREFIX):], gluon) if name.startswith(GLUON_PREFIX) else (name, top)
-            owner = default.gluon if where is gluon else default
-            if field == "gluon" or not hasattr(owner, field):
-                raise ValueError(f"--tune: {name!r} is not a setting of the prefill kernels (a field of "
-                                 "PrefillConfig, or gluon_<field> of its GluonConfig)")
-            where[field] = type(getattr(owner, field))(int(value))
-        config = dataclasses.replace(default, **top, gluon=dataclasses.replace(default.gluon, **gluon))
-        tag = "".join(f" {k}={int(v)}" for k, v in top.items()) + "".join(f" {GLUON_PREFIX}{k}={int(v)}"
-                                                                          for k, v in gluon.items())
-        out.append((tag, config))
-    return out
 
 
 # ---------------------------------------------------------------------------- DASH calls
@@ -811,7 +779,7 @@ def main(argv=None) -> int:
     a.command = shown_command("prefill.py", list(argv if argv is not None else sys.argv[1:]))
     a.run = run_id()
     try:
-        a.tunings = tune_configs(a.tune)
+        a.tunings = tune_configs(a.tune, PrefillConfig())
         peers_of(a.peers)
         serving = parse_serving_cases(a.serving_cases)
     except ValueError as e:

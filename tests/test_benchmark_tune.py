@@ -1,4 +1,4 @@
-"""``benchmarks/prefill.py``'s ``--tune``: configurations of the prefill kernels built from the fields' names."""
+"""The benchmarks' ``--tune``: configurations of the kernels built from the fields' names (prefill and decode)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def bench():
 
 def test_tune_builds_configurations_of_either_level(bench):
     default = bench.PrefillConfig()
-    configs = bench.tune_configs(["union_tile=2048,gluon_regs=160", "gluon_enabled=0,attn_tma=0"])
+    configs = bench.tune_configs(["union_tile=2048,gluon_regs=160", "gluon_enabled=0,attn_tma=0"], default)
     assert [tag for tag, _ in configs] == ["", " union_tile=2048 gluon_regs=160", " attn_tma=0 gluon_enabled=0"]
     assert configs[0][1] == default
     tuned = configs[1][1]
@@ -27,9 +27,21 @@ def test_tune_builds_configurations_of_either_level(bench):
 
 
 def test_tune_refuses_names_of_neither_module(bench):
+    default = bench.PrefillConfig()
     with pytest.raises(ValueError, match="not_a_setting"):
-        bench.tune_configs(["not_a_setting=1"])
+        bench.tune_configs(["not_a_setting=1"], default)
     with pytest.raises(ValueError, match="name=value"):
-        bench.tune_configs(["attn_stages"])
+        bench.tune_configs(["attn_stages"], default)
     with pytest.raises(SystemExit):  # the command line reports it as a usage error
         bench.main(["--tune", "not_a_setting=1", "--no-write"])
+
+
+def test_decode_tune_builds_decode_configurations():
+    decode = import_benchmark("decode")
+    default = decode.DecodeConfig()
+    (tag0, c0), (tag, tuned) = decode.tune_configs(["score_split_min_candidates=32,attn_split_max=16"], default)
+    assert (tag0, c0) == ("", default) and tag == " score_split_min_candidates=32 attn_split_max=16"
+    assert (tuned.score_split_min_candidates, tuned.attn_split_max) == (32, 16)
+    assert tuned.one_tile_max == default.one_tile_max
+    with pytest.raises(SystemExit):
+        decode.main(["--tune", "gluon_regs=1", "--no-write"])  # a prefill setting is not the decode kernels'
