@@ -23,7 +23,7 @@ class DecodeConfig:
     one_tile_max: up to this many candidates the cap keeps every mp in registers.
     """
 
-    score_split_min_candidates: int = 128
+    score_split_min_candidates: int = 64
     attn_split_max: int = 64
     fuse_write_max: int = 8192
     select_tile_budget: int = 8192
