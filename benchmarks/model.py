@@ -38,7 +38,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from common import merge_records
 from dash_core.llama import PEERS, LlamaModel, LlamaShape, LlamaWeights
 from dash_core.model_timing import DashSettings, measure_point, speedup_sentence, speedups
 
@@ -110,18 +112,6 @@ def record_key(r: dict) -> tuple:
 def record_order(r: dict) -> tuple:
     return (r["device"], r["phase"] != "ttft", r["batch"] * r["context"] if r["phase"] == "ttft" else 0,
             r["context"], r["batch"], r["method"] != "dash", r["method"])
-
-
-def merge_json(path: Path, new: list) -> list:
-    """The records of ``path`` with ``new`` ones replacing those of the same key; written back sorted."""
-    old = json.loads(path.read_text()) if path.exists() else []
-    keep = {record_key(r): r for r in old}
-    for r in new:
-        keep[record_key(r)] = r
-    out = sorted(keep.values(), key=record_order)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    return out
 
 
 def by_point(records: list) -> dict:
@@ -320,7 +310,7 @@ def main(argv=None) -> int:
         records += recs
         log(f"  {speedup_sentence(recs)}")
         if not a.no_write:
-            merge_json(out, recs)
+            merge_records(out, recs, record_key, record_order)
         log(f"elapsed {time.time() - t0:.0f} s")
     if a.no_write:
         print("\n" + readme_table(records) + "\n\n" + peers_table(records), flush=True)

@@ -152,8 +152,15 @@ def test_tables_divide_by_the_fastest_dense_peer_and_name_the_slower_points(benc
     assert tpot[7].strip() == "**2.00x**" and tpot[9].strip() == "6.00x"
     assert bench.slower_points(recs) == [("ttft", 1, 2048, 0.875)]
     assert "not run: import flashinfer failed" in bench.peers_table(recs)
-    merged = bench.merge_json  # merged by point and method: a new run's record replaces the old one
-    assert merged is not None
+
+
+def test_records_merge_by_point_and_method(bench, tmp_path):
+    """A new run's record replaces the old one of its point and method; others stay, in table order."""
+    path = tmp_path / "model.json"
+    old = [_rec("tpot", 4, 131072, "dash", 9.0, 3.0), _rec("ttft", 1, 2048, "dash", 50.0, 5.0)]
+    bench.merge_records(path, old, bench.record_key, bench.record_order)
+    out = bench.merge_records(path, [_rec("tpot", 4, 131072, "dash", 7.0, 2.0)], bench.record_key, bench.record_order)
+    assert [(r["phase"], r["ms"]) for r in out] == [("ttft", 50.0), ("tpot", 7.0)]
 
 
 def test_points_parse_in_run_order(bench):

@@ -170,6 +170,17 @@ class Server:
                 continue
 
 
+def serving(cmd: Command, workdir: str):
+    """A server fixture's body: ``cmd``'s server started in ``workdir`` (its checkpoint written there first), the
+    healthy ``Server`` yielded, then stopped."""
+    srv = Server(cmd, workdir, os.path.join(workdir, "server.log"))
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
 def request(port: int, path: str, body=None, timeout: float = 120, raw: bytes | None = None):
     """``(status, parsed JSON or None)`` of a GET (no body) or POST to the server; HTTP errors are returned."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())

@@ -43,12 +43,7 @@ def checkpoint(commands, workdir):
 
 @pytest.fixture(scope="module")
 def server(commands, checkpoint, workdir):
-    srv = http.Server(commands["sglang"], workdir, os.path.join(workdir, "server.log"))
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from http.serving(commands["sglang"], workdir)
 
 
 def _generate(port: int, ids: list, new_tokens: int, logprobs: bool = False) -> dict:

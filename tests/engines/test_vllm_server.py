@@ -48,12 +48,7 @@ def checkpoint(commands, workdir):
 
 @pytest.fixture(scope="module")
 def server(commands, checkpoint, workdir):
-    srv = http.Server(commands["vllm"], workdir, os.path.join(workdir, "server.log"))
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+    yield from http.serving(commands["vllm"], workdir)
 
 
 def _complete(port: int, ids: list, new_tokens: int, logprobs: bool = False) -> dict:
