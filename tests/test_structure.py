@@ -82,11 +82,12 @@ def test_kernels_do_not_import_the_ops_the_segments_or_the_pytorch_path():
 
 
 def test_late_imports_only_for_optional_packages():
-    """(The engines' plugin entry points, ``adapters/*/plugin.py``, import their backends when the engine calls
-    them: the engine's own import order decides when its modules may load.)"""
+    """(The engines' plugin entry points, ``adapters/*/plugin.py``, and the start-up checks they hook into the
+    engine's argument handling, ``adapters/*/startup.py``, import their backends and ``dash_core`` when the engine
+    calls them: the plugin loads in every engine process, and stays light there.)"""
     for package in PRODUCT:
         for name, path in modules(package).items():
-            if name.endswith(".plugin"):
+            if name.endswith((".plugin", ".startup")):
                 continue
             late = sorted({m for m, inner in imports(name, path) if inner and not m.startswith(OPTIONAL)})
             assert not late, f"{name} imports {late} inside a function"

@@ -18,13 +18,13 @@ import runpy
 import sys
 from typing import Optional
 
+from .startup import check_command_line
+
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"  # vLLM's OpenAI server, whatever the distribution's name
 
 
 def main(argv: Optional[list] = None) -> None:
     """Check ``argv`` (default ``sys.argv[1:]``), then run vLLM's OpenAI server with it."""
-    from .startup import check_command_line
-
     args = sys.argv[1:] if argv is None else list(argv)
     try:
         check_command_line(args)
