@@ -246,6 +246,27 @@ def load_prompts(n: int = 32, seed: int = 0) -> list:
     return out
 
 
+def check_concurrent_equals_serial(tokens) -> None:
+    """``load_prompts``' requests served together give the tokens they get one at a time (``tokens(ids, n)``: a
+    request's greedy tokens)."""
+    prompts = load_prompts()
+    one_by_one = [tokens(ids, n) for ids, n in prompts]
+    together = run_concurrently(tokens, prompts)
+    assert [len(t) for t in one_by_one] == [n for _, n in prompts]
+    assert together == one_by_one
+
+
+def check_malformed_get_400(port: int, tokens, ids: list, malformed: list) -> None:
+    """Each of ``malformed`` (``(what, raw body)``) posted to the completions endpoint gets a 400, after which the
+    server is healthy and ``tokens(ids, 4)`` is what it was before."""
+    before = tokens(ids, 4)
+    for what, raw in malformed:
+        status, out = request(port, "/v1/completions", raw=raw)
+        assert status == 400, f"{what}: {status} {out}"
+    assert request(port, "/health")[0] == 200
+    assert tokens(ids, 4) == before
+
+
 def run_concurrently(fn, prompts: list, workers: int = 32) -> list:
     """``fn(ids, new_tokens)`` for every prompt at once (``workers`` threads), results in prompt order."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:

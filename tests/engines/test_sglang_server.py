@@ -80,22 +80,16 @@ def test_tokens_equal_the_reference_model(server, checkpoint):
     assert max(abs(a - b) for a, b in zip(got, lps)) < LOGPROB_TOL
 
 
+def _tokens(server):
+    return lambda ids, n: _generate(server.port, ids, n)["output_ids"]
+
+
 def test_32_concurrent_requests_equal_one_at_a_time(server):
-    prompts = http.load_prompts()
-    one_by_one = [_generate(server.port, ids, n)["output_ids"] for ids, n in prompts]
-    together = http.run_concurrently(lambda ids, n: _generate(server.port, ids, n)["output_ids"], prompts)
-    assert [len(t) for t in one_by_one] == [n for _, n in prompts]
-    assert together == one_by_one
+    http.check_concurrent_equals_serial(_tokens(server))
 
 
 def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
-    ids = prompt(40, seed=3)
-    before = _generate(server.port, ids, 4)["output_ids"]
-    for what, raw in http.MALFORMED:
-        status, out = http.request(server.port, "/v1/completions", raw=raw)
-        assert status == 400, f"{what}: {status} {out}"
-    assert http.request(server.port, "/health")[0] == 200
-    assert _generate(server.port, ids, 4)["output_ids"] == before
+    http.check_malformed_get_400(server.port, _tokens(server), prompt(40, seed=3), http.MALFORMED)
 
 
 def _resolve(*argv: str):

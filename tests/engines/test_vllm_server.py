@@ -87,24 +87,19 @@ def test_tokens_equal_the_reference_model(server, checkpoint):
     assert max(abs(a - b) for a, b in zip(got, lps)) < LOGPROB_TOL
 
 
+def _tokens(server):
+    return lambda ids, n: _complete(server.port, ids, n)["token_ids"]
+
+
 def test_32_concurrent_requests_equal_one_at_a_time(server):
-    prompts = http.load_prompts()
-    one_by_one = [_complete(server.port, ids, n)["token_ids"] for ids, n in prompts]
-    together = http.run_concurrently(lambda ids, n: _complete(server.port, ids, n)["token_ids"], prompts)
-    assert [len(t) for t in one_by_one] == [n for _, n in prompts]
-    assert together == one_by_one
+    http.check_concurrent_equals_serial(_tokens(server))
 
 
 def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
-    ids = http.load_prompts(1, seed=3)[0][0]
-    before = _complete(server.port, ids, 4)["token_ids"]
     out_of_vocabulary = ("a token id outside the vocabulary",
                          json.dumps({"model": "tiny-dash", "prompt": [5, 6, 7000], "max_tokens": 2}).encode())
-    for what, raw in http.MALFORMED + [out_of_vocabulary]:
-        status, out = http.request(server.port, "/v1/completions", raw=raw)
-        assert status == 400, f"{what}: {status} {out}"
-    assert http.request(server.port, "/health")[0] == 200
-    assert _complete(server.port, ids, 4)["token_ids"] == before
+    http.check_malformed_get_400(server.port, _tokens(server), http.load_prompts(1, seed=3)[0][0],
+                                 http.MALFORMED + [out_of_vocabulary])
 
 
 def _refused(cmd: http.Command, argv: list, workdir: str, name: str, env: dict | None = None) -> str:
