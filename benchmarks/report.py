@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from model import readme_table as model_table
 DOC = ROOT / "docs" / "PERFORMANCE.md"
-README = ROOT / "README.md"  # its performance section leads with the whole model's table (marker report:model)
 PERF = ROOT / "docs" / "perf"
 DOC_TOPKS = (64, None)  # the caps the one-prompt and decode tables show; the records hold every cap measured
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
@@ -432,11 +431,12 @@ def fill(text: str, parts: dict) -> str:
     return text
 
 
-def outputs(doc: Path, perf: Path, readme: Path = README) -> dict:
-    """``{path: text}`` of everything this script writes."""
+def outputs(doc: Path, perf: Path) -> dict:
+    """``{path: text}`` of everything this script writes: ``doc``, the ``README.md`` of its project (two folders up:
+    its performance section leads with the whole model's table) where there is one, and the charts."""
     out = {}
     parts = sections(perf)
-    for path in (doc, readme):
+    for path in (doc, doc.resolve().parents[1] / "README.md"):
         if path.exists():
             out[path] = fill(path.read_text(), parts)
     out[perf / "decode.svg"] = decode_chart(load(perf / "decode.json"))
