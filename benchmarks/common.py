@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from dash_core.model_timing import capture_graph
+
 ROOT = Path(__file__).resolve().parents[1]
 L2_BYTES = 50 * 2**20  # the H200's L2: inputs rotate over enough layers that reads come from memory
 # Every peer a benchmark knows, in the order they run: the dense kernels, then the authors' DASH kernels.
@@ -71,16 +73,8 @@ def copy_bandwidth(device) -> float:
 
 
 def capture(fn) -> "torch.cuda.CUDAGraph":
-    """A CUDA graph of ``fn`` (warmed up on a side stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        fn()
-    return gr
+    """A CUDA graph of ``fn``, warmed up once on a side stream first (``dash_core.model_timing.capture_graph``)."""
+    return capture_graph(fn, warmup=1)
 
 
 def floor_ms(nbytes: float, bw: float, flops: float = 0.0, peak_flops: float = float("inf")) -> float:

@@ -108,7 +108,7 @@ class PrefillConfig:
         device = torch.device(device)
         if device.type != "cuda":
             return _DEFAULT
-        return _for_capability(torch.cuda.get_device_capability(device))
+        return _for_cuda_device(torch.cuda.current_device() if device.index is None else device.index)
 
 
 _DEFAULT = PrefillConfig()
@@ -118,5 +118,6 @@ ARCH_DEFAULTS = {(9, 0): _DEFAULT}
 
 
 @functools.lru_cache(maxsize=None)
-def _for_capability(capability: tuple) -> PrefillConfig:
-    return ARCH_DEFAULTS.get(capability, _DEFAULT)
+def _for_cuda_device(index: int) -> PrefillConfig:
+    """Read once per device: every prefill call without a configuration of its own asks (host time a layer)."""
+    return ARCH_DEFAULTS.get(torch.cuda.get_device_capability(index), _DEFAULT)
