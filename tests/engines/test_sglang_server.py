@@ -54,8 +54,8 @@ def _generate(port: int, ids: list, new_tokens: int, logprobs: bool = False) -> 
     return out
 
 
-def test_readme_completion_and_stream(server):
-    out, events = http.readme_requests(server.port, http.readme_commands()["requests"])
+def test_readme_completion_and_stream(server, commands):
+    out, events = http.readme_requests(server.port, commands["requests"])
     text = out["choices"][0]["text"]
     assert out["usage"]["completion_tokens"] == 8 and isinstance(text, str) and text
     assert "".join(e["choices"][0]["text"] for e in events) == text  # greedy: the stream carries the same text
