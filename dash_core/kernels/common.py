@@ -52,20 +52,33 @@ def _cuda_sms(index) -> int:
     return torch.cuda.get_device_properties(torch.device("cuda", index)).multi_processor_count
 
 
+def _nvidia_capability(device) -> tuple:
+    """``(major, minor)`` of an NVIDIA CUDA ``device``; ``(0, 0)`` for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None:
+        return (0, 0)
+    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
 def tma_supported(device) -> bool:
     """NVIDIA Hopper or later, or the interpreter (which emulates descriptors: the CPU tests run the TMA paths)."""
-    if interpreting():
-        return True
-    device = torch.device(device)
-    return (device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return interpreting() or _nvidia_capability(device)[0] >= 9
 
 
 def sm90(device) -> bool:
     """An NVIDIA Hopper GPU (compiled code, not the interpreter)."""
-    device = torch.device(device)
-    return (not interpreting() and device.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    return not interpreting() and _nvidia_capability(device) == (9, 0)
+
+
+def pdl_supported(device) -> bool:
+    """Programmatic dependent launch (a launch starts while the one before it ends; its programs wait with
+    ``gdc_wait``): NVIDIA Hopper or later, compiled (the interpreter runs launches one after the other)."""
+    return not interpreting() and _nvidia_capability(device)[0] >= 9
 
 
 @triton.jit

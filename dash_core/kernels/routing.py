@@ -27,9 +27,9 @@ from .. import reference
 PRIOR_EPS = 1e-20  # docs/semantics.md section 5
 HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # docs/semantics.md section 4 (globals kernels read are constexprs)
 INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
-SELECT_WARPS = 8  # warps of the decode select kernel
-# The one-tile cap's radix select runs on tiles of at least this many keys (one per thread of the select kernel),
-# else the pivot search. On a smaller tile several threads hold each key, and with the keys made in registers
+SELECT_WARPS = 8  # the most warps of the decode select kernel (DecodeConfig.select_warps)
+# The one-tile cap's radix select runs on tiles of at least this many keys (at least one per thread of the select
+# kernel), else the pivot search. On a smaller tile several threads hold each key, and with the keys made in registers
 # (X_IN_REGS: the mean over heads of a [1, NH, TS] tile, reshaped) the compiled radix select finds the wrong
 # topk-th key (Triton 3.6, sm_90); each histogram alone is right, and the same keys loaded from memory give the
 # right key. benchmarks/investigations/histogram_probe.py isolates it: rerun it after a Triton upgrade before moving
@@ -38,12 +38,19 @@ RADIX_MIN_KEYS = tl.constexpr(32 * SELECT_WARPS)
 
 
 @triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
 def halley_sums(x, tau):
     """Per row of a score tile (its last axis the candidates): sum of ``(x - tau)^2``, of ``x - tau`` and the
-    count, over the entries strictly above ``tau`` (shaped like ``x`` with a last axis of 1)."""
+    count, over the entries strictly above ``tau`` (``x``'s shape without its last axis). One reduction of the
+    three (one exchange between warps instead of three; each sum in the order ``tl.sum`` takes); the count is
+    summed as integers (fewer instructions)."""
     diff = positive_part(x - tau)
-    cnt = tl.sum((diff > 0).to(tl.int32), axis=-1).to(tl.float32)  # summed as integers: fewer instructions
-    return tl.sum(diff * diff, axis=-1), tl.sum(diff, axis=-1), cnt
+    ssq, sdf, cnt = tl.reduce((diff * diff, diff, (diff > 0).to(tl.int32)), -1, _add3)
+    return ssq, sdf, cnt.to(tl.float32)
 
 
 @triton.jit
@@ -78,9 +85,14 @@ def mp_key_range(mp, ok, npos, key_min, key_max):
     Start from ``0, 0x7F800000, 0``."""
     key = mp.to(tl.int32, bitcast=True)
     pos = (mp > 0) & ok
-    return (npos + tl.sum(pos.to(tl.int32), axis=1),
-            tl.minimum(key_min, tl.min(tl.where(pos, key, 0x7F800000), axis=1)),
-            tl.maximum(key_max, tl.max(tl.where(ok, key, 0), axis=1)))
+    n, lo, hi = tl.reduce((pos.to(tl.int32), tl.where(pos, key, 0x7F800000), tl.where(ok, key, 0)), 1,
+                          _count_min_max)  # one reduction of the three
+    return npos + n, tl.minimum(key_min, lo), tl.maximum(key_max, hi)
+
+
+@triton.jit
+def _count_min_max(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
 
 
 @triton.jit
@@ -198,10 +210,11 @@ def select_kept(
                 key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
                                   other=0.0).to(tl.int32, bitcast=True)
         if ONE_TILE and QT == 1 and TS >= RADIX_MIN_KEYS:  # radix select: the topk-th largest key, 8 bits a pass
-            keys = tl.reshape(key_all, [TS])
-            kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
-            lo_k = tl.where(need, radix_kth(keys, kvalid, tl.sum(lo_k, axis=0) * 0 + topk), lo_k)
-            hi_k = lo_k + 1
+            if tl.sum(need.to(tl.int32), axis=0) > 0:  # only where the cap binds (else lo_k, hi_k = 0, 1)
+                keys = tl.reshape(key_all, [TS])
+                kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
+                lo_k = tl.where(need, radix_kth(keys, kvalid, tl.sum(lo_k, axis=0) * 0 + topk), lo_k)
+                hi_k = lo_k + 1
         # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k
         # (until a pivot splits them exactly: below).
         if not ONE_TILE:
@@ -241,7 +254,10 @@ def select_kept(
         ngt = tl.zeros([QT], tl.int32)
         slog = tl.zeros([QT], tl.float32)
         nlog = tl.zeros([QT], tl.float32)
-        for c0 in range(0, n_hi, TL):
+        n_ties = n_hi  # the pass counts what a unit keeps above the threshold: not needed where no cap binds
+        if not EST_DIAG:
+            n_ties = tl.where(tl.sum(need.to(tl.int32), axis=0) > 0, n_hi, 0)
+        for c0 in range(0, n_ties, TL):
             mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, n_load, LIST)
             gt = (mpv.to(tl.int32, bitcast=True) > thr[:, None]) & cok
             ngt += tl.sum(gt.to(tl.int32), axis=1)

@@ -1,7 +1,7 @@
 """Where the kernel tests run: compiled on a CUDA machine and under the Triton interpreter elsewhere.
 
 ``TRITON_INTERPRET=1`` must be set before triton is imported, so ``conftest.py`` imports this
-module first; it sets it only when no CUDA device is present. Three shims make the triton 3.6 interpreter compute
+module first; it sets it only when no CUDA device is present. Four shims make the triton 3.6 interpreter compute
 what the compiled kernels compute (they touch nothing when compiling):
 
 - a loaded scalar is a one-element array that ``range`` bounds convert with ``int()``, which
@@ -9,7 +9,10 @@ what the compiled kernels compute (they touch nothing when compiling):
 - bf16 is stored as raw uint16 and ``tl.dot`` multiplies those integers: widen bf16 operands to
   fp32 first (exact, as the tensor cores' bf16 products are; accumulation stays fp32);
 - fp32 -> bf16 casts truncate instead of rounding to nearest even as the GPU does: round with
-  torch instead.
+  torch instead;
+- ``tl.reduce`` with a combine function of its own (a tuple of sums, say) runs the function once per element in
+  Python and misplaces a negative axis: fold halves of the axis instead (a tree, as the GPU reduces; Triton's
+  tensor shapes are powers of two).
 """
 
 from __future__ import annotations
@@ -83,6 +86,30 @@ if INTERPRET:
 
     _Builder.create_dot = create_dot
     _Builder.cast_impl = cast_impl
+
+    _orig_reduce = _interp.ReduceOps.generic_reduce
+
+    def generic_reduce(self, input):
+        data = [a.handle.data for a in input]
+        if self.axis is None or data[0].ndim == 0:
+            return _orig_reduce(self, input)
+        axis = self.axis % data[0].ndim
+        size = data[0].shape[axis]
+        if size & (size - 1):
+            return _orig_reduce(self, input)
+        dtypes = [a.dtype for a in input]
+        while data[0].shape[axis] > 1:
+            half = data[0].shape[axis] // 2
+            lo = [self.to_tensor(np.take(d, np.arange(half), axis), t) for d, t in zip(data, dtypes)]
+            hi = [self.to_tensor(np.take(d, np.arange(half, 2 * half), axis), t) for d, t in zip(data, dtypes)]
+            ret = self.combine_fn.fn(*lo, *hi)
+            ret = ret if isinstance(ret, tuple) else (ret,)
+            data = [r.handle.data for r in ret]
+        if not self.keep_dims:
+            data = [np.squeeze(d, axis) for d in data]
+        return [self.to_tensor(d, t) for d, t in zip(data, dtypes)]
+
+    _interp.ReduceOps.generic_reduce = generic_reduce
 
 # Where the kernels run: the interpreter on CPU tensors, or compiled on the GPU.
 KERNEL_DEVICE = None if triton is None else ("cpu" if INTERPRET else ("cuda" if CUDA else None))

@@ -16,10 +16,11 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common import decode_bounds, load_group_query, pow2, scaled_query, summary_scores
+from ..common import decode_bounds, load_group_query, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
-from ..routing import SELECT_WARPS, route_tile
+from ..routing import route_tile
 from .config import DecodeConfig
 
 
@@ -32,6 +33,7 @@ def _decode_scores_kernel(
     w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates.
 
@@ -43,6 +45,8 @@ def _decode_scores_kernel(
     the block it completes): nothing in this step's routing reads them (that block is in the local
     window), and the attention launch that does comes after this kernel.
     """
+    if PDL:  # the select launch may start now: it waits for this one's results
+        gdc_launch_dependents()
     i = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -78,12 +82,16 @@ def _decode_select_kernel(
     count_ptr, scnt_n, NROWS, topk, inv_sigma,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, Hsel)``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
-    Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile``.
+    Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile``. PDL: launched while the
+    score launch ends, it waits for that launch's results first, and lets the attention launch start.
     """
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     i = tl.program_id(0)
     u = tl.program_id(1)
     _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
@@ -140,7 +148,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
         return
     if only != "select":
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                      write_summarize, max_cand)
+                      write_summarize, max_cand, config.pdl and only is None and pdl_supported(q.device))
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
@@ -148,7 +156,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
 
 
 def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                  write_summarize, max_cand) -> None:
+                  write_summarize, max_cand, pdl: bool) -> None:
     n, hq, d = q.shape
     hkv = summaries.shape[1]
     g = hq // hkv
@@ -162,7 +170,7 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
         params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
         *(write if write is not None else _NO_WRITE(q, seq_lens)),
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
-        FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, num_warps=4, num_stages=3,
+        FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl, num_warps=4, num_stages=3,
     )
 
 
@@ -182,6 +190,7 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         ts = max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
         npiv = config.select_pivots
     topk = params.topk if params.topk is not None else 0
+    pdl = config.pdl and pdl_supported(scores.device)
     _decode_select_kernel[(n, hsel)](
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
@@ -189,5 +198,6 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma,
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, BS=bs, PS=page_size,
-        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, num_warps=SELECT_WARPS,
+        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, PDL=pdl,
+        num_warps=config.select_warps, **({"launch_pdl": True} if pdl else {}),
     )
