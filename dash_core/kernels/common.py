@@ -81,6 +81,11 @@ def pdl_supported(device) -> bool:
     return not interpreting() and _nvidia_capability(device)[0] >= 9
 
 
+def pdl_launch(on: bool) -> dict:
+    """The launch options of a programmatic dependent launch (none when off)."""
+    return {"launch_pdl": True} if on else {}
+
+
 @triton.jit
 def decode_bounds(seq_lens_ptr, req, max_tokens, LOCAL_BLOCKS: tl.constexpr, BS: tl.constexpr):
     """(length, position, current block, first local block, candidates) of a decode row.

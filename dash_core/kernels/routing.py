@@ -27,9 +27,9 @@ from .. import reference
 PRIOR_EPS = 1e-20  # docs/semantics.md section 5
 HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # docs/semantics.md section 4 (globals kernels read are constexprs)
 INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
-SELECT_WARPS = 8  # the most warps of the decode select kernel (DecodeConfig.select_warps)
-# The one-tile cap's radix select runs on tiles of at least this many keys (at least one per thread of the select
-# kernel), else the pivot search. On a smaller tile several threads hold each key, and with the keys made in registers
+SELECT_WARPS = 8  # warps of the decode select kernel
+# The one-tile cap's radix select runs on tiles of at least this many keys (one per thread of the select kernel),
+# else the pivot search. On a smaller tile several threads hold each key, and with the keys made in registers
 # (X_IN_REGS: the mean over heads of a [1, NH, TS] tile, reshaped) the compiled radix select finds the wrong
 # topk-th key (Triton 3.6, sm_90); each histogram alone is right, and the same keys loaded from memory give the
 # right key. benchmarks/investigations/histogram_probe.py isolates it: rerun it after a Triton upgrade before moving

@@ -1,10 +1,10 @@
 """Triton sparse decode attention over the local window and the routed blocks (docs/semantics.md section 6).
 
-K/V are read straight from the engine's pages (no gather copy). Split-KV: the blocks a (request, KV head) attends
-(its local-window blocks, then its kept routed blocks) are divided evenly between ``splits`` programs; each writes a
-normalised partial output and its natural-log LSE, and the last to finish combines them by LSE (``_merge_head``; or
-``_merge_kernel``, a launch of its own). The log prior of each routed block is added to its logits, so merging by LSE
-equals softmax over ``lse_b + log pi_b`` per segment.
+K/V are read straight from the engine's pages (no gather copy). Split-KV: the blocks a
+(request, KV head) attends (its local-window blocks, then its kept routed blocks) are divided
+evenly between ``splits`` programs; each writes a normalised partial output and its natural-log
+LSE; ``_merge_kernel`` combines them by LSE. The log prior of each routed block is added to its
+logits, so merging by LSE equals softmax over ``lse_b + log pi_b`` per segment.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common import (LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query, max_or_zero, pow2, raise_max)
+from ..common import (LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query, max_or_zero, pdl_launch,
+                      pow2, raise_max)
 
 
 @triton.jit
@@ -25,10 +26,8 @@ def _decode_attn_split_kernel(
     bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     o_ptr, so_r, so_h, lse_ptr, slse_r, qk_scale, G, NSPLIT,
-    out_ptr, sout_n, sout_h, done_ptr, sdone_n,
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, NS_PAD: tl.constexpr, FUSE_MERGE: tl.constexpr,
-    PDL: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) attends share s of (request i, KV head h)'s blocks.
 
@@ -37,16 +36,18 @@ def _decode_attn_split_kernel(
     ``scnt_h == ssel_h == 0`` for router ``shared``). Per block: ``[BLOCK_T, D]`` K and V tiles,
     ``[G_PAD, BLOCK_T]`` fp32 logits for the G query heads, online softmax in base 2. Writes the
     normalised ``[G, D]`` fp32 partial output at row ``i * NSPLIT + s`` and its natural-log LSE
-    (-inf for an empty share); FUSE_MERGE: the last program of (i, h) to finish merges them into ``out``, counting
-    finished programs in ``done [n, Hkv]`` (zero again after). PDL: launched while the select launch ends.
+    (-inf for an empty share). PDL: launched while the select launch ends, it waits for the selection (and the score
+    launch's K/V write) after reading its query, and lets the merge launch start.
     """
     i = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     length, pos, cur, first_local, _ = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
     nloc = tl.where(length > 0, cur - first_local + 1, 0)
-    if PDL:  # launched while the select launch ends: its selection (and the score launch's K/V write) first
+    q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
+    if PDL:
         gdc_wait()
+        gdc_launch_dependents()
     count = tl.load(count_ptr + i * scnt_n + h * scnt_h)
     count = tl.where(length > 0, count, 0)
     total = nloc + count
@@ -56,7 +57,6 @@ def _decode_attn_split_kernel(
 
     ppb: tl.constexpr = PS // BS
     offs_t = tl.arange(0, BLOCK_T)
-    q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
     bt_row = bt_ptr + i.to(tl.int64) * sbt_n
     sel_row = i.to(tl.int64) * ssel_n + h * ssel_h
 
@@ -100,58 +100,44 @@ def _decode_attn_split_kernel(
     r = i * NSPLIT + s
     tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out, mask=g_ok[:, None])
     tl.store(lse_ptr + r * slse_r + heads, lse, mask=g_ok)
-    if FUSE_MERGE:  # the program that finishes (i, h) last merges its G heads: no launch of its own
-        tl.debug_barrier()  # every thread's partial is stored before the count
-        done = tl.atomic_add(done_ptr + i * sdone_n + h, 1, sem="acq_rel", scope="gpu")
-        if done == NSPLIT - 1:
-            for g in range(G):
-                _merge_head(o_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, i, h * G + g, NSPLIT,
-                            NS_PAD, D, ".cg")  # past L1: other programs wrote the partials
-            tl.store(done_ptr + i * sdone_n + h, 0)  # zero again for the next step
 
 
 @triton.jit
-def _merge_head(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, i, hq, NSPLIT,
-                NS_PAD: tl.constexpr, D: tl.constexpr, CACHE: tl.constexpr):
-    """out[i, hq] = sum_s w_s o_s with ``w = softmax_s(lse_s)`` over the NSPLIT partials; zeros when every
-    share is empty (a padded row), never NaN."""
+def _merge_kernel(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, NSPLIT,
+                  NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
+    """Grid ``(n, Hq)``: out[i, hq] = sum_s w_s o_s with ``w = softmax_s(lse_s)``; zeros when every
+    share is empty (a padded row), never NaN. PDL: launched while the split launch ends, it waits for it first."""
+    if PDL:
+        gdc_wait()
+    i = tl.program_id(0)
+    hq = tl.program_id(1)
     offs_s = tl.arange(0, NS_PAD)
     offs_d = tl.arange(0, D)
     s_ok = offs_s < NSPLIT
     r = i * NSPLIT + offs_s
-    lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
+    lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"))
     mx = tl.max(lse, axis=0)
     live = lse > float("-inf")
     w = tl.where(live, tl.exp(lse - tl.where(mx > float("-inf"), mx, 0.0)), 0.0)
-    o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=live[:, None], other=0.0,
-                cache_modifier=CACHE)
+    o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=live[:, None], other=0.0)
     tot = tl.sum(w, axis=0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.where(tot > 0, tot, 1.0)
     tl.store(out_ptr + i * sout_n + hq * sout_h + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _merge_kernel(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, NSPLIT,
-                  NS_PAD: tl.constexpr, D: tl.constexpr):
-    """Grid ``(n, Hq)``: ``_merge_head`` of (i, hq)."""
-    _merge_head(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, tl.program_id(0),
-                tl.program_id(1), NSPLIT, NS_PAD, D, "")
-
-
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-                     *, num_splits: int, done: torch.Tensor = None, pdl: bool = False) -> torch.Tensor:
-    """Sparse attention of one decode token per request (one launch, no synchronisation; two with ``done=None``: a
-    merge launch of its own).
+                     *, num_splits: int, pdl: bool = False) -> torch.Tensor:
+    """Sparse attention of one decode token per request (two launches, no synchronisation).
 
     q: ``[n, Hq, D]``; k_pages, v_pages: ``[pages, page_size, Hkv, D]`` (strided, last dim
     contiguous); block_table ``[n, max_pages]`` int32; seq_lens ``[n]``. Routed blocks per unit:
     ``sel_blk`` (physical block ids) and ``sel_bias`` (log prior) ``[>= n, Hsel, cap]``,
     ``sel_count [>= n, Hsel]``. Scratch: o_part ``[>= n * num_splits, Hq, D]`` fp32, lse_part
-    ``[>= n * num_splits, Hq]`` fp32, done ``[>= n, Hkv]`` int32 zeros (the splits' merge in the attention launch),
-    or None. pdl: launched as the dependent of the launch before it (``common.pdl_supported``). Writes ``out [n, Hq,
-    D]`` (query dtype) and returns it.
+    ``[>= n * num_splits, Hq]`` fp32. pdl: each launch is the programmatic dependent of the one before it (the
+    select launch, then the split launch; ``common.pdl_supported``). Writes ``out [n, Hq, D]`` (query dtype) and
+    returns it.
     """
     n, hq, d = q.shape
     if n == 0:
@@ -169,16 +155,13 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         sel_count, sel_count.stride(0), 0 if shared else sel_count.stride(1),
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         LOG2E_F / math.sqrt(d), g, num_splits,
-        out, out.stride(0), out.stride(1), seq_lens if done is None else done, 0 if done is None else done.stride(0),
-        G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t,
-        NS_PAD=pow2(num_splits), FUSE_MERGE=done is not None, PDL=pdl, num_warps=4, num_stages=2,
-        **({"launch_pdl": True} if pdl else {}),
+        G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t, PDL=pdl,
+        num_warps=4, num_stages=2, **pdl_launch(pdl),
     )
-    if done is not None:
-        return out
     _merge_kernel[(n, hq)](
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
-        out, out.stride(0), out.stride(1), num_splits, NS_PAD=pow2(num_splits), D=d,
+        out, out.stride(0), out.stride(1), num_splits, NS_PAD=pow2(num_splits), D=d, PDL=pdl,
         num_warps=8 if pow2(num_splits) * d >= 4096 else (4 if d >= 128 else 2),  # [splits, D] fp32 tile
+        **pdl_launch(pdl),
     )
     return out

@@ -21,11 +21,7 @@ class DecodeConfig:
     select_tile_budget: elements of the select kernel's largest register tile (halved for 16 or more score rows).
     select_pivots: pivots a pass of the top-k cap's search where a unit's candidates do not fit one tile.
     one_tile_max: up to this many candidates the cap keeps every mp in registers.
-    fuse_merge: the attention program that finishes a (request, KV head) last merges its splits (else a merge
-        launch of its own).
-    select_warps: warps of the select launch: 1, 2, 4 or ``routing.SELECT_WARPS`` (the radix select's bound
-        ``RADIX_MIN_KEYS`` assumes no more threads than that).
-    pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): the select and attention
+    pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): the select, split and merge
         launches start while the launch before them ends, and wait for its results on the device.
     """
 
@@ -35,10 +31,4 @@ class DecodeConfig:
     select_tile_budget: int = 8192
     select_pivots: int = 16
     one_tile_max: int = 8192
-    fuse_merge: bool = True
-    select_warps: int = 8
     pdl: bool = True
-
-    def __post_init__(self):
-        if self.select_warps not in (1, 2, 4, 8):
-            raise ValueError(f"DecodeConfig.select_warps must be 1, 2, 4 or 8, got {self.select_warps}")

@@ -2,13 +2,14 @@
 
 Nothing here reads a device tensor: every size comes from shapes (batch rows, ``max_pages`` of the page table,
 ``topk``), every sequence-dependent decision is taken by the kernels from ``seq_lens``, so one captured CUDA graph
-serves every step. A step is three launches:
+serves every step. A step is four launches, each after the first the programmatic dependent of the one before it
+(``DecodeConfig.pdl``, sm_90+: it starts while that one ends and waits for its results on the device):
 
     scores against every candidate summary (split over candidates),
       and the new K/V (+ the summary of a block the new token completes)   route.py (kv_write.write_token)
     entmax, group mean, topk cap, prior -> kept blocks per unit             route.py (routing.route_tile)
-    split-KV attention over local window + kept blocks, and the LSE merge
-      of a unit's splits by the program that finishes it last               attention.py
+    split-KV attention over local window + kept blocks                      attention.py
+    LSE merge of the splits                                                 attention.py
 
 The op (``dash_core.ops.paged_dash_decode``) validates the arguments, and chooses the attention stage: this
 module's, or a segment backend fed by the same routing (``write_and_route`` then ``dash_core.segments``).
@@ -48,7 +49,6 @@ def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_
     b = buffers
     return decode_attention(q, cache.k_pages, cache.v_pages, block_table, seq_lens, params, b.sel_blk, b.sel_bias,
                             b.sel_count, b.o_part, b.lse_part, out, num_splits=nsa,
-                            done=b.attn_done if b.config.fuse_merge else None,
                             pdl=b.config.pdl and pdl_supported(q.device))
 
 

@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common import decode_bounds, load_group_query, pdl_supported, pow2, scaled_query, summary_scores
+from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
-from ..routing import route_tile
+from ..routing import SELECT_WARPS, route_tile
 from .config import DecodeConfig
 
 
@@ -199,5 +199,5 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, BS=bs, PS=page_size,
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, PDL=pdl,
-        num_warps=config.select_warps, **({"launch_pdl": True} if pdl else {}),
+        num_warps=SELECT_WARPS, **pdl_launch(pdl),
     )
