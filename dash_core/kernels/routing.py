@@ -100,7 +100,7 @@ def radix_kth(keys, kvalid, topk):
     """The ``topk``-th largest of the ``kvalid`` entries of ``keys [T]`` (int32 bits of positive floats, ordered as
     the floats): 8 bits a pass, each pass a 256-bin histogram of the next byte of the keys under the prefix found
     so far (``select_kept``'s one-tile cap; ``tests/kernels/_radix_probe.py`` runs it alone)."""
-    bins = tl.arange(0, 512)
+    bins = tl.arange(0, 256)
     prefix = topk * 0
     krem = topk
     for p in tl.static_range(4):
@@ -109,10 +109,9 @@ def radix_kth(keys, kvalid, topk):
             match = kvalid
         else:  # the bits above this digit equal the prefix found so far
             match = kvalid & ((keys >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = tl.where(match, (keys >> shift) & 255, 256)  # bin 256: not under this prefix
-        hist = tl.where(bins < 256, tl.histogram(digit, 512), 0)
+        hist = tl.histogram((keys >> shift) & 255, 256, mask=match)
         at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
-        d_sel = tl.max(tl.where((at_least >= krem) & (bins < 256), bins, -1), axis=0)
+        d_sel = tl.max(tl.where(at_least >= krem, bins, -1), axis=0)
         krem = krem - tl.sum(tl.where(bins == d_sel, at_least - hist, 0), axis=0)  # keys above d_sel go first
         prefix = prefix | (d_sel << shift)
     return prefix
