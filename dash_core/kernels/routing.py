@@ -38,6 +38,11 @@ RADIX_MIN_KEYS = tl.constexpr(32 * SELECT_WARPS)
 
 
 @triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _add3(a0, a1, a2, b0, b1, b2):
     return a0 + b0, a1 + b1, a2 + b2
 
@@ -246,8 +251,9 @@ def select_kept(
             hi_k = tl.where(stop, exact, hi_k)
         thr = tl.where(need, lo_k, 0)
 
-    # How many ties at the threshold are kept; geometric mean of the kept mp (estimate_diagonal).
+    # How many ties at the threshold are kept (of neq); geometric mean of the kept mp (estimate_diagonal).
     ties = tl.zeros([QT], tl.int32)
+    neq = tl.zeros([QT], tl.int32)
     log_g = tl.zeros([QT], tl.float32)
     if HAS_TOPK or EST_DIAG:
         ngt = tl.zeros([QT], tl.int32)
@@ -258,8 +264,12 @@ def select_kept(
             n_ties = tl.where(tl.sum(need.to(tl.int32), axis=0) > 0, n_hi, 0)
         for c0 in range(0, n_ties, TL):
             mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, n_load, LIST)
-            gt = (mpv.to(tl.int32, bitcast=True) > thr[:, None]) & cok
-            ngt += tl.sum(gt.to(tl.int32), axis=1)
+            key = mpv.to(tl.int32, bitcast=True)
+            gt = (key > thr[:, None]) & cok
+            n_gt, n_eq = tl.reduce((gt.to(tl.int32), ((key == thr[:, None]) & (key > 0) & cok).to(tl.int32)), 1,
+                                   _add2)
+            ngt += n_gt
+            neq += n_eq
             if EST_DIAG:
                 pos = gt & (mpv > 1e-20)
                 slog += tl.sum(tl.where(pos, tl.log(tl.where(pos, mpv, 1.0)), 0.0), axis=1)
@@ -276,14 +286,19 @@ def select_kept(
     ppb: tl.constexpr = PS // BS
     nkept = tl.zeros([QT], tl.int32)
     nties = tl.zeros([QT], tl.int32)
+    every_tie = tl.max((neq > ties).to(tl.int32), axis=0) == 0  # no unit leaves a tie out: no ranks needed
     for c0 in range(0, n_hi, TL):
         mpv, c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, n_load, LIST)
         key = mpv.to(tl.int32, bitcast=True)
         gt = (key > thr[:, None]) & cok
         tie = (key == thr[:, None]) & (key > 0) & cok
-        tie_i = tie.to(tl.int32)
-        tie_rank = nties[:, None] + tl.cumsum(tie_i, axis=1) - tie_i
-        keep = gt | (tie & (tie_rank < ties[:, None]))
+        if every_tie:
+            keep = gt | tie
+        else:  # the first ties (lower blocks) of each unit
+            tie_i = tie.to(tl.int32)
+            tie_rank = nties[:, None] + tl.cumsum(tie_i, axis=1) - tie_i
+            keep = gt | (tie & (tie_rank < ties[:, None]))
+            nties += tl.sum(tie_i, axis=1)
         if EST_DIAG:
             keep = keep & (mpv > 1e-20)
         keep_i = keep.to(tl.int32)
@@ -301,7 +316,6 @@ def select_kept(
         tl.store(sel_blk_ptr + dst, blk.to(tl.int32), mask=keep_w)
         tl.store(sel_bias_ptr + dst, bias, mask=keep_w)
         nkept += tl.sum(keep_i, axis=1)
-        nties += tl.sum(tie_i, axis=1)
     tl.store(count_ptr + count_unit, tl.minimum(nkept, sel_cap))
 
 
