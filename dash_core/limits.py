@@ -6,6 +6,7 @@ below. Nothing here imports triton.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -29,6 +30,20 @@ def uses_kernels(device, dtype: torch.dtype) -> bool:
     """Whether the ops run tensors on ``device`` in ``dtype`` on the Triton kernels (CUDA with fp16/bf16); all others
     take the PyTorch paged path."""
     return HAVE_TRITON and torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES
+
+
+def nvidia_capability(device) -> tuple:
+    """``(major, minor)`` of an NVIDIA CUDA ``device``, read once per device (the launches ask on every call);
+    ``(0, 0)`` for any other device."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None:
+        return (0, 0)
+    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def kernel_block_size_error(block_size: int) -> str:

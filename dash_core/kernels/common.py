@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..limits import nvidia_capability
+
 LOG2E_F = 1.4426950408889634
 LN2_F = 0.6931471805599453
 LOG2E = tl.constexpr(LOG2E_F)  # usable inside kernels
@@ -52,33 +54,20 @@ def _cuda_sms(index) -> int:
     return torch.cuda.get_device_properties(torch.device("cuda", index)).multi_processor_count
 
 
-def _nvidia_capability(device) -> tuple:
-    """``(major, minor)`` of an NVIDIA CUDA ``device``; ``(0, 0)`` for any other device."""
-    device = torch.device(device)
-    if device.type != "cuda" or torch.version.hip is not None:
-        return (0, 0)
-    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
 def tma_supported(device) -> bool:
     """NVIDIA Hopper or later, or the interpreter (which emulates descriptors: the CPU tests run the TMA paths)."""
-    return interpreting() or _nvidia_capability(device)[0] >= 9
+    return interpreting() or nvidia_capability(device)[0] >= 9
 
 
 def sm90(device) -> bool:
     """An NVIDIA Hopper GPU (compiled code, not the interpreter)."""
-    return not interpreting() and _nvidia_capability(device) == (9, 0)
+    return not interpreting() and nvidia_capability(device) == (9, 0)
 
 
 def pdl_supported(device) -> bool:
     """Programmatic dependent launch (a launch starts while the one before it ends; its programs wait with
     ``gdc_wait``): NVIDIA Hopper or later, compiled (the interpreter runs launches one after the other)."""
-    return not interpreting() and _nvidia_capability(device)[0] >= 9
+    return not interpreting() and nvidia_capability(device)[0] >= 9
 
 
 def pdl_launch(on: bool) -> dict:

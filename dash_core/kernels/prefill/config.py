@@ -7,10 +7,9 @@ the oracle. The alternatives measured and not kept are in docs/tuning.md.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
-import torch
+from ...limits import nvidia_capability
 
 
 @dataclass(frozen=True)
@@ -105,19 +104,10 @@ class PrefillConfig:
     @staticmethod
     def for_device(device) -> "PrefillConfig":
         """The defaults for ``device``'s architecture (``ARCH_DEFAULTS``; ``PrefillConfig()`` elsewhere)."""
-        device = torch.device(device)
-        if device.type != "cuda":
-            return _DEFAULT
-        return _for_cuda_device(torch.cuda.current_device() if device.index is None else device.index)
+        return ARCH_DEFAULTS.get(nvidia_capability(device), _DEFAULT)
 
 
 _DEFAULT = PrefillConfig()
 # Defaults by compute capability. The values were tuned on the H200 (sm_90); the Hopper-only paths (TMA, the Gluon
 # launch) check the hardware themselves and fall back, so other architectures start from the same values.
 ARCH_DEFAULTS = {(9, 0): _DEFAULT}
-
-
-@functools.lru_cache(maxsize=None)
-def _for_cuda_device(index: int) -> PrefillConfig:
-    """Read once per device: every prefill call without a configuration of its own asks (host time a layer)."""
-    return ARCH_DEFAULTS.get(torch.cuda.get_device_capability(index), _DEFAULT)
