@@ -199,6 +199,7 @@ def select_kept(
     need = npos < 0
     if HAS_TOPK:
         need = npos > topk
+        capped = tl.sum(need.to(tl.int32), axis=0) > 0  # some unit keeps more than topk: the cap binds
         if LIST:  # the topk-th largest key lies in [smallest positive, largest]
             lo_k = tl.where(need, key_min, 0)
             hi_k = tl.where(need, key_max + 1, 1)
@@ -214,7 +215,7 @@ def select_kept(
                 key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
                                   other=0.0).to(tl.int32, bitcast=True)
         if ONE_TILE and QT == 1 and TS >= RADIX_MIN_KEYS:  # radix select: the topk-th largest key, 8 bits a pass
-            if tl.sum(need.to(tl.int32), axis=0) > 0:  # only where the cap binds (else lo_k, hi_k = 0, 1)
+            if capped:  # (else lo_k, hi_k = 0, 1)
                 keys = tl.reshape(key_all, [TS])
                 kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
                 lo_k = tl.where(need, radix_kth(keys, kvalid, tl.sum(lo_k, axis=0) * 0 + topk), lo_k)
@@ -260,8 +261,8 @@ def select_kept(
         slog = tl.zeros([QT], tl.float32)
         nlog = tl.zeros([QT], tl.float32)
         n_ties = n_hi  # the pass counts what a unit keeps above the threshold: not needed where no cap binds
-        if not EST_DIAG:
-            n_ties = tl.where(tl.sum(need.to(tl.int32), axis=0) > 0, n_hi, 0)
+        if not EST_DIAG:  # (then HAS_TOPK)
+            n_ties = tl.where(capped, n_hi, 0)
         for c0 in range(0, n_ties, TL):
             mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, n_load, LIST)
             key = mpv.to(tl.int32, bitcast=True)

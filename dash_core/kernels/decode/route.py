@@ -146,13 +146,14 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     shared = params.router == "shared"
     if n == 0:
         return
-    if only != "select":
+    pdl = config.pdl and pdl_supported(q.device)
+    if only != "select":  # alone, the score launch has no dependent to let start
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                      write_summarize, max_cand, config.pdl and only is None and pdl_supported(q.device))
+                      write_summarize, max_cand, pdl and only is None)
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
-                   sel_bias, sel_count, hq if shared else hq // hkv, 1 if shared else hkv, max_cand, n, config)
+                   sel_bias, sel_count, hq if shared else hq // hkv, 1 if shared else hkv, max_cand, n, config, pdl)
 
 
 def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
@@ -175,7 +176,7 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
 
 
 def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
-                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig) -> None:
+                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool) -> None:
     bs = params.block_size
     max_pages = block_table.shape[1]
     nh_pad = pow2(nrows)
@@ -190,7 +191,6 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         ts = max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
         npiv = config.select_pivots
     topk = params.topk if params.topk is not None else 0
-    pdl = config.pdl and pdl_supported(scores.device)
     _decode_select_kernel[(n, hsel)](
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
