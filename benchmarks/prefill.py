@@ -440,17 +440,19 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
     out = torch.empty_like(pr.q)
     op = prefill_op(cuda)
 
-    def dash_step():
-        ws = PrefillWorkspace()  # one per step, as the adapters make it
-        for q, k, v, cache in layers.items:
-            op(q, k, v, cache, pr.block_table, pr.cu, pr.seq, pr.slot_mapping, pr.head_cls, params, out=out,
-               workspace=ws)
-
-    ms = timed(dash_step, a, cuda) / nl
     floor = floor_ms(io_bytes + batch * 2 * n * hkv * d * esize, bw, st["useful_flops"], PEAK_FLOPS)
-    add("dash-triton", "serving", ms, topk=topk, write=True, frac=st["kv_fraction"], floor=floor,
-        mem=peak_mb(dash_step, cuda), extra=stats_fields(st),
-        note=f"per layer of a step of {nl} layers sharing one PrefillWorkspace (the first makes the plan and scratch)")
+    for tag, config in a.tunings:  # the defaults, then each --tune setting
+        def dash_step(config=config):
+            ws = PrefillWorkspace(config)  # one per step, as the adapters make it
+            for q, k, v, cache in layers.items:
+                op(q, k, v, cache, pr.block_table, pr.cu, pr.seq, pr.slot_mapping, pr.head_cls, params, out=out,
+                   workspace=ws)
+
+        ms = timed(dash_step, a, cuda) / nl
+        add("dash-triton", "serving" + tag, ms, topk=topk, write=True, frac=st["kv_fraction"], floor=floor,
+            mem=peak_mb(dash_step, cuda), extra=stats_fields(st),
+            note=f"per layer of a step of {nl} layers sharing one PrefillWorkspace (the first makes the plan and "
+                 "scratch)")
     if cuda:
         torch.cuda.empty_cache()
     for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
