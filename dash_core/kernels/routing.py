@@ -108,12 +108,10 @@ def radix_kth(keys, kvalid, topk):
     bins = tl.arange(0, 256)
     prefix = topk * 0
     krem = topk
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p  # a constexpr: p is one
-        if p == 0:
-            match = kvalid
-        else:  # the bits above this digit equal the prefix found so far
-            match = kvalid & ((keys >> (shift + 8)) == (prefix >> (shift + 8)))
+    for p in range(4):  # a loop, not unrolled: one copy of the histogram's long code stays in the instruction cache
+        shift = 24 - 8 * p
+        above = tl.minimum(shift + 8, 31)  # the first pass has no prefix: every valid key (bit 31 clear) matches
+        match = kvalid & ((keys >> above) == (prefix >> above))  # the bits above this digit equal the prefix
         hist = tl.histogram((keys >> shift) & 255, 256, mask=match)
         at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
         d_sel = tl.max(tl.where(at_least >= krem, bins, -1), axis=0)
@@ -337,7 +335,8 @@ def route_tile(
     count_ptr, count_unit, topk, inv_sigma,
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
-    X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0,
+    X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0, X_GIVEN: tl.constexpr = False,
+    x_regs=0,
 ):
     """Route a tile of ``QT`` units (docs/semantics.md sections 4-5) from their scores in a scratch buffer.
 
@@ -352,7 +351,8 @@ def route_tile(
     for the cap's ties and compaction; ONE_TILE (``TS`` covers every candidate) keeps the mp bits in
     registers across the cap's passes (with one unit and ``TS >= RADIX_MIN_KEYS``: a 4-pass radix select
     on 256-bin histograms instead of the pivot search);
-    X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes.
+    X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes; with X_GIVEN they come
+    in registers instead, ``x_regs [QT, NH_PAD, TC]`` (masked here as the load would be; ``x_ptr`` unused).
     The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST (not with
     X_IN_REGS): the mp scratch receives each unit's positive mp only, as a list with their candidates
     in ``ck_ptr`` (int32, shaped like mp, rows of at least ``ncand`` rounded up to 4), and the cap and
@@ -371,9 +371,11 @@ def route_tile(
 
     # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
     if X_IN_REGS:  # every candidate in one [TC] tile: the scores are read once for all passes
-        x_all = tl.load(x_rows + offs_c[None, None, :],
-                        mask=row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None]),
-                        other=float("-inf"))
+        x_ok = row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None])
+        if X_GIVEN:  # the caller's x_regs [QT, NH_PAD, TC], never stored
+            x_all = tl.where(x_ok, x_regs, float("-inf"))
+        else:
+            x_all = tl.load(x_rows + offs_c[None, None, :], mask=x_ok, other=float("-inf"))
     lo = m - 1.0
     hi = m
     tau = (lo + hi) * 0.5

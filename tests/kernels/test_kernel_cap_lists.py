@@ -17,6 +17,7 @@ import triton.language as tl
 
 from dash_core import DashParams
 from dash_core.kernels.prefill import route as pf_route
+from dash_core.kernels.prefill.config import PrefillConfig
 from dash_core.kernels.routing import append_positive, mp_key_range, select_kept
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._prefill_scenarios import make_prefill_case, plan_and_scratch, token_slots
@@ -152,11 +153,14 @@ def test_select_kept_stops_at_an_exact_split(topk):
 
 @pytest.mark.parametrize("router,topk", [("kv_head", 3), ("shared", 5), ("kv_head", None)])
 def test_prefill_route_lists_keep_the_oracle_blocks(router, topk):
-    """The prefill route kernel (which caps and compact from the lists of positive mp): the oracle's
-    kept blocks (``check_routing``), and each unit's list holds its positive mp in candidate order."""
+    """The prefill route kernel (which caps and compact from the lists of positive mp, on tables longer than one
+    score tile: 16 candidates here): the oracle's kept blocks (``check_routing``), and each unit's list holds its
+    positive mp in candidate order."""
     p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, router=router)
     case = make_prefill_case(23, [(16 * 45 + 5, 20), (300, 12)], hq=4, hkv=2, params=p, q_scale=1.5).to(DEV)
-    plan, scratch = plan_and_scratch(case)
+    config = PrefillConfig(route_score_tile=16)
+    plan, scratch = plan_and_scratch(case, config)
+    assert not pf_route.scores_in_registers(plan.qt, 4, 2, case.q.shape[2], plan.max_cand, p, config)
     scratch.mp_cand.fill_(-1)
     pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, case.params, plan, scratch, 0,
                         plan.num_tiles)

@@ -222,6 +222,23 @@ def test_routing_wide_rows_and_caps():
         check_routing(case, plan, scratch)
 
 
+@pytest.mark.parametrize("topk,est", [(None, False), (3, True), (30, False)])
+def test_routing_scores_in_registers(topk, est):
+    """Short block tables (every candidate in one score tile, ``scores_in_registers``): the route kernel keeps the
+    scores in registers and stores none (the score scratch stays NaN), caps in registers (topk below, near and
+    above the support), and keeps the oracle's blocks with their priors."""
+    p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0)
+    case = make_prefill_case(22, [(16 * 40 + 5, 30), (40, 40)], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
+    config = PrefillConfig(scratch_bytes=1 << 40)
+    plan, scratch = plan_and_scratch(case, config, recompute=False)
+    assert pf_route.scores_in_registers(plan.qt, 8, 2, case.q.shape[2], plan.max_cand, p, config)
+    scratch.scores.fill_(float("nan"))
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
+                        plan.num_tiles)
+    assert bool(scratch.scores.isnan().all()), "scores were stored"
+    check_routing(case, plan, scratch)
+
+
 # G 1 (rows are units), G 2 (two rows a unit), G 3 (a padded row per token); the first two stage the scaled
 # queries through the units' mp rows (``stages_queries``: 64 candidates and more hold two rows of D 64), G 3 keeps
 # them in registers
@@ -522,6 +539,35 @@ def test_union_launch_stores_the_gluon_rows(monkeypatch):
             assert torch.equal(scratch.union_blk[w, h, :n].long(), want), (w, h)
             checked += n
     assert checked > 2 * tiles
+
+
+@pytest.mark.parametrize("min_cand, min_tiles, want", [(0, 1 << 30, True), (1 << 30, 1, True),
+                                                       (1 << 30, 1 << 30, False)])
+def test_gluon_launch_on_long_tables_or_long_waves(monkeypatch, min_cand, min_tiles, want):
+    """A wave takes the Gluon attention where its block tables have at least ``GluonConfig.min_candidates``
+    candidates or it has at least ``min_tiles`` tiles (many short prompts in one call), and ``enabled``; else the
+    Triton attention alone. The Gluon launch is replaced by a recorder."""
+    p = DashParams(block_size=64, topk=4, scaling_factor=2.0)
+    case = make_prefill_case(6, [(300, 100), (200, 200)], hq=8, hkv=2, d=64, bs=64, params=p).to(DEV)
+    config = PrefillConfig(scratch_bytes=1 << 40, gluon=GluonConfig(min_candidates=min_cand, min_tiles=min_tiles))
+    plan, scratch = plan_and_scratch(case, config)
+    (tile0, tiles), = plan.waves()
+    assert config.gluon.wanted(plan.max_cand, tiles) is want
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, tile0, tiles)
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(grid)
+
+    monkeypatch.setattr(gluon, "ws_supported", lambda q, cache, *a: gluon.kv_rows(cache))  # any device
+    monkeypatch.setattr(gluon, "kv_block_descriptors", lambda *a: (None, None))
+    monkeypatch.setattr(gluon, "prefill_attn_ws", Recorder(), raising=False)
+    out = torch.zeros_like(case.q)
+    pf_attention.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, out,
+                             tile0, tiles)
+    assert bool(launched) is want
+    assert dataclasses.replace(config.gluon, enabled=False).wanted(plan.max_cand, tiles) is False
 
 
 def test_waves_take_every_tile_once_from_the_last():

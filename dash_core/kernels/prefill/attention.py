@@ -324,7 +324,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     block_u = cfg.attn_keys if d <= 128 else min(bs, 32)
     one_block = block_u < 2 * bs  # a tile within one block: one base address, no gather
     geo = (gluon.ws_supported(q, cache, params, g_pad, plan.qt)  # where the Gluon launch's TMA finds the blocks
-           if cfg.gluon.enabled and one_block and plan.max_cand >= cfg.gluon.min_candidates else None)
+           if one_block and cfg.gluon.wanted(plan.max_cand, tiles) else None)
     ws = geo is not None
     # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
     kv_desc = _kv_descriptors(cache, block_u, cfg) if one_block and block_u == bs and not ws else None

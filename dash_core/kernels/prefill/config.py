@@ -20,8 +20,9 @@ class GluonConfig:
     enabled: use it where ``gluon.ws_supported`` says it runs (else the Triton attention everywhere).
     warpgroups: tiles (warpgroups) of one program. k_slots, v_slots: K and V ring slots of a warpgroup.
     regs: registers a thread of each warpgroup (warpgroups x 128 threads x regs must fit the register file).
-    min_candidates: block tables of fewer candidates keep the Triton attention: their waves are short, and the
-    Gluon launch costs the host more a wave than it saves there.
+    min_candidates, min_tiles: the Gluon launch runs on block tables of at least ``min_candidates`` candidates, and
+    on shorter ones in waves of at least ``min_tiles`` tiles (many short prompts in one call). Smaller waves keep the
+    Triton attention: they are short, and the Gluon launch costs the host more a wave than it saves there.
     """
 
     enabled: bool = True
@@ -30,6 +31,12 @@ class GluonConfig:
     v_slots: int = 2
     regs: int = 168
     min_candidates: int = 256
+    min_tiles: int = 512
+
+    def wanted(self, max_cand: int, tiles: int) -> bool:
+        """Whether a wave of ``tiles`` tiles over block tables of ``max_cand`` candidates takes the Gluon launch
+        (where ``gluon.ws_supported`` says it runs)."""
+        return self.enabled and (max_cand >= self.min_candidates or tiles >= self.min_tiles)
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,9 @@ class PrefillConfig:
     Tiles:
         attn_rows: query rows of one tile (tokens x padded GQA group).
     Routing (``route.py``):
-        route_tile_budget: elements of ``route_tile``'s largest register tile. route_warps, route_stages: warps and
+        route_tile_budget: elements of ``route_tile``'s largest register tile. route_registers: short block tables
+            (every candidate in one score tile) route from the scores in registers, storing none
+            (``route.scores_in_registers``); else through the score scratch. route_warps, route_stages: warps and
         pipeline stages of the route kernel with stored scores. route_score_tile: candidates of one score tile
         (half that above D 128). route_pivots, route_pivot_budget, route_list_budget: the top-k cap's pivot search
         (pivots per pass; elements of its ``[QT, pivots, entries]`` tile; of the ``[QT, entries]`` tiles of its
@@ -71,6 +80,7 @@ class PrefillConfig:
     waves_last_first: bool = True
     attn_rows: int = 64
     route_tile_budget: int = 4096
+    route_registers: bool = True
     route_warps: int = 8
     route_stages: int = 3
     route_score_tile: int = 64

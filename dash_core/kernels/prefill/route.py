@@ -262,7 +262,7 @@ def _prefill_route_kernel(
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, TL: tl.constexpr,
     RECOMPUTE: tl.constexpr = False, CS_TMA: tl.constexpr = False, HKV_C: tl.constexpr = 1,
-    STAGE_Q: tl.constexpr = False,
+    STAGE_Q: tl.constexpr = False, X_REGS: tl.constexpr = False,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -278,6 +278,9 @@ def _prefill_route_kernel(
     is ``HKV`` as a constexpr, the copy's row length in heads), and ``x`` holds each unit's sum of probabilities
     over its group (G times its mp) by candidate, in row h of its slot, for the lists. Otherwise the three copy
     arguments are unused placeholders.
+    X_REGS (``kv_head``, every candidate in one score tile: ``scores_in_registers``): no score is stored; the
+    entmax runs on the tile's scores in registers, mp is stored by candidate (no lists) and the cap's keys stay in
+    registers (``route_tile``'s ONE_TILE with X_GIVEN).
     """
     w = tl.program_id(0)
     hp = tl.program_id(1)
@@ -299,28 +302,37 @@ def _prefill_route_kernel(
                              sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                              topk, inv_sigma, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL,
                              CS_TMA, HKV_C, STAGE_Q, PAIRED)
-        else:  # the stored scores
+        else:  # the stored scores, or with X_REGS the one score tile in registers
             bt_row = bt_ptr + req.to(tl.int64) * sbt_n
-            x_tok = x_ptr + (slot0 + u_m) * sx_n
-            mx = tl.full([M], float("-inf"), tl.float32)
-            if SHARED:
-                h_lo = 0
-                h_hi = HKV
+            if X_REGS:  # router kv_head: every candidate in one [M, BLOCK_N] tile (rows u G_PAD + g)
+                tl.static_assert(not SHARED and NH_PAD == G_PAD and TC == BLOCK_N, "X_REGS: one unit's rows a token")
+                cm = offs_n < ncand
+                qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, hp * G + g_m, row_ok, sf, offs_d)
+                x = summary_scores(qs, bt_row, summ_ptr, ss_b, hp, ss_h, offs_n, cm, x_scale, offs_d, PS, BS)
+                mx = tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1)
+                x_regs = tl.reshape(x, [QT, G_PAD, BLOCK_N])
             else:
-                h_lo = hp
-                h_hi = hp + 1
-            for h in range(h_lo, h_hi):
-                heads = h * G + g_m
-                qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d)
-                x_rows = x_tok + heads.to(tl.int64) * sx_h
+                x_tok = x_ptr + (slot0 + u_m) * sx_n
                 mx = tl.full([M], float("-inf"), tl.float32)
-                for c0 in range(0, ncand, BLOCK_N):
-                    c = c0 + offs_n
-                    cm = c < ncand
-                    x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-                    tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
-                    mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-            tl.debug_barrier()  # the scores are read back by other threads of this program
+                if SHARED:
+                    h_lo = 0
+                    h_hi = HKV
+                else:
+                    h_lo = hp
+                    h_hi = hp + 1
+                for h in range(h_lo, h_hi):
+                    heads = h * G + g_m
+                    qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d)
+                    x_rows = x_tok + heads.to(tl.int64) * sx_h
+                    mx = tl.full([M], float("-inf"), tl.float32)
+                    for c0 in range(0, ncand, BLOCK_N):
+                        c = c0 + offs_n
+                        cm = c < ncand
+                        x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
+                        tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
+                        mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
+                x_regs = mx  # (unused)
+                tl.debug_barrier()  # the scores are read back by other threads of this program
 
             ncand_u = tl.where(unit_ok, ncand, 0)
             slot_u = slot0 + tl.arange(0, QT)
@@ -350,8 +362,8 @@ def _prefill_route_kernel(
                 sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
                 count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
                 QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-                ONE_TILE=False,  # QT units: the mp of every candidate would not fit in registers
-                LIST=True, TL=TL,
+                ONE_TILE=X_REGS,  # else QT units' mp of every candidate would not fit in registers
+                X_IN_REGS=X_REGS, LIST=not X_REGS, TL=TL, X_GIVEN=X_REGS, x_regs=x_regs,
             )
 
 
@@ -393,19 +405,32 @@ def summary_copy_descriptor(copy: torch.Tensor, config: PrefillConfig) -> Option
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [route_block_n(d, max_cand, config), d])
 
 
+def scores_in_registers(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams,
+                        config: PrefillConfig) -> bool:
+    """Whether the route kernel keeps a tile's scores in registers (``X_REGS``: no score scratch, and the cap's
+    keys in registers too): ``config.route_registers``, router ``kv_head``, every candidate in one score tile, and
+    that tile within ``config.route_tile_budget`` (short block tables: about 4k tokens at block size 64)."""
+    block_n = route_block_n(d, max_cand, config)
+    return (config.route_registers and params.router != "shared" and pow2(max_cand) <= block_n
+            and qt * pow2(hq // hkv) * block_n <= config.route_tile_budget)
+
+
 def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams,
-                      config: PrefillConfig) -> dict:
+                      config: PrefillConfig, x_regs: bool) -> dict:
     g = hq // hkv
     shared = params.router == "shared"
     nh_pad = pow2(hq) if shared else pow2(g)
+    block_n = route_block_n(d, max_cand, config)
+    tc = max(16, min(pow2(max_cand), config.route_tile_budget // (qt * nh_pad)))
+    ts = max(1, min(pow2(max_cand), config.route_pivot_budget // (config.route_pivots * qt)))
+    npiv = config.route_pivots
+    if x_regs:  # the cap's keys in one [QT, TC] tile: fewer pivots keep [QT, NPIV, TC] in its budget
+        ts = tc
+        npiv = max(1, min(npiv, config.route_pivot_budget // (qt * tc)))
     return dict(
         QT=qt, G_PAD=pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_N=route_block_n(d, max_cand, config),
-        TC=max(16, min(pow2(max_cand), config.route_tile_budget // (qt * nh_pad))),
-        TS=max(1, min(pow2(max_cand), config.route_pivot_budget // (config.route_pivots * qt))),
-        TL=max(1, min(pow2(max_cand), config.route_list_budget // qt)),
-        NPIV=config.route_pivots, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal,
-        SHARED=shared,
+        BLOCK_N=block_n, TC=tc, TS=ts, TL=max(1, min(pow2(max_cand), config.route_list_budget // qt)),
+        NPIV=npiv, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared, X_REGS=x_regs,
     )
 
 
@@ -452,7 +477,8 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
         1.0 / params.sigma, copy if recompute else summ, s.summary_desc if s.summary_desc is not None else summ,
         copy.shape[1] if recompute else 0, PS=cache.page_size,
-        **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg),
+        **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg,
+                            not recompute and scores_in_registers(plan.qt, hq, hkv, d, plan.max_cand, params, cfg)),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
         STAGE_Q=recompute and stages_queries(g, q, s),
         **launch,
