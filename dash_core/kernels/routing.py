@@ -9,9 +9,9 @@ unit per program; prefill (``prefill/route.py``) with a tile of query tokens.
 
 All arithmetic is fp32 (scores accumulate fp32 from products of the query/summary dtype). The
 entmax reads the score rows from the scratch (L2-resident at decode sizes) once when a unit's
-candidates fit one register tile, else once per Halley step. The cap never sorts: the
-``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive floats order like their
-bits), by a radix select on histograms (8 bits a pass) when a unit's candidates fit one register
+candidates fit one register tile (or takes them from the caller's registers), else once per Halley
+step. The cap never sorts: the ``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive
+floats order like their bits), by a radix select on histograms (8 bits a pass) when a unit's candidates fit one register
 tile of at least ``RADIX_MIN_KEYS``, else by a multi-pivot search (prefill: over each unit's list of
 positive mp, written as mp is computed, from the range of its keys; the ties and the compaction read
 the list too); ties go to the lower block.

@@ -8,7 +8,8 @@ positive ``mp`` as a list, which the ``topk`` cap and the compaction read instea
 
 With router ``kv_head`` on long block tables (``recompute_routing``) no score is stored: each of the five passes
 computes the scores again from a copy of the request's summaries in candidate order (``gather_summaries``, one launch
-per call), with ``route_tile``'s arithmetic (``_route_recompute``).
+per call), with ``route_tile``'s arithmetic (``_route_recompute``). On short ones, every candidate in one score tile
+(``scores_in_registers``), none is stored either: the tile's scores stay in registers for the entmax and the cap.
 """
 
 from __future__ import annotations
