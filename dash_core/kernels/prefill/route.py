@@ -306,7 +306,8 @@ def _prefill_route_kernel(
         else:  # the stored scores, or with X_REGS the one score tile in registers
             bt_row = bt_ptr + req.to(tl.int64) * sbt_n
             if X_REGS:  # router kv_head: every candidate in one [M, BLOCK_N] tile (rows u G_PAD + g)
-                tl.static_assert(not SHARED and NH_PAD == G_PAD and TC == BLOCK_N, "X_REGS: one unit's rows a token")
+                tl.static_assert(not SHARED and NH_PAD == G_PAD and TC == BLOCK_N,
+                                 "X_REGS: router kv_head, one score tile of TC candidates")
                 cm = offs_n < ncand
                 qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, hp * G + g_m, row_ok, sf, offs_d)
                 x = summary_scores(qs, bt_row, summ_ptr, ss_b, hp, ss_h, offs_n, cm, x_scale, offs_d, PS, BS)
