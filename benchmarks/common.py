@@ -38,6 +38,28 @@ def run_id() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def host_launch_us(device) -> float:
+    """A probe of the machine's CPU, recorded with every row (``host_us``): the host time of one small launch (an
+    in-place add on 16 elements, the median of five rounds of 200) in us. Rows bound by the host (one short prompt,
+    eager decode, a B 1 graph replay) move with it from machine to machine."""
+    x = torch.zeros(16, device=device)
+    rounds = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(200):
+            x.add_(1.0)
+        rounds.append((time.perf_counter() - t) / 200 * 1e6)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return round(statistics.median(rounds), 2)
+
+
+def run_fields(a) -> dict:
+    """The fields every record of a run carries: the command line, the run's id and the host probe (set on ``a`` by
+    the benchmark's ``main``)."""
+    return dict(command=a.command, run=a.run, host_us=a.host_us)
+
+
 # ---------------------------------------------------------------------------- timing
 
 def time_calls(fns: list, iters: int, warmup: int, cuda: bool) -> float:

@@ -38,8 +38,8 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, capture, copy_bandwidth,
-                    flash_attn_varlen, import_published, log, merge_records, peers_of, run_id, sdpa_fn,
-                    shown_command, time_calls, tune_configs)
+                    flash_attn_varlen, host_launch_us, import_published, log, merge_records, peers_of, run_fields,
+                    run_id, sdpa_fn, shown_command, time_calls, tune_configs)
 from dash_core import DashParams, ops, segments_paged
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
@@ -294,7 +294,7 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             f"{ms * 1e3:9.1f} us  ({fl / ms:.0%} of floor)")
 
     base = dict(phase="decode", batch=b, context=ctx, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
-                device=dev_name, command=a.command, run=a.run, page_size=ps, layers_rotated=nlayers, layout=a.layout)
+                device=dev_name, **run_fields(a), page_size=ps, layers_rotated=nlayers, layout=a.layout)
     for topk in topks:
         params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
         common = dict(base, topk=topk)
@@ -481,9 +481,10 @@ def main(argv=None) -> int:
         log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
         return 2
     a.seg_backends = segment_backends(a.segment_backends)
+    a.host_us = host_launch_us(device)
     bw = copy_bandwidth(device)
     log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; copy bandwidth "
-        f"{bw / 1e12:.2f} TB/s")
+        f"{bw / 1e12:.2f} TB/s; host probe {a.host_us} us a launch")
     records: list = []
     topks = [None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")]
     t0 = time.time()

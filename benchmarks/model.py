@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import merge_records
+from common import host_launch_us, merge_records
 from dash_core.llama import PEERS, LlamaModel, LlamaShape, LlamaWeights
 from dash_core.model_timing import DashSettings, measure_point, speedup_sentence, speedups
 
@@ -288,7 +288,8 @@ def main(argv=None) -> int:
                                 page_size=max(64, a.block_size), scaling_factor=a.sf,
                                 target_fraction=a.target_fraction)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
-    common = dict(device=dev_name, commit=a.commit or git_commit(), command=shown_command(argv))
+    common = dict(device=dev_name, commit=a.commit or git_commit(), command=shown_command(argv),
+                  host_us=host_launch_us(device))
     t0 = time.time()
     weights = LlamaWeights(shape, dtype, device, seed=a.seed, layers=a.layers)
     model = LlamaModel(weights)

@@ -47,8 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import (add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, import_published,
-                    log, merge_records, peers_of, run_id, shown_command, time_calls, tune_configs)
+from common import (add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, host_launch_us,
+                    import_published, log, merge_records, peers_of, run_fields, run_id, shown_command, time_calls,
+                    tune_configs)
 from decode import calibrate_sf
 from prefill_peers import mixed_peer, prompt_peer
 
@@ -305,7 +306,7 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
         sf = prompt_sf(pr, bs, a.target_fraction)
         log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the candidates at the prompt's end")
     common = dict(phase="prefill", batch=1, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
-                  device=device_name(device), command=a.command, run=a.run, page_size=ps, graph=False,
+                  device=device_name(device), **run_fields(a), page_size=ps, graph=False,
                   query_correlation=a.query_correlation)
     out = torch.empty_like(pr.q)
     io_bytes, dense_floor = io_and_dense(n, 1, hq, hkv, d, esize, bw)
@@ -433,7 +434,7 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
     st = selection_stats(pr, params)
     layers = Layers(pr, nl, a.layout, bs)
     common = dict(phase="prefill", batch=batch, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs,
-                  scaling_factor=round(sf, 4), device=device_name(device), command=a.command, run=a.run,
+                  scaling_factor=round(sf, 4), device=device_name(device), **run_fields(a),
                   page_size=ps, graph=False, query_correlation=a.query_correlation, layers=nl, layout=a.layout)
     io_bytes, dense_floor = io_and_dense(n, batch, hq, hkv, d, esize, bw)
     add = adder(records, common, dense_floor)
@@ -536,7 +537,7 @@ def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat1
         sf = calibrate_sf(tail, m.q[0][:nd], dctx, DashParams(block_size=bs), a.target_fraction)
     params = DashParams(block_size=bs, topk=topk, scaling_factor=sf)
     common = dict(phase="prefill", batch=nd + 1, context=dctx, hq=hq, hkv=hkv, head_dim=d, bs=bs,
-                  scaling_factor=round(sf, 4), device=device_name(device), command=a.command, run=a.run,
+                  scaling_factor=round(sf, 4), device=device_name(device), **run_fields(a),
                   page_size=ps, graph=False, query_correlation=a.query_correlation, layers=nl, layout=a.layout,
                   decode_tokens=nd, prompt_tokens=nc)
     add = adder(records, common, None)
@@ -574,7 +575,7 @@ def run_published(a, n, hkv, sf, device, bw, records, dtype=torch.bfloat16):
     esize = torch.empty((), dtype=dtype).element_size()
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
     common = dict(phase="prefill", batch=1, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
-                  device=dev_name, command=a.command, run=a.run, page_size=ps, graph=False,
+                  device=dev_name, **run_fields(a), page_size=ps, graph=False,
                   query_correlation=a.query_correlation)
     params = DashParams(block_size=bs, scaling_factor=sf)
     need = published_bytes(n, hq, hkv, bs)
@@ -663,7 +664,7 @@ def run_published_isolated(a, cases, device, bw, records) -> None:
         log(f"  published-dash at {n} tokens: {why}")
         records.append(dict(phase="prefill", batch=1, context=n, hq=a.hq, hkv=hkv, head_dim=a.head_dim,
                             bs=a.block_size, scaling_factor=round(sf, 4), device=records[0]["device"] if records
-                            else str(device), command=a.command, run=a.run, page_size=a.page_size, graph=False,
+                            else str(device), **run_fields(a), page_size=a.page_size, graph=False,
                             query_correlation=a.query_correlation, method="published-dash", variant="one-shot",
                             topk=None, includes_write=True, chunk=None, ms=None, note=why))
     flush_records(a, records)
@@ -811,8 +812,9 @@ def main(argv=None) -> int:
             log("--profile needs a CUDA device")
             return 2
         return profile(a, device)
+    a.host_us = host_launch_us(device)
     bw = copy_bandwidth(device)
-    log(f"device {device_name(device)}; copy bandwidth {bw / 1e12:.2f} TB/s")
+    log(f"device {device_name(device)}; copy bandwidth {bw / 1e12:.2f} TB/s; host probe {a.host_us} us a launch")
     records: list = []
     topks = sorted([None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")],
                    key=lambda t: -1 if t is None else t)

@@ -34,6 +34,7 @@ def test_decode_smoke_writes_every_row(tmp_path):
     assert {("dense-cudnn", "contiguous", "None", False), ("dense-sdpa", "contiguous", "None", False)} <= got
     assert all(r["ms"] > 0 and r["run"] == recs[0]["run"] and r["command"].startswith("python benchmarks/decode.py")
                for r in recs)
+    assert all(r["host_us"] == recs[0]["host_us"] > 0 for r in recs)  # one probe of the run's host, on every row
 
 
 def test_prefill_serving_smoke_writes_the_step_rows(tmp_path):
@@ -46,4 +47,4 @@ def test_prefill_serving_smoke_writes_the_step_rows(tmp_path):
     assert (serving["batch"], serving["context"], serving["layers"], serving["includes_write"]) == (2, 96, 2, True)
     assert (mixed["batch"], mixed["context"], mixed["decode_tokens"], mixed["prompt_tokens"]) == (3, 300, 2, 96)
     assert serving["topk"] == mixed["topk"] == 4 and serving["tile_reuse"] > 0
-    assert all(r["ms"] > 0 for r in recs)
+    assert all(r["ms"] > 0 and r["host_us"] == recs[0]["host_us"] > 0 for r in recs)

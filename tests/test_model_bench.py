@@ -119,7 +119,7 @@ def test_smoke_run_writes_records_tables_and_chart(bench, tmp_path):
     assert {r["method"] for r in recs} == {"dash", "dense-sdpa-math"}
     for r in recs:
         assert r["device"] == "cpu (smoke)" and r["command"] == "python benchmarks/model.py --smoke"
-        assert r["commit"] and r["layers"] == 2 and r["ms"] > 0
+        assert r["commit"] and r["layers"] == 2 and r["ms"] > 0 and r["host_us"] == recs[0]["host_us"] > 0
     table = bench.readme_table(recs)
     assert len(table.splitlines()) == 2 + 4
     try:
