@@ -15,6 +15,15 @@ floats order like their bits), by a radix select on histograms (8 bits a pass) w
 tile of at least ``RADIX_MIN_KEYS``, else by a multi-pivot search (prefill: over each unit's list of
 positive mp, written as mp is computed, from the range of its keys; the ties and the compaction read
 the list too); ties go to the lower block.
+
+Who takes which path (``route_tile``'s flags):
+
+    decode, one unit a program                 ONE_TILE, X_IN_REGS: the scores loaded once, the cap's keys in
+                                               registers (radix select), up to DecodeConfig.one_tile_max candidates
+    prefill, short tables (one score tile)     ONE_TILE, X_IN_REGS, X_GIVEN: the scores never leave registers
+    prefill, longer tables, stored scores      LIST: the scores re-read each pass, the cap over the mp lists
+    prefill, long tables, router kv_head       no route_tile: prefill/route.py's _route_recompute, with the
+                                               same arithmetic, computes the scores again each pass
 """
 
 from __future__ import annotations
