@@ -498,6 +498,21 @@ def test_extends_match_oracle_on_most_rows():
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
+def _record_gluon_launches(monkeypatch) -> list:
+    """The Gluon attention launch (which the interpreter cannot run) replaced by a recorder, on any device: the list
+    that receives the grid of each launch."""
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(grid)
+
+    monkeypatch.setattr(gluon, "ws_supported", lambda q, cache, *a: gluon.kv_rows(cache))
+    monkeypatch.setattr(gluon, "kv_block_descriptors", lambda *a: (None, None))
+    monkeypatch.setattr(gluon, "prefill_attn_ws", Recorder(), raising=False)
+    return launched
+
+
 def test_union_launch_stores_the_gluon_rows(monkeypatch):
     """For the Gluon attention (``gluon.py``), the union launch stores each union block as its first row in
     ``kv_row_views`` (``union_rows``; vLLM's head-major pages with a spare head slot, two blocks a page): the blocks
@@ -513,15 +528,7 @@ def test_union_launch_stores_the_gluon_rows(monkeypatch):
             tile0, tiles)
     pf_attention.attend_wave(*args)  # the Triton attention: block ids
     ids = scratch.union_blk.clone()
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append(grid)
-
-    monkeypatch.setattr(gluon, "ws_supported", lambda q, cache, *a: gluon.kv_rows(cache))  # any device
-    monkeypatch.setattr(gluon, "kv_block_descriptors", lambda *a: (None, None))
-    monkeypatch.setattr(gluon, "prefill_attn_ws", Recorder(), raising=False)
+    launched = _record_gluon_launches(monkeypatch)
     pf_attention.attend_wave(*args)
     assert launched, "the wave did not take the Gluon path"
     geo = gluon.kv_rows(case.cache)
@@ -554,15 +561,7 @@ def test_gluon_launch_on_long_tables_or_long_waves(monkeypatch, min_cand, min_ti
     (tile0, tiles), = plan.waves()
     assert config.gluon.wanted(plan.max_cand, tiles) is want
     pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, tile0, tiles)
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append(grid)
-
-    monkeypatch.setattr(gluon, "ws_supported", lambda q, cache, *a: gluon.kv_rows(cache))  # any device
-    monkeypatch.setattr(gluon, "kv_block_descriptors", lambda *a: (None, None))
-    monkeypatch.setattr(gluon, "prefill_attn_ws", Recorder(), raising=False)
+    launched = _record_gluon_launches(monkeypatch)
     out = torch.zeros_like(case.q)
     pf_attention.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, out,
                              tile0, tiles)
