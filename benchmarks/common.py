@@ -99,6 +99,17 @@ def capture(fn) -> "torch.cuda.CUDAGraph":
     return capture_graph(fn, warmup=1)
 
 
+def graph_ms(fns: list, iters: int, warmup: int, min_calls: int = 8) -> float:
+    """Median milliseconds of one call replayed from a CUDA graph, as a model's decode graph runs its layers: one graph
+    holds every ``fns`` call in turn (one per rotated layer), repeated up to ``min_calls`` calls, and its replay time
+    is divided by the calls it holds. A graph of one short call would time the host's launch of the graph instead."""
+    calls = fns * -(-min_calls // len(fns))
+    graph = capture(lambda: [f() for f in calls])
+    ms = time_calls([graph.replay], iters, warmup, True) / len(calls)
+    del graph
+    return ms
+
+
 def floor_ms(nbytes: float, bw: float, flops: float = 0.0, peak_flops: float = float("inf")) -> float:
     """The floor of a call: the larger of its bytes over the copy bandwidth and its useful FLOPs over the peak."""
     return max(nbytes / bw, flops / peak_flops) * 1e3

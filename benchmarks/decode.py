@@ -37,8 +37,8 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
     import tests.kernels._kernel_env  # noqa: F401
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, capture, copy_bandwidth,
-                    flash_attn_varlen, host_launch_us, import_published, log, merge_records, peers_of, run_fields,
+from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, copy_bandwidth, flash_attn_varlen,
+                    graph_ms, host_launch_us, import_published, log, merge_records, peers_of, run_fields,
                     run_id, sdpa_fn, shown_command, time_calls, tune_configs)
 from dash_core import DashParams, ops, segments_paged
 from dash_core.kernels.decode import launch as decode_launch
@@ -233,10 +233,7 @@ def segment_rows(a, layers, q, seq, params, bufs, out, common, add, floor, kv_fr
                 log(f"  {method} {variant}: first call {time.time() - t0:.0f} s")
                 add(common, method, variant, time_calls(fns, it, wu, cuda), floor, kv_frac, nbytes)
                 if graphs_on:
-                    graphs = [capture(f) for f in fns]
-                    add(common, method, variant, time_calls([gr.replay for gr in graphs], it, wu, cuda), floor,
-                        kv_frac, nbytes, graph=True)
-                    del graphs
+                    add(common, method, variant, graph_ms(fns, it, wu), floor, kv_frac, nbytes, graph=True)
             except Exception as e:  # an optional library: report, do not fail the run
                 log(f"  {method} {variant} skipped: {type(e).__name__}: {e}")
 
@@ -247,13 +244,12 @@ def dense_rows(add, common, method, variant, fn, floor, nbytes, it, wu, cuda, gr
     if not graphs_on:
         return
     try:
-        gr = capture(fn)
+        ms = graph_ms([fn], it, wu)
     except Exception as e:  # some peers cannot be captured as called here: their eager row stands
         log(f"  {method} not captured: {type(e).__name__}: {str(e)[:200]}")
         torch.cuda.synchronize()
         return
-    add(common, method, variant, time_calls([gr.replay], it, wu, cuda), floor, 1.0, nbytes, graph=True, note=note)
-    del gr
+    add(common, method, variant, ms, floor, 1.0, nbytes, graph=True, note=note)
 
 
 def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat16):
@@ -322,41 +318,32 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write)
         if graphs_on:
             for write in (False, True):
-                graphs = [capture(dash_fn(layer, write)) for layer in layers]
-                ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+                ms = graph_ms([dash_fn(layer, write) for layer in layers], it, wu)
                 add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write, graph=True)
-                del graphs
             for tag, config in a.tunings[1:]:  # --tune: the captured step with the K/V write, and its routing
                 tuned = DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params, config=config)
-                graphs = [capture(dash_fn(layer, True, bufs=tuned)) for layer in layers]
-                ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+                ms = graph_ms([dash_fn(layer, True, bufs=tuned) for layer in layers], it, wu)
                 add(common, "dash-triton", "zero-copy" + tag, ms, floor, kv_frac, nbytes, write=True, graph=True)
-                graphs = [capture(lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params,
-                                                                      tuned)) for lay in layers]
-                ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+                ms = graph_ms([lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, tuned)
+                               for lay in layers], it, wu)
                 add(common, "dash-triton", "route-only" + tag, ms, floor, kv_frac, nbytes, graph=True)
-                del graphs, tuned
+                del tuned
             # where the time goes: each stage alone, replayed from a graph
             sb = b * hkv * ((ctx - 1) // bs) * d * esize + b * hq * d * esize
-            graphs = [capture(lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, bufs))
-                      for lay in layers]
-            ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+            ms = graph_ms([lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, bufs)
+                           for lay in layers], it, wu)
             add(common, "dash-triton", "route-only", ms, sb / bw * 1e3, kv_frac, sb, graph=True)
             for only in ("scores", "select"):  # the two routing launches apart
-                graphs = [capture(lambda lay=lay, only=only: decode_launch.route(q, lay.cache, lay.block_table, seq,
-                                                                             params, bufs, only=only))
-                          for lay in layers]
-                ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+                ms = graph_ms([lambda lay=lay, only=only: decode_launch.route(q, lay.cache, lay.block_table, seq,
+                                                                               params, bufs, only=only)
+                               for lay in layers], it, wu)
                 add(common, "dash-triton", f"{only}-only", ms, (sb if only == "scores" else 0.0) / bw * 1e3, kv_frac,
                     sb if only == "scores" else 0.0, graph=True)
             kvb = nbytes - sb
-            graphs = [capture(lambda lay=lay: decode_launch.attend(q, lay.cache, lay.block_table, seq, params, bufs,
-                                                                   out))
-                      for lay in layers]
-            ms = time_calls([gr.replay for gr in graphs], it, wu, cuda)
+            ms = graph_ms([lambda lay=lay: decode_launch.attend(q, lay.cache, lay.block_table, seq, params, bufs, out)
+                           for lay in layers], it, wu)
             add(common, "dash-triton", "attend-only", ms, kvb / bw * 1e3, kv_frac, kvb, graph=True,
                 note="attends the selection left in the buffers by the last routing")
-            del graphs
         if topk is not None:
             segment_rows(a, layers, q, seq, params, bufs, out, common, add, floor, kv_frac, nbytes, it, wu,
                          cuda, graphs_on)
