@@ -128,7 +128,7 @@ def _merge_kernel(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-                     *, num_splits: int, pdl: bool = False) -> torch.Tensor:
+                     *, num_splits: int, pdl: bool = False, warps: int = 4, stages: int = 2) -> torch.Tensor:
     """Sparse attention of one decode token per request (two launches, no synchronisation).
 
     q: ``[n, Hq, D]``; k_pages, v_pages: ``[pages, page_size, Hkv, D]`` (strided, last dim
@@ -136,8 +136,9 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     ``sel_blk`` (physical block ids) and ``sel_bias`` (log prior) ``[>= n, Hsel, cap]``,
     ``sel_count [>= n, Hsel]``. Scratch: o_part ``[>= n * num_splits, Hq, D]`` fp32, lse_part
     ``[>= n * num_splits, Hq]`` fp32. pdl: each launch is the programmatic dependent of the one before it (the
-    select launch, then the split launch; ``common.pdl_supported``). Writes ``out [n, Hq, D]`` (query dtype) and
-    returns it.
+    select launch, then the split launch; ``common.pdl_supported``). warps, stages: the split launch's
+    ``num_warps`` and ``num_stages`` (``DecodeConfig.attn_warps``, ``attn_stages``). Writes ``out [n, Hq, D]``
+    (query dtype) and returns it.
     """
     n, hq, d = q.shape
     if n == 0:
@@ -156,7 +157,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         LOG2E_F / math.sqrt(d), g, num_splits,
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t, PDL=pdl,
-        num_warps=4, num_stages=2, **pdl_launch(pdl),
+        num_warps=warps, num_stages=stages, **pdl_launch(pdl),
     )
     _merge_kernel[(n, hq)](
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),

@@ -15,7 +15,10 @@ class DecodeConfig:
 
     score_split_min_candidates: a score program handles at least this many candidates (the score launch is split
         over a request's candidates for occupancy). attn_split_max: the most splits of one request's attention.
-    fuse_write_max: the largest ``[block_size, D]`` key tile summarised inside the score launch (the K/V write
+    attn_programs_per_sm: attention programs a multiprocessor gets before a (request, KV head) is split no further.
+    attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
+    attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch.
+    fuse_write_max: the largest ``[block_size, D]`` key tile summarised inside the select launch (the K/V write
         and the summary of a block the new token completes go there); larger ones spill there and get a launch of
         their own.
     select_tile_budget: elements of the select kernel's largest register tile (halved for 16 or more score rows).
@@ -27,6 +30,10 @@ class DecodeConfig:
 
     score_split_min_candidates: int = 64
     attn_split_max: int = 64
+    attn_programs_per_sm: int = 4
+    attn_split_min_blocks: int = 2
+    attn_warps: int = 4
+    attn_stages: int = 2
     fuse_write_max: int = 8192
     select_tile_budget: int = 8192
     select_pivots: int = 16

@@ -5,9 +5,9 @@ Nothing here reads a device tensor: every size comes from shapes (batch rows, ``
 serves every step. A step is four launches, each after the first the programmatic dependent of the one before it
 (``DecodeConfig.pdl``, sm_90+: it starts while that one ends and waits for its results on the device):
 
-    scores against every candidate summary (split over candidates),
-      and the new K/V (+ the summary of a block the new token completes)   route.py (kv_write.write_token)
+    scores against every candidate summary (split over candidates)         route.py
     entmax, group mean, topk cap, prior -> kept blocks per unit             route.py (routing.route_tile)
+      and, beside it, the new K/V (+ the summary of a block it completes)   route.py (kv_write.write_token)
     split-KV attention over local window + kept blocks                      attention.py
     LSE merge of the splits                                                 attention.py
 
@@ -49,7 +49,8 @@ def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_
     b = buffers
     return decode_attention(q, cache.k_pages, cache.v_pages, block_table, seq_lens, params, b.sel_blk, b.sel_bias,
                             b.sel_count, b.o_part, b.lse_part, out, num_splits=nsa,
-                            pdl=b.config.pdl and pdl_supported(q.device))
+                            pdl=b.config.pdl and pdl_supported(q.device), warps=b.config.attn_warps,
+                            stages=b.config.attn_stages)
 
 
 def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
@@ -61,7 +62,7 @@ def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torc
     params = params.routed_by(iq is not None)
     fused = None
     if k is not None:
-        if params.block_size * cache.head_dim <= buffers.config.fuse_write_max:  # the score launch writes K/V too
+        if params.block_size * cache.head_dim <= buffers.config.fuse_write_max:  # the select launch writes K/V too
             fused = write_args(k, v, cache, slot_mapping, head_cls)
         else:
             write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=True)

@@ -3,9 +3,11 @@
 - ``_decode_scores_kernel``, grid ``(n, Hkv, splits)``: each program scores a contiguous share of one request's
   candidates for the G query heads of one KV head (summaries read through the page table) into the score scratch,
   and writes the row maxima of its share (split over the candidates for occupancy: 2048 summaries per KV head at
-  128k / bs 64). It can also write the step's new K/V (``kv_write.write_token``), which this step's routing never
-  reads.
-- ``_decode_select_kernel``, grid ``(n, Hsel)``: one unit per program, calls ``routing.route_tile``.
+  128k / bs 64).
+- ``_decode_select_kernel``, grid ``(n, Hsel [+ Hkv])``: one unit per program, calls ``routing.route_tile``. With
+  the write fused, Hkv more programs a request write the step's new K/V (``kv_write.write_token``) beside the
+  selection, off the chain of scores -> selection that bounds a small batch's step: this step's routing never reads
+  them (the block the new token completes is in the local window), and the attention launch that does comes after.
 """
 
 from __future__ import annotations
@@ -28,12 +30,8 @@ from .config import DecodeConfig
 def _decode_scores_kernel(
     q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT,
-    w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
-    w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
-    w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr,
-    PDL: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates.
 
@@ -41,21 +39,12 @@ def _decode_scores_kernel(
     summaries ``[BLOCK_N, D]`` per step through the page table, writes
     ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
     maximum of its share per head to ``pmax [n, Hq, NSPLIT]`` (-inf for an empty share).
-    FUSE_WRITE: program (i, h, 0) also writes the new K/V of request i, head h (and the summary of
-    the block it completes): nothing in this step's routing reads them (that block is in the local
-    window), and the attention launch that does comes after this kernel.
     """
     if PDL:  # the select launch may start now: it waits for this one's results
         gdc_launch_dependents()
     i = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    if FUSE_WRITE:
-        if s == 0:
-            write_token(i, h, w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
-                        w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
-                        w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-                        D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
     _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
     per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
     c_start = s * per
@@ -79,21 +68,53 @@ def _decode_scores_kernel(
 def _decode_select_kernel(
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
-    count_ptr, scnt_n, NROWS, topk, inv_sigma,
+    count_ptr, scnt_n, NROWS, topk, inv_sigma, HSEL,
+    w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
+    w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
+    w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
+    NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
+    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, FUSE_WRITE: tl.constexpr,
+    WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
+):
+    """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
+
+    Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile``. PDL: launched while the
+    score launch ends, it waits for that launch's results first, and lets the attention launch start.
+    FUSE_WRITE: program (i, HSEL + h) writes the new K/V of request i, KV head h instead (and the summary of the
+    block it completes), without waiting for the score launch: nothing in this step's routing reads them.
+    """
+    i = tl.program_id(0)
+    u = tl.program_id(1)
+    writes = False
+    if FUSE_WRITE:
+        writes = u >= HSEL
+    if writes:
+        write_token(i, u - HSEL, w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
+                    w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
+                    w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
+                    D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
+    else:
+        _select_unit(x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
+                     mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
+                     count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
+                     NH_PAD=NH_PAD, NS_PAD=NS_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG,
+                     BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, PDL=PDL)
+
+
+@triton.jit
+def _select_unit(
+    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
+    mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
+    count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid ``(n, Hsel)``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
-
-    Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile``. PDL: launched while the
-    score launch ends, it waits for that launch's results first, and lets the attention launch start.
-    """
+    """Unit u of request i of ``_decode_select_kernel``."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    i = tl.program_id(0)
-    u = tl.program_id(1)
     _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
     offs_r = tl.arange(0, NH_PAD)
     offs_s = tl.arange(0, NS_PAD)
@@ -116,7 +137,7 @@ def _decode_select_kernel(
 
 
 def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
-    """Placeholders for the score kernel's write arguments (never dereferenced)."""
+    """Placeholders for the select kernel's write arguments (never dereferenced)."""
     return (q, q, 0, 0, 0, 0, q, q, 0, 0, 0, 0, 0, 0, q, 0, 0, q, 0, dummy, 0, 1.0)
 
 
@@ -137,8 +158,9 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
     bounded by the number of candidates).
     write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
-    the summaries they complete when ``write_summarize``) in the score launch.
-    only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark).
+    the summaries they complete when ``write_summarize``) in the select launch.
+    only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
+    writes nothing).
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
@@ -148,16 +170,17 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
         return
     pdl = config.pdl and pdl_supported(q.device)
     if only != "select":  # alone, the score launch has no dependent to let start
-        _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                      write_summarize, max_cand, pdl and only is None)
+        _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
+                      pdl and only is None)
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
-                   sel_bias, sel_count, hq if shared else hq // hkv, 1 if shared else hkv, max_cand, n, config, pdl)
+                   sel_bias, sel_count, hq if shared else hq // hkv, 1 if shared else hkv, max_cand, n, config, pdl,
+                   q, hkv, q.shape[2], write, write_summarize)
 
 
-def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, write,
-                  write_summarize, max_cand, pdl: bool) -> None:
+def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
+                  pdl: bool) -> None:
     n, hq, d = q.shape
     hkv = summaries.shape[1]
     g = hq // hkv
@@ -169,14 +192,14 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
         params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
-        *(write if write is not None else _NO_WRITE(q, seq_lens)),
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
-        FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl, num_warps=4, num_stages=3,
+        PDL=pdl, num_warps=4, num_stages=3,
     )
 
 
 def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
-                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool) -> None:
+                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, hkv, d, write,
+                   write_summarize) -> None:
     bs = params.block_size
     max_pages = block_table.shape[1]
     nh_pad = pow2(nrows)
@@ -191,13 +214,15 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         ts = max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
         npiv = config.select_pivots
     topk = params.topk if params.topk is not None else 0
-    _decode_select_kernel[(n, hsel)](
+    _decode_select_kernel[(n, hsel + (hkv if write is not None else 0))](
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         mp, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
-        sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma,
+        sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
+        *(write if write is not None else _NO_WRITE(q, seq_lens)),
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
-        HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, BS=bs, PS=page_size,
-        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, PDL=pdl,
+        HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
+        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts,
+        FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
         num_warps=SELECT_WARPS, **pdl_launch(pdl),
     )
