@@ -41,7 +41,7 @@ from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, copy_
                     graph_ms, host_launch_us, import_published, log, merge_records, peers_of, run_fields,
                     run_id, sdpa_fn, shown_command, time_calls, tune_configs)
 from dash_core import DashParams, ops, segments_paged
-from dash_core.kernels.decode import launch as decode_launch, route
+from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.kv_write import write_kv_and_summaries
@@ -333,8 +333,7 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             ms = graph_ms([lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, bufs)
                            for lay in layers], it, wu)
             add(common, "dash-triton", "route-only", ms, sb / bw * 1e3, kv_frac, sb, graph=True)
-            fused = route.scores_fused(b, hkv, bufs.max_cand, params, bufs.config)
-            for only in () if fused else ("scores", "select"):  # the two routing launches apart (one where fused)
+            for only in ("scores", "select"):  # the two routing launches apart
                 ms = graph_ms([lambda lay=lay, only=only: decode_launch.route(q, lay.cache, lay.block_table, seq,
                                                                                params, bufs, only=only)
                                for lay in layers], it, wu)

@@ -13,7 +13,6 @@ from dash_core import DashParams
 from dash_core.kernels import routing
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode import route
 from dash_core.kernels.decode.config import DecodeConfig
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import kernel_selection, make_scenario, oracle_route, selection_mismatches
@@ -61,19 +60,16 @@ def check_routing(sc, bufs) -> None:
        est=st.booleans(), sigma=st.sampled_from([1.0, 1e6]), sf=st.sampled_from([0.0, 0.7, 2.0, 4.0]),
        local_blocks=st.integers(1, 2), ppb=st.integers(1, 3), layout=st.sampled_from(["sglang", "vllm"]),
        group=st.sampled_from([1, 2, 4]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-       splits=st.integers(1, 3), fused=st.booleans())
+       splits=st.integers(1, 3))
 def test_routing_matches_oracle(seed, lens, router, topk, est, sigma, sf, local_blocks, ppb, layout, group, dtype,
-                                splits, fused):
-    """sigma 1 next to the default 1e6, which flattens the estimated-diagonal prior; the select launch scoring
-    (``scores_fused``, router kv_head) or the score launch before it."""
+                                splits):
+    """sigma 1 next to the default 1e6, which flattens the estimated-diagonal prior."""
     bs = 16
     p = DashParams(block_size=bs, topk=topk, local=bs * local_blocks, scaling_factor=sf, estimate_diagonal=est,
                    sigma=sigma, router=router)
     sc = make_scenario(seed, lens, hq=2 * group, hkv=2, bs=bs, pages_per_block=ppb, layout=layout, dtype=dtype,
                        params=p, shared_prefix_pages=1).to(DEV)
-    config = DecodeConfig() if fused else DecodeConfig(fuse_scores_max_units=0)
-    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(splits, 1), config=config)
-    assert route.scores_fused(sc.n, 2, bufs.max_cand, p, config) == (fused and router == "kv_head")
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(splits, 1))
     decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
     check_routing(sc, bufs)
 
@@ -137,37 +133,12 @@ def test_wide_topk_and_long_rows():
     through each of route_tile's register/reload paths."""
     default = DecodeConfig()
     # (tiles reloaded every pass), (cap keys in registers, scores reloaded), (both in registers)
-    for budget, one_tile_max, fuse in ((64, 0, 64), (64, default.one_tile_max, 0),
-                                       (default.select_tile_budget, default.one_tile_max, 0),
-                                       (default.select_tile_budget, default.one_tile_max, 64)):
-        config = DecodeConfig(select_tile_budget=budget, one_tile_max=one_tile_max, fuse_scores_max_units=fuse)
+    for budget, one_tile_max in ((64, 0), (64, default.one_tile_max),
+                                 (default.select_tile_budget, default.one_tile_max)):
+        config = DecodeConfig(select_tile_budget=budget, one_tile_max=one_tile_max)
         for topk in (None, 5, 40):
             p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
             sc = make_scenario(11, [16 * 70 + 5, 0, 33], params=p, q_scale=1.5).to(DEV)
             bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(3, 1), config=config)
             decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
             check_routing(sc, bufs)
-
-
-def test_select_launch_scoring_equals_the_score_launch():
-    """Where the select launch scores its own unit (``scores_fused``), the selections equal those routed after the
-    split score launch: the same blocks, counts and priors, on rows of every length (a padded one too), capped and
-    not."""
-    for topk in (None, 6):
-        p = DashParams(block_size=16, topk=topk, scaling_factor=2.0, estimate_diagonal=topk is None)
-        sc = make_scenario(5, [16 * 40 + 7, 0, 300, 17], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
-        got = []
-        for config in (DecodeConfig(), DecodeConfig(fuse_scores_max_units=0)):
-            bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(3, 1), config=config)
-            assert route.scores_fused(sc.n, 2, bufs.max_cand, p, config) == (config.fuse_scores_max_units > 0)
-            decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
-            got.append(bufs)
-        fused, split = got
-        torch.testing.assert_close(fused.sel_count, split.sel_count, atol=0, rtol=0)
-        for i in range(sc.n):
-            for u in range(2):
-                idx_f, blk_f, bias_f = kernel_selection(fused, i, u)
-                idx_s, blk_s, bias_s = kernel_selection(split, i, u)
-                assert (idx_f, blk_f) == (idx_s, blk_s), f"row {i} unit {u}"
-                torch.testing.assert_close(bias_f, bias_s, atol=1e-6, rtol=1e-6)
-        check_routing(sc, got[0])

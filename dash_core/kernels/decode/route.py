@@ -1,4 +1,4 @@
-"""Decode routing: two launches a step (one at small batches), no host synchronisation.
+"""Decode routing: two launches a step, no host synchronisation.
 
 - ``_decode_scores_kernel``, grid ``(n, Hkv, splits)``: each program scores a contiguous share of one request's
   candidates for the G query heads of one KV head (summaries read through the page table) into the score scratch,
@@ -8,8 +8,6 @@
   the write fused, Hkv more programs a request write the step's new K/V (``kv_write.write_token``) beside the
   selection, off the chain of scores -> selection that bounds a small batch's step: this step's routing never reads
   them (the block the new token completes is in the local window), and the attention launch that does comes after.
-  Where a batch has few units and short block tables (``scores_fused``), each select program scores its own unit's
-  candidates first and the score launch is skipped: one launch boundary fewer on the chain.
 """
 
 from __future__ import annotations
@@ -29,14 +27,28 @@ from .config import DecodeConfig
 
 
 @triton.jit
-def _score_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, sf, x_scale, G, i, h,
-                 c_start, c_end, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Scores of request i's candidates ``c_start .. c_end - 1`` for the G query heads of KV head h into the score
-    scratch; returns their maximum per head ``[G_PAD]`` (-inf for an empty share) and the heads' mask.
+def _decode_scores_kernel(
+    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
+    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT,
+    G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):
+    """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates.
 
-    Loads ``sf * q`` rounded to the query dtype (``[G_PAD, D]``), summaries ``[BLOCK_N, D]`` per step through the
-    page table, and writes ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) at ``x [i, head, c]``."""
+    Loads ``sf * q`` rounded to the query dtype for the G heads of KV head h (``[G_PAD, D]``),
+    summaries ``[BLOCK_N, D]`` per step through the page table, writes
+    ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
+    maximum of its share per head to ``pmax [n, Hq, NSPLIT]`` (-inf for an empty share).
+    """
+    if PDL:  # the select launch may start now: it waits for this one's results
+        gdc_launch_dependents()
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
+    per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
+    c_start = s * per
+    c_end = tl.minimum(ncand, c_start + per)
     offs_n = tl.arange(0, BLOCK_N)
     q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
     qs = scaled_query(q, sf)
@@ -49,29 +61,6 @@ def _score_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, 
         x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
         tl.store(x_rows + c[None, :], x, mask=g_ok[:, None] & cm[None, :])
         mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-    return mx, heads, g_ok
-
-
-@triton.jit
-def _decode_scores_kernel(
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT,
-    G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-):
-    """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates (``_score_share``) and
-    writes the maximum of its share per head to ``pmax [n, Hq, NSPLIT]``."""
-    if PDL:  # the select launch may start now: it waits for this one's results
-        gdc_launch_dependents()
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
-    per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
-    c_start = s * per
-    mx, heads, g_ok = _score_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, sf,
-                                   x_scale, G, i, h, c_start, tl.minimum(ncand, c_start + per),
-                                   G_PAD=G_PAD, D=D, BS=BS, PS=PS, BLOCK_N=BLOCK_N)
     tl.store(pmax_ptr + i * spm_n + heads * spm_h + s, mx, mask=g_ok)
 
 
@@ -80,22 +69,18 @@ def _decode_select_kernel(
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
     count_ptr, scnt_n, NROWS, topk, inv_sigma, HSEL,
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, sf, x_scale,
     w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
     w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
     w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, SCORE: tl.constexpr,
-    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr,
-    PDL: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, FUSE_WRITE: tl.constexpr,
+    WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
     Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile``. PDL: launched while the
     score launch ends, it waits for that launch's results first, and lets the attention launch start.
-    SCORE (router ``kv_head``, ``scores_fused``): no score launch ran; the program scores its unit's candidates
-    itself first (``_score_share``; NROWS = G, unit u = KV head u), and PDL only lets the attention launch start.
     FUSE_WRITE: program (i, HSEL + h) writes the new K/V of request i, KV head h instead (and the summary of the
     block it completes), without waiting for the score launch: nothing in this step's routing reads them.
     """
@@ -113,10 +98,8 @@ def _decode_select_kernel(
         _select_unit(x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
                      mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
                      count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
-                     q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, sf, x_scale,
                      NH_PAD=NH_PAD, NS_PAD=NS_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG,
-                     D=D, BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS,
-                     SCORE=SCORE, G_PAD=G_PAD, BLOCK_N=BLOCK_N, PDL=PDL)
+                     BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, PDL=PDL)
 
 
 @triton.jit
@@ -124,31 +107,22 @@ def _select_unit(
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
     count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, sf, x_scale,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
-    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, SCORE: tl.constexpr,
-    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Unit u of request i of ``_decode_select_kernel``."""
     if PDL:
-        gdc_wait()  # (with SCORE a first launch: no launch to wait for)
+        gdc_wait()
         gdc_launch_dependents()
     _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
     offs_r = tl.arange(0, NH_PAD)
+    offs_s = tl.arange(0, NS_PAD)
     rows = u * NROWS + offs_r
     r_ok = offs_r < NROWS
-    if SCORE:
-        mx, _, _ = _score_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, sf,
-                                x_scale, NROWS, i, u, 0, ncand, G_PAD=G_PAD, D=D, BS=BS, PS=PS, BLOCK_N=BLOCK_N)
-        tl.debug_barrier()  # the scores are read back by other threads of this program
-        offs_g = tl.arange(0, G_PAD)
-        m = tl.max(tl.where(offs_g[:, None] == offs_r[None, :], mx[:, None], float("-inf")), axis=0)
-    else:
-        offs_s = tl.arange(0, NS_PAD)
-        pm = tl.load(pmax_ptr + i * spm_n + rows[:, None] * spm_h + offs_s[None, :],
-                     mask=r_ok[:, None] & (offs_s[None, :] < NSPLIT), other=float("-inf"))
-        m = tl.max(pm, axis=1)
+    pm = tl.load(pmax_ptr + i * spm_n + rows[:, None] * spm_h + offs_s[None, :],
+                 mask=r_ok[:, None] & (offs_s[None, :] < NSPLIT), other=float("-inf"))
+    m = tl.max(pm, axis=1)
     m = tl.where(r_ok & (ncand > 0), m, 0.0)
     one = tl.zeros([1], tl.int64)
     i64 = i.to(tl.int64)
@@ -167,20 +141,12 @@ def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
     return (q, q, 0, 0, 0, 0, q, q, 0, 0, 0, 0, 0, 0, q, 0, 0, q, 0, dummy, 0, 1.0)
 
 
-def scores_fused(n: int, hkv: int, max_cand: int, params, config: DecodeConfig) -> bool:
-    """Whether the select launch scores its units' candidates itself, with no score launch before it: router
-    ``kv_head``, at most ``config.fuse_scores_max_units`` units (``n * Hkv``: a small batch, where the launch
-    boundary costs more than the split scoring gains) and ``config.fuse_scores_max_candidates`` candidates."""
-    return (params.router != "shared" and n * hkv <= config.fuse_scores_max_units
-            and max_cand <= config.fuse_scores_max_candidates)
-
-
 def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
                  sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
                  *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
                  write_summarize: bool = False, only: Optional[str] = None) -> None:
-    """Route one decode token per request (two launches, or one where ``scores_fused``; no host synchronisation).
+    """Route one decode token per request (two launches, no host synchronisation).
 
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
     ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token, 0 = padded row).
@@ -194,7 +160,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
     the summaries they complete when ``write_summarize``) in the select launch.
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
-    writes nothing, and launches nothing where the select launch scores).
+    writes nothing).
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
@@ -203,20 +169,14 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     if n == 0:
         return
     pdl = config.pdl and pdl_supported(q.device)
-    fused = scores_fused(n, hkv, max_cand, params, config)
-    if only != "select" and not fused:  # alone, the score launch has no dependent to let start
+    if only != "select":  # alone, the score launch has no dependent to let start
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
                       pdl and only is None)
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
                    sel_bias, sel_count, hq if shared else hq // hkv, 1 if shared else hkv, max_cand, n, config, pdl,
-                   q, summaries, fused, write, write_summarize)
-
-
-def _score_block_n(d: int, max_cand: int) -> int:
-    """Candidates a step of the score loop (``[BLOCK_N, D]`` summaries)."""
-    return max(16, min(64 if d <= 128 else 32, pow2(max_cand)))
+                   q, hkv, q.shape[2], write, write_summarize)
 
 
 def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
@@ -226,22 +186,21 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
     g = hq // hkv
     bs = params.block_size
     max_pages = block_table.shape[1]
+    block_n = max(16, min(64 if d <= 128 else 32, pow2(max_cand)))
     _decode_scores_kernel[(n, hkv, num_splits)](
         q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
         params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
-        G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_N=_score_block_n(d, max_cand), PDL=pdl, num_warps=4, num_stages=3,
+        G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
+        PDL=pdl, num_warps=4, num_stages=3,
     )
 
 
 def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
-                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, summaries,
-                   fused: bool, write, write_summarize) -> None:
+                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, hkv, d, write,
+                   write_summarize) -> None:
     bs = params.block_size
-    d = q.shape[2]
-    hkv = summaries.shape[1]
     max_pages = block_table.shape[1]
     nh_pad = pow2(nrows)
     # wide 3-D tiles spill otherwise
@@ -260,12 +219,10 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         mp, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
-        q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1), params.scaling_factor,
-        0.5 / math.sqrt(d),
         *(write if write is not None else _NO_WRITE(q, seq_lens)),
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
-        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts, SCORE=fused,
-        G_PAD=max(16, pow2(nrows)), BLOCK_N=_score_block_n(d, max_cand), FUSE_WRITE=write is not None,
-        WRITE_SUMMARIZE=write_summarize, PDL=pdl, num_warps=SELECT_WARPS, **pdl_launch(pdl and not fused),
+        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts,
+        FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
+        num_warps=SELECT_WARPS, **pdl_launch(pdl),
     )
