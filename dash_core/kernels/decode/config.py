@@ -17,7 +17,8 @@ class DecodeConfig:
         over a request's candidates for occupancy). attn_split_max: the most splits of one request's attention.
     attn_programs_per_sm: attention programs a multiprocessor gets before a (request, KV head) is split no further.
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
-    attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch.
+    attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch; attn_stages_wide its
+        ``num_stages`` where a batch has more (request, KV head) rows than the GPU has multiprocessors.
     fuse_write_max: the largest ``[block_size, D]`` key tile summarised inside the select launch (the K/V write
         and the summary of a block the new token completes go there); larger ones spill there and get a launch of
         their own.
@@ -34,6 +35,7 @@ class DecodeConfig:
     attn_split_min_blocks: int = 2
     attn_warps: int = 4
     attn_stages: int = 2
+    attn_stages_wide: int = 3
     fuse_write_max: int = 8192
     select_tile_budget: int = 8192
     select_pivots: int = 16
