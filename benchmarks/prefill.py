@@ -47,9 +47,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import (add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, host_launch_us,
-                    import_published, log, merge_records, peers_of, run_fields, run_id, shown_command, time_calls,
-                    tune_configs)
+from common import (SDPA_PEERS, add_output_args, add_shape_args, ar1_walk, capture, copy_bandwidth, floor_ms,
+                    host_launch_us, import_published, log, merge_records, peers_of, run_fields, run_id, shown_command,
+                    time_calls, tune_configs)
 from decode import calibrate_sf
 from prefill_peers import mixed_peer, prompt_peer
 
@@ -251,6 +251,14 @@ def peak_mb(fn, cuda) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def graph_step_ms(fn, a) -> float:
+    """Median ms of ``fn`` replayed from one CUDA graph (captured after a warm-up call): its GPU time, no host time."""
+    graph = capture(fn)
+    ms = time_calls([graph.replay], a.iters, 2, True)
+    del graph
+    return ms
+
+
 def timed(fn, a, cuda) -> float:
     """Median ms of ``fn`` after one warm-up call (also the compile), iterations fitted to ~1.5 s."""
     t = time.perf_counter()
@@ -390,6 +398,8 @@ def adder(records: list, common: dict, dense_floor):
                    peak_mb=None if mem is None or math.isnan(mem) else round(mem, 1))
         if extra:
             rec.update(extra)
+        if variant.endswith("-graph"):
+            rec["graph"] = True
         if note:
             rec["note"] = note
         records.append(rec)
@@ -454,6 +464,10 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
             mem=peak_mb(dash_step, cuda), extra=stats_fields(st),
             note=f"per layer of a step of {nl} layers sharing one PrefillWorkspace (the first makes the plan and "
                  "scratch)")
+        if a.graph and cuda and not tag:
+            add("dash-triton", "serving-graph", graph_step_ms(dash_step, a) / nl, topk=topk, write=True,
+                frac=st["kv_fraction"], floor=floor, extra=stats_fields(st),
+                note=f"the same step of {nl} layers replayed from one CUDA graph (its plan made inside): no host time")
     if cuda:
         torch.cuda.empty_cache()
     for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
@@ -462,6 +476,9 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
             fn = step_fn([b[0] for b in built])
             add("dense-" + peer, "serving", timed(fn, a, cuda) / nl, mem=peak_mb(fn, cuda),
                 note="; ".join(x for x in (f"per layer of {nl} layers", built[0][2]) if x))
+            if a.graph and cuda and peer in SDPA_PEERS:
+                add("dense-" + peer, "serving-graph", graph_step_ms(fn, a) / nl,
+                    note=f"per layer of {nl} layers replayed from one CUDA graph")
             del built, fn
         except Exception as e:  # a peer must not stop the run
             log(f"  dense-{peer} serving skipped: {type(e).__name__}: {str(e)[:200]}")
@@ -767,6 +784,8 @@ def main(argv=None) -> int:
     ap.add_argument("--serving-cases", default="all", help="--preset serving: requests x tokens, e.g. 16x1024,8x2048")
     ap.add_argument("--no-mixed", action="store_true", help="--preset serving: leave the mixed step out")
     ap.add_argument("--layers", type=int, default=SERVING_LAYERS, help="layers of a serving or mixed step")
+    ap.add_argument("--graph", action="store_true",
+                    help="serving: also replay each step (DASH and the SDPA peers) from a CUDA graph: the GPU time")
     ap.add_argument("--published-max-context", type=int, default=131072)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--workspace-max-context", type=int, default=32768,

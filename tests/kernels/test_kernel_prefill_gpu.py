@@ -315,6 +315,49 @@ def test_prefill_never_synchronises():
     assert torch.equal(first, out) and torch.equal(later, out)
 
 
+@cuda_only
+def test_prefill_step_replays_from_a_cuda_graph():
+    """A prefill step of fixed shape (its token count, requests and page-table width) captured in one CUDA graph with
+    a fresh workspace, so that the plan's device tables are made inside it, as a graph of a fixed token count holds
+    it: replayed on new queries, keys and values, and after one request got shorter (the rows past it then belong to
+    no request), it equals the eager call on the same inputs bit for bit."""
+    p = DashParams(block_size=64, topk=16, scaling_factor=2.0)
+    pr = Prompt(9, [5000, 300, 0], [1000, 300, 0], hq=8, hkv=2, d=128, bs=64, ps=64, params=p)
+    static = [t.clone() for t in (pr.q_new, pr.k_new, pr.v_new, pr.cu, pr.seq_lens, pr.slot_mapping)]
+    q_s, k_s, v_s, cu_s, sl_s, slot_s = static
+    out_s = torch.empty_like(q_s)
+
+    def step(workspace):
+        ops.paged_dash_prefill(q_s, k_s, v_s, pr.cache, pr.block_table, cu_s, sl_s, slot_s, pr.head_cls, p,
+                               out=out_s, workspace=workspace)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        step(PrefillWorkspace())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    ws = PrefillWorkspace()
+    with torch.cuda.graph(graph):
+        step(ws)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    for case in range(3):
+        if case >= 1:  # new contents at the same slots
+            for t in (q_s, k_s, v_s):
+                t.copy_(torch.randn(t.shape, device=DEVICE, generator=g).to(t.dtype))
+        if case == 2:  # request 1 ends 100 tokens early: the last 100 rows belong to no request (zero output)
+            cu_s.copy_(torch.tensor([0, 1000, 1200, 1200], dtype=torch.int32, device=DEVICE))
+            sl_s.copy_(torch.tensor([5000, 200, 0], dtype=torch.int32, device=DEVICE))
+            slot_s[1200:] = -1
+        graph.replay()
+        replayed = out_s.clone()
+        eager = ops.paged_dash_prefill(q_s, k_s, v_s, pr.cache, pr.block_table, cu_s, sl_s, slot_s, pr.head_cls,
+                                       p, workspace=PrefillWorkspace())
+        assert torch.equal(replayed, eager), f"case {case}: the replay differs from the eager call"
+        assert bool(replayed.abs().sum(-1).gt(0).all()) if case < 2 else not bool(replayed[1200:].any())
+    assert ws.builds == 1
+
+
 def test_standalone_layers_share_a_step_plan():
     """``standalone.dash_attention`` on the GPU (bf16, the Triton kernels): two layers, a prompt in two chunks then
     decode steps; every row against the float64 ``dash_reference``; each prefill step makes one plan for both
