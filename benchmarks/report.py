@@ -235,12 +235,18 @@ def serving_table(records: list) -> str:
     rows = []
     for r in dash:
         peers = dense_peers(records, r, lambda x: x["variant"] == "serving")
+        graph = [g for g in pick(records, method="dash-triton", variant="serving-graph", topk=r["topk"])
+                 if shape(g) == shape(r)]
+        gpeers = dense_peers(records, graph[-1], lambda x: x["variant"] == "serving-graph") if graph else {}
+        in_graph = (f"{num(graph[-1]['ms'])} / {num(best(gpeers))} ({speedup(best(gpeers), graph[-1]['ms'])})"
+                    if graph and gpeers else "-")
         rows.append([f"{r['batch']} x {tokens(r['context'])}", r["hkv"], topk_of(r), num(r["ms"]),
                      "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}", peers_cell(peers),
-                     speedup(best(peers), r["ms"])])
+                     speedup(best(peers), r["ms"]), in_graph])
     if not rows:
         return "_No serving records yet: `bash ci/gpu.sh prefill bench --preset serving`._"
-    head = ["prompts", "Hkv", "topk", "DASH per layer (ms)", "peak scratch (MiB)", "dense peers (ms)", "vs best dense"]
+    head = ["prompts", "Hkv", "topk", "DASH per layer (ms)", "peak scratch (MiB)", "dense peers (ms)", "vs best dense",
+            "in a graph: DASH / best dense (ms)"]
     return md_table(head, rows)
 
 

@@ -86,6 +86,8 @@ def test_prefill_rows_serving_and_mixed_rows_each_against_their_own_peers(report
         _pre(2048, "dash-triton", "serving", 0.4, write=True, batch=8),
         _pre(2048, "dense-cudnn", "serving", 0.5, topk=None, batch=8),
         _pre(2048, "dense-flashinfer", "one-shot", 0.1, topk=None, batch=8),  # not a step of 8 layers
+        _pre(2048, "dash-triton", "serving-graph", 0.2, write=True, batch=8),  # the step replayed from a graph
+        _pre(2048, "dense-cudnn", "serving-graph", 0.3, topk=None, batch=8),
         _pre(32768, "dash-triton", "mixed", 0.5, write=True, batch=9, decode_tokens=8, prompt_tokens=2048),
         _pre(32768, "dense-flashinfer", "mixed", 0.6, topk=None, batch=9, decode_tokens=8, prompt_tokens=2048),
         _pre(32768, "dense-cudnn", "mixed", 0.4, topk=None, batch=9, decode_tokens=8, prompt_tokens=2048),
@@ -99,7 +101,7 @@ def test_prefill_rows_serving_and_mixed_rows_each_against_their_own_peers(report
     assert rows["128k, 8k chunks"][4:6] == ["-", "-"]
 
     serving = _rows(report.serving_table(recs))
-    assert serving == [["8 x 2k", "8", "64", "0.4", "100", "**cudnn 0.5**", "1.25x"]]
+    assert serving == [["8 x 2k", "8", "64", "0.4", "100", "**cudnn 0.5**", "1.25x", "0.2 / 0.3 (1.50x)"]]
     mixed = _rows(report.mixed_table(recs))
     assert mixed == [["8 decode tokens at 32k + a 2k chunk", "8", "64", "0.5", "**cudnn 0.4**, flashinfer 0.6",
                       "0.80x"]]
