@@ -398,7 +398,7 @@ def adder(records: list, common: dict, dense_floor):
                    peak_mb=None if mem is None or math.isnan(mem) else round(mem, 1))
         if extra:
             rec.update(extra)
-        if variant.endswith("-graph"):
+        if "-graph" in variant:
             rec["graph"] = True
         if note:
             rec["note"] = note
@@ -464,8 +464,8 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
             mem=peak_mb(dash_step, cuda), extra=stats_fields(st),
             note=f"per layer of a step of {nl} layers sharing one PrefillWorkspace (the first makes the plan and "
                  "scratch)")
-        if a.graph and cuda and not tag:
-            add("dash-triton", "serving-graph", graph_step_ms(dash_step, a) / nl, topk=topk, write=True,
+        if a.graph and cuda:
+            add("dash-triton", "serving-graph" + tag, graph_step_ms(dash_step, a) / nl, topk=topk, write=True,
                 frac=st["kv_fraction"], floor=floor, extra=stats_fields(st),
                 note=f"the same step of {nl} layers replayed from one CUDA graph (its plan made inside): no host time")
     if cuda:
