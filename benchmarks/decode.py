@@ -4,10 +4,10 @@ Timing (``docs/PERFORMANCE.md``, "Method"): CUDA events around every call after 
 of many calls, inputs rotated over several layers' caches so that L2 (50 MB on the H200) does not flatter sparse
 reads, and a floor = bytes that must move / measured device-to-device copy bandwidth. Graph rows replay one CUDA
 graph of at least eight steps, each rotated layer's in turn, and divide by the steps (``common.graph_ms``), as a
-model's decode graph runs its layers. Dense peers measured in the same
-run: cuDNN SDPA and SDPA's FlashAttention backend on contiguous K/V (``dense-cudnn``, ``dense-sdpa``; eager and
-captured in a CUDA graph), FlashInfer's paged decode (``dense-flashinfer``) and FlashAttention 4's paged varlen kernel
-(``dense-flash-attn``), each where it imports and runs here; the published DashAttention decode kernels
+model's decode graph runs its layers. Dense peers measured in the same run: cuDNN SDPA and SDPA's FlashAttention
+backend on contiguous K/V (``dense-cudnn``, ``dense-sdpa``; eager and captured in a CUDA graph), FlashInfer's paged
+decode (``dense-flashinfer``) and FlashAttention 4's paged varlen kernel (``dense-flash-attn``), each where it imports
+and runs here; the published DashAttention decode kernels
 (if a copy of the authors' repository is at ``$DASH_PUBLISHED_DIR``; compared uncapped at the same
 ``scaling_factor``, compiled and autotuned before timing). DASH's attention stage on the segment backends
 (``dash-flashinfer``, ``dash-flash-attn``: the same Triton routing, then ``dash_core.segments``) is timed for every
