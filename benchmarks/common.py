@@ -159,9 +159,8 @@ def peers_of(spec: str) -> set:
     return names
 
 
-def shown_command(script: str, argv: list) -> str:
-    """The command as the records carry it: the output path (machine-specific) left out."""
-    outs = ("--json",)
+def shown_command(script: str, argv: list, outs: tuple = ("--json",)) -> str:
+    """The command as the records carry it: the output options ``outs`` (machine-specific paths) left out."""
     kept = [x for i, x in enumerate(argv) if x not in outs and not (i and argv[i - 1] in outs)]
     return f"python benchmarks/{script} " + " ".join(kept)
 

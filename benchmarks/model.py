@@ -40,13 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import host_launch_us, merge_records
+from common import host_launch_us, merge_records, shown_command
 from dash_core.llama import PEERS, LlamaModel, LlamaShape, LlamaWeights
 from dash_core.model_timing import DashSettings, measure_point, speedup_sentence, speedups
 
 TTFT_POINTS = [(1, 2048), (1, 4096), (8, 2048), (4, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536),
                (1, 131072)]
 TPOT_POINTS = [(64, 8192), (1, 32768), (16, 32768), (1, 131072), (4, 131072)]
+OUTPUT_OPTIONS = ("--out", "--json", "--svg", "--commit")  # machine-specific: left out of the recorded command
 SMOKE_TTFT = [(1, 128), (2, 64)]
 SMOKE_TPOT = [(1, 256), (2, 128)]
 
@@ -94,13 +95,6 @@ def git_commit() -> str:
         return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def shown_command(argv: list) -> str:
-    """The command as the records keep it: output paths (machine-specific) left out."""
-    outs = ("--out", "--svg", "--commit")
-    kept = [x for i, x in enumerate(argv) if x not in outs and not (i and argv[i - 1] in outs)]
-    return " ".join(["python benchmarks/model.py"] + kept)
 
 
 # ---------------------------------------------------------------------------- records and outputs
@@ -288,7 +282,8 @@ def main(argv=None) -> int:
                                 page_size=max(64, a.block_size), scaling_factor=a.sf,
                                 target_fraction=a.target_fraction)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
-    common = dict(device=dev_name, commit=a.commit or git_commit(), command=shown_command(argv),
+    common = dict(device=dev_name, commit=a.commit or git_commit(),
+                  command=shown_command("model.py", argv, OUTPUT_OPTIONS),
                   host_us=host_launch_us(device))
     t0 = time.time()
     weights = LlamaWeights(shape, dtype, device, seed=a.seed, layers=a.layers)

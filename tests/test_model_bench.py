@@ -110,6 +110,12 @@ def bench():
     return import_benchmark("model")  # benchmarks/model.py
 
 
+def test_recorded_command_leaves_every_output_path_out(bench):
+    """``--json`` is an alias of ``--out``: neither path (nor the chart's, nor ``--commit``) enters the records."""
+    argv = ["--points", "tpot", "--json", "/x/model.json", "--svg", "/x/model.svg", "--out", "/y.json", "--commit", "c"]
+    assert bench.shown_command("model.py", argv, bench.OUTPUT_OPTIONS) == "python benchmarks/model.py --points tpot"
+
+
 def test_smoke_run_writes_records_tables_and_chart(bench, tmp_path):
     out = tmp_path / "model.json"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
