@@ -102,7 +102,8 @@ def capture(fn) -> "torch.cuda.CUDAGraph":
 def graph_ms(fns: list, iters: int, warmup: int, min_calls: int = 8) -> float:
     """Median milliseconds of one call replayed from a CUDA graph, as a model's decode graph runs its layers: one graph
     holds every ``fns`` call in turn (one per rotated layer), repeated up to ``min_calls`` calls, and its replay time
-    is divided by the calls it holds. A graph of one short call would time the host's launch of the graph instead."""
+    is divided by the calls it holds. A graph of one short call would time the host's launch of the graph instead
+    (``min_calls=1`` where a call is already a whole step of several layers)."""
     calls = fns * -(-min_calls // len(fns))
     graph = capture(lambda: [f() for f in calls])
     ms = time_calls([graph.replay], iters, warmup, True) / len(calls)

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import (SDPA_PEERS, add_output_args, add_shape_args, ar1_walk, capture, copy_bandwidth, floor_ms,
+from common import (SDPA_PEERS, add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, graph_ms,
                     host_launch_us, import_published, log, merge_records, peers_of, run_fields, run_id, shown_command,
                     time_calls, tune_configs)
 from decode import calibrate_sf
@@ -251,14 +251,6 @@ def peak_mb(fn, cuda) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def graph_step_ms(fn, a) -> float:
-    """Median ms of ``fn`` replayed from one CUDA graph (captured after a warm-up call): its GPU time, no host time."""
-    graph = capture(fn)
-    ms = time_calls([graph.replay], a.iters, 2, True)
-    del graph
-    return ms
-
-
 def timed(fn, a, cuda) -> float:
     """Median ms of ``fn`` after one warm-up call (also the compile), iterations fitted to ~1.5 s."""
     t = time.perf_counter()
@@ -390,16 +382,14 @@ def stats_fields(st: dict) -> dict:
 def adder(records: list, common: dict, dense_floor):
     """``add(method, variant, ms, ...)``: appends one record of this case and logs it."""
     def add(method, variant, ms, *, topk=None, write=False, chunk=None, frac=1.0, floor=dense_floor, mem=None,
-            extra=None, note=None):
-        rec = dict(common, method=method, variant=variant, topk=topk, includes_write=write, chunk=chunk,
+            extra=None, note=None, graph=False):
+        rec = dict(common, method=method, variant=variant, topk=topk, includes_write=write, chunk=chunk, graph=graph,
                    ms=round(ms, 4), kv_fraction=None if frac is None else round(frac, 5),
                    floor_ms=None if floor is None else round(floor, 4),
                    floor_fraction=None if floor is None else round(floor / ms, 4),
                    peak_mb=None if mem is None or math.isnan(mem) else round(mem, 1))
         if extra:
             rec.update(extra)
-        if "-graph" in variant:
-            rec["graph"] = True
         if note:
             rec["note"] = note
         records.append(rec)
@@ -465,8 +455,8 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
             note=f"per layer of a step of {nl} layers sharing one PrefillWorkspace (the first makes the plan and "
                  "scratch)")
         if a.graph and cuda:
-            add("dash-triton", "serving-graph" + tag, graph_step_ms(dash_step, a) / nl, topk=topk, write=True,
-                frac=st["kv_fraction"], floor=floor, extra=stats_fields(st),
+            add("dash-triton", "serving-graph" + tag, graph_ms([dash_step], a.iters, 2, min_calls=1) / nl, topk=topk,
+                write=True, frac=st["kv_fraction"], floor=floor, extra=stats_fields(st), graph=True,
                 note=f"the same step of {nl} layers replayed from one CUDA graph (its plan made inside): no host time")
     if cuda:
         torch.cuda.empty_cache()
@@ -477,7 +467,7 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
             add("dense-" + peer, "serving", timed(fn, a, cuda) / nl, mem=peak_mb(fn, cuda),
                 note="; ".join(x for x in (f"per layer of {nl} layers", built[0][2]) if x))
             if a.graph and cuda and peer in SDPA_PEERS:
-                add("dense-" + peer, "serving-graph", graph_step_ms(fn, a) / nl,
+                add("dense-" + peer, "serving-graph", graph_ms([fn], a.iters, 2, min_calls=1) / nl, graph=True,
                     note=f"per layer of {nl} layers replayed from one CUDA graph")
             del built, fn
         except Exception as e:  # a peer must not stop the run
