@@ -90,3 +90,12 @@ def test_attention_head_dims_and_block_sizes():
         p = DashParams(block_size=bs, topk=2, scaling_factor=1.0)
         sc = make_scenario(5, [5 * bs + 3, bs, 0], hq=16, hkv=2, d=d, bs=bs, params=p).to(DEV)
         check_attention(sc, 2)
+
+
+def test_wide_batches_take_the_deeper_attention_pipeline():
+    """``DecodeBuffers.attn_stages``: ``attn_stages_wide`` once a batch's (request, KV head) rows outnumber the
+    multiprocessors (2 KV heads, 4 multiprocessors: 2 requests fill them, 3 do not fit), ``attn_stages`` below."""
+    bufs = DecodeBuffers.allocate(3, 4, 2, 64, 16, 4, DashParams(block_size=16, topk=4), "cpu", num_sms=4)
+    narrow, wide = bufs.config.attn_stages, bufs.config.attn_stages_wide
+    assert narrow != wide
+    assert [bufs.attn_stages(n) for n in (1, 2, 3)] == [narrow, narrow, wide]

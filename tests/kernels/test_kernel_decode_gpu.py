@@ -86,6 +86,8 @@ def test_wide_batch_attention_launch_equals_the_narrow_one():
                     for sms in (None, 1))
     assert sc.n * 2 <= narrow.num_sms and sc.n * 2 > wide.num_sms
     assert narrow.config.attn_stages != narrow.config.attn_stages_wide
+    assert (narrow.attn_stages(sc.n), wide.attn_stages(sc.n)) == (narrow.config.attn_stages,
+                                                                  narrow.config.attn_stages_wide)
     out_n = decode_op(sc, buffers=narrow)
     out_w = decode_op(sc, buffers=wide)  # (writes the same K/V again)
     assert torch.equal(out_n, out_w)

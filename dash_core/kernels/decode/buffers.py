@@ -74,6 +74,12 @@ class DecodeBuffers:
         return self._splits(n, self.num_kv_heads, self.max_cand, self.sel_idx.shape[2], self.params.local_blocks,
                             self.num_sms, self.fixed_splits, self.config)
 
+    def attn_stages(self, n: int) -> int:
+        """``num_stages`` of the split attention for a batch of ``n`` rows: ``config.attn_stages_wide`` where its
+        (request, KV head) rows outnumber the multiprocessors, else ``config.attn_stages``."""
+        wide = n * self.num_kv_heads > self.num_sms
+        return self.config.attn_stages_wide if wide else self.config.attn_stages
+
     @classmethod
     def allocate(cls, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_pages: int, params: DashParams, device, *, num_sms: Optional[int] = None,
