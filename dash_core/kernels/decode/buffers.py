@@ -25,7 +25,8 @@ class DecodeBuffers:
     mp ``[max_batch, Hsel, max_cand]`` fp32, sel_idx / sel_blk ``[max_batch, Hsel, cap]`` int32,
     sel_bias ``[max_batch, Hsel, cap]`` fp32, sel_count ``[max_batch, Hsel]`` int32,
     o_part ``[parts, Hq, D]`` fp32 and lse_part ``[parts, Hq]`` fp32 with ``parts`` the most
-    ``batch * attn_splits`` over batches up to ``max_batch``.
+    ``batch * attn_splits`` over batches up to ``max_batch``; merge_done ``[max_batch, Hkv]`` int32, zero between
+    steps (the splits of a (request, KV head) count themselves there; the last puts it back to zero).
 
     With an indexer (``indexer_heads = Hi``) routing is ``shared`` over the Hi indexer queries:
     scores and pmax have ``max(Hq, Hi)`` head rows and the selection one unit.
@@ -55,6 +56,7 @@ class DecodeBuffers:
     sel_count: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
+    merge_done: torch.Tensor
     indexer_heads: Optional[int] = None
     config: DecodeConfig = DecodeConfig()
 
@@ -116,6 +118,7 @@ class DecodeBuffers:
             sel_count=torch.zeros(max_batch, hsel, dtype=i32, device=device),
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
+            merge_done=torch.zeros(max_batch, num_kv_heads, dtype=i32, device=device),
             indexer_heads=indexer_heads, config=config,
         )
 
