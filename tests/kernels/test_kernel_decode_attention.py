@@ -11,7 +11,6 @@ from hypothesis import given, settings, strategies as st
 from dash_core import DashParams
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.reference import Routing, attend
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import make_scenario, oracle_route, write_decode_token_torch
@@ -100,30 +99,8 @@ def test_wide_batches_take_the_deeper_attention_pipeline():
     narrow, wide = bufs.config.attn_stages, bufs.config.attn_stages_wide
     assert narrow != wide
     assert [bufs.attn_stages(n) for n in (1, 2, 3)] == [narrow, narrow, wide]
-
-
-def test_merge_by_the_last_split_equals_the_merge_launch():
-    """``DecodeConfig.fuse_merge``: the last split of each (request, KV head) merges, bit for bit as the merge
-    launch does (one split: its output directly), a padded row gives zeros, and every count is back to zero after
-    a step, so that the next step on the same buffers (or a graph replay) counts from zero again."""
-    p = DashParams(block_size=16, topk=3, scaling_factor=2.0)
-    sc = make_scenario(7, [150, 0, 61, 97], hq=8, hkv=2, bs=16, params=p).to(DEV)
-    write_decode_token_torch(sc)
-
-    def steps(splits, fuse, count):
-        bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(1, splits),
-                                      config=DecodeConfig(fuse_merge=fuse))
-        fill_selection(sc, bufs)
-        outs = []
-        for _ in range(count):
-            out = torch.full_like(sc.q, float("nan"))
-            decode_launch.attend(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs, out)
-            assert not bufs.merge_done.any(), f"splits {splits}: counts left {bufs.merge_done.tolist()}"
-            outs.append(out.cpu())
-        return outs
-
-    for splits in (1, 3):
-        want = steps(splits, False, 1)[0]
-        for got in steps(splits, True, 2):
-            assert torch.equal(got, want), f"splits {splits}"
-        assert torch.equal(want[1], torch.zeros_like(want[1]))
+    # the register cap goes with the narrow pipeline, at head dim 128 only
+    assert bufs.attn_maxnreg(1) == 0  # head dim 64
+    bufs = DecodeBuffers.allocate(3, 4, 2, 128, 16, 4, DashParams(block_size=16, topk=4), "cpu", num_sms=4)
+    assert bufs.config.attn_maxnreg > 0
+    assert [bufs.attn_maxnreg(n) for n in (1, 2, 3)] == [bufs.config.attn_maxnreg] * 2 + [0]

@@ -3,16 +3,13 @@
 K/V are read straight from the engine's pages (no gather copy). Split-KV: the blocks a
 (request, KV head) attends (its local-window blocks, then its kept routed blocks) are divided
 evenly between ``splits`` programs; each writes a normalised partial output and its natural-log
-LSE, and the splits are combined by LSE: by the last split of each (request, KV head) to finish (it counts the
-finished splits in ``done``, and puts the count back to zero for the next step), or by ``_merge_kernel``, a launch
-of its own (``DecodeConfig.fuse_merge``). The log prior of each routed block is added to its logits, so merging by
-LSE equals softmax over ``lse_b + log pi_b`` per segment.
+LSE; ``_merge_kernel`` combines them by LSE. The log prior of each routed block is added to its
+logits, so merging by LSE equals softmax over ``lse_b + log pi_b`` per segment.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import triton
@@ -28,10 +25,9 @@ def _decode_attn_split_kernel(
     q_ptr, sq_n, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h,
     bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
-    o_ptr, so_r, so_h, lse_ptr, slse_r, qk_scale, G, NSPLIT, out_ptr, sout_n, sout_h, done_ptr, sdone_n,
+    o_ptr, so_r, so_h, lse_ptr, slse_r, qk_scale, G, NSPLIT,
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
-    NS_PAD: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) attends share s of (request i, KV head h)'s blocks.
 
@@ -40,9 +36,8 @@ def _decode_attn_split_kernel(
     ``scnt_h == ssel_h == 0`` for router ``shared``). Per block: ``[BLOCK_T, D]`` K and V tiles,
     ``[G_PAD, BLOCK_T]`` fp32 logits for the G query heads, online softmax in base 2. Writes the
     normalised ``[G, D]`` fp32 partial output at row ``i * NSPLIT + s`` and its natural-log LSE
-    (-inf for an empty share). MERGE: the last program of (i, h) to finish merges the G heads' splits into ``out``
-    (one split: its output goes there directly). PDL: launched while the select launch ends, it waits for the
-    selection (and the K/V write beside it) after reading its query, and (without MERGE) lets the merge launch start.
+    (-inf for an empty share). PDL: launched while the select launch ends, it waits for the selection (and the score
+    launch's K/V write) after reading its query, and lets the merge launch start.
     """
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -52,8 +47,7 @@ def _decode_attn_split_kernel(
     q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
     if PDL:
         gdc_wait()
-        if not MERGE:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     count = tl.load(count_ptr + i * scnt_n + h * scnt_h)
     count = tl.where(length > 0, count, 0)
     total = nloc + count
@@ -103,79 +97,49 @@ def _decode_attn_split_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
-    out_rows = out_ptr + i * sout_n + heads[:, None] * sout_h + offs_d[None, :]
-    if MERGE and NSPLIT == 1:  # the whole list: no partial, no count (what the merge of one split gives)
-        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-    else:
-        r = i * NSPLIT + s
-        tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out, mask=g_ok[:, None])
-        tl.store(lse_ptr + r * slse_r + heads, lse, mask=g_ok)
-        if MERGE:
-            tl.debug_barrier()  # every thread's partial stored before the count is released
-            done = done_ptr + i * sdone_n + h
-            if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:  # the other splits are stored
-                tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")  # for the next step
-                for g in range(G):
-                    _merge_head(o_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr + i * sout_n, sout_h, i * NSPLIT,
-                                h * G + g, NSPLIT, NS_PAD=NS_PAD, D=D, CG=True)
-
-
-@triton.jit
-def _merge_head(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_row_ptr, sout_h, r0, hq, NSPLIT,
-                NS_PAD: tl.constexpr, D: tl.constexpr, CG: tl.constexpr):
-    """Head hq of one request: ``out = sum_s w_s o_s`` over the partials at rows ``r0 ..`` with ``w =
-    softmax_s(lse_s)``; zeros when every share is empty (a padded row), never NaN. CG: the partials are read from L2
-    (other programs of the same launch wrote them)."""
-    offs_s = tl.arange(0, NS_PAD)
-    offs_d = tl.arange(0, D)
-    s_ok = offs_s < NSPLIT
-    r = r0 + offs_s
-    if CG:
-        lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-    else:
-        lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"))
-    mx = tl.max(lse, axis=0)
-    live = lse > float("-inf")
-    w = tl.where(live, tl.exp(lse - tl.where(mx > float("-inf"), mx, 0.0)), 0.0)
-    if CG:
-        o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=live[:, None], other=0.0,
-                    cache_modifier=".cg")
-    else:
-        o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=live[:, None], other=0.0)
-    tot = tl.sum(w, axis=0)
-    res = tl.sum(w[:, None] * o, axis=0) / tl.where(tot > 0, tot, 1.0)
-    tl.store(out_row_ptr + hq * sout_h + offs_d, res.to(out_row_ptr.dtype.element_ty))
+    r = i * NSPLIT + s
+    tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out, mask=g_ok[:, None])
+    tl.store(lse_ptr + r * slse_r + heads, lse, mask=g_ok)
 
 
 @triton.jit
 def _merge_kernel(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, NSPLIT,
                   NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    """Grid ``(n, Hq)``: ``_merge_head`` of head hq of request i (the merge as a launch of its own). PDL: launched
-    while the split launch ends, it waits for it first."""
+    """Grid ``(n, Hq)``: out[i, hq] = sum_s w_s o_s with ``w = softmax_s(lse_s)``; zeros when every
+    share is empty (a padded row), never NaN. PDL: launched while the split launch ends, it waits for it first."""
     if PDL:
         gdc_wait()
     i = tl.program_id(0)
-    _merge_head(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr + i * sout_n, sout_h, i * NSPLIT, tl.program_id(1),
-                NSPLIT, NS_PAD=NS_PAD, D=D, CG=False)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, NS_PAD)
+    offs_d = tl.arange(0, D)
+    s_ok = offs_s < NSPLIT
+    r = i * NSPLIT + offs_s
+    lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    live = lse > float("-inf")
+    w = tl.where(live, tl.exp(lse - tl.where(mx > float("-inf"), mx, 0.0)), 0.0)
+    o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=live[:, None], other=0.0)
+    tot = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(out_ptr + i * sout_n + hq * sout_h + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
-                     *, num_splits: int, pdl: bool = False, warps: int = 4, stages: int = 2, maxnreg: int = 0,
-                     done: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Sparse attention of one decode token per request (one launch, or two; no synchronisation).
+                     *, num_splits: int, pdl: bool = False, warps: int = 4, stages: int = 2,
+                     maxnreg: int = 0) -> torch.Tensor:
+    """Sparse attention of one decode token per request (two launches, no synchronisation).
 
     q: ``[n, Hq, D]``; k_pages, v_pages: ``[pages, page_size, Hkv, D]`` (strided, last dim
     contiguous); block_table ``[n, max_pages]`` int32; seq_lens ``[n]``. Routed blocks per unit:
     ``sel_blk`` (physical block ids) and ``sel_bias`` (log prior) ``[>= n, Hsel, cap]``,
     ``sel_count [>= n, Hsel]``. Scratch: o_part ``[>= n * num_splits, Hq, D]`` fp32, lse_part
-    ``[>= n * num_splits, Hq]`` fp32. done: ``[>= n, Hkv]`` int32, all zero (and left so): the last split of each
-    (request, KV head) merges (``DecodeConfig.fuse_merge``); None: the merge is a launch of its own. pdl: each launch
-    is the programmatic dependent of the one before it (the select launch, then the split launch;
-    ``common.pdl_supported``). warps, stages, maxnreg: the split launch's ``num_warps``, ``num_stages`` and register
-    cap (0: none; ``DecodeConfig.attn_warps``, ``attn_stages``, ``attn_maxnreg``). Writes ``out [n, Hq, D]`` (query
-    dtype) and returns it.
+    ``[>= n * num_splits, Hq]`` fp32. pdl: each launch is the programmatic dependent of the one before it (the
+    select launch, then the split launch; ``common.pdl_supported``). warps, stages, maxnreg: the split launch's
+    ``num_warps``, ``num_stages`` and register cap (0: none; ``DecodeBuffers.attn_stages``, ``attn_maxnreg``).
+    Writes ``out [n, Hq, D]`` (query dtype) and returns it.
     """
     n, hq, d = q.shape
     if n == 0:
@@ -192,17 +156,14 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         sel_blk, sel_bias, sel_blk.stride(0), 0 if shared else sel_blk.stride(1),
         sel_count, sel_count.stride(0), 0 if shared else sel_count.stride(1),
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
-        LOG2E_F / math.sqrt(d), g, num_splits, out, out.stride(0), out.stride(1),
-        done if done is not None else seq_lens, done.stride(0) if done is not None else 0,
+        LOG2E_F / math.sqrt(d), g, num_splits,
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t, PDL=pdl,
-        MERGE=done is not None, NS_PAD=pow2(num_splits), num_warps=warps, num_stages=stages,
-        **({"maxnreg": maxnreg} if maxnreg > 0 else {}), **pdl_launch(pdl),
+        num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch(pdl),
     )
-    if done is None:
-        _merge_kernel[(n, hq)](
-            o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
-            out, out.stride(0), out.stride(1), num_splits, NS_PAD=pow2(num_splits), D=d, PDL=pdl,
-            num_warps=8 if pow2(num_splits) * d >= 4096 else (4 if d >= 128 else 2),  # [splits, D] fp32 tile
-            **pdl_launch(pdl),
-        )
+    _merge_kernel[(n, hq)](
+        o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
+        out, out.stride(0), out.stride(1), num_splits, NS_PAD=pow2(num_splits), D=d, PDL=pdl,
+        num_warps=8 if pow2(num_splits) * d >= 4096 else (4 if d >= 128 else 2),  # [splits, D] fp32 tile
+        **pdl_launch(pdl),
+    )
     return out

@@ -25,8 +25,7 @@ class DecodeBuffers:
     mp ``[max_batch, Hsel, max_cand]`` fp32, sel_idx / sel_blk ``[max_batch, Hsel, cap]`` int32,
     sel_bias ``[max_batch, Hsel, cap]`` fp32, sel_count ``[max_batch, Hsel]`` int32,
     o_part ``[parts, Hq, D]`` fp32 and lse_part ``[parts, Hq]`` fp32 with ``parts`` the most
-    ``batch * attn_splits`` over batches up to ``max_batch``; merge_done ``[max_batch, Hkv]`` int32, zero between
-    steps (the splits of a (request, KV head) count themselves there; the last puts it back to zero).
+    ``batch * attn_splits`` over batches up to ``max_batch``.
 
     With an indexer (``indexer_heads = Hi``) routing is ``shared`` over the Hi indexer queries:
     scores and pmax have ``max(Hq, Hi)`` head rows and the selection one unit.
@@ -56,7 +55,6 @@ class DecodeBuffers:
     sel_count: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
-    merge_done: torch.Tensor
     indexer_heads: Optional[int] = None
     config: DecodeConfig = DecodeConfig()
 
@@ -79,8 +77,15 @@ class DecodeBuffers:
     def attn_stages(self, n: int) -> int:
         """``num_stages`` of the split attention for a batch of ``n`` rows: ``config.attn_stages_wide`` where its
         (request, KV head) rows outnumber the multiprocessors, else ``config.attn_stages``."""
-        wide = n * self.num_kv_heads > self.num_sms
-        return self.config.attn_stages_wide if wide else self.config.attn_stages
+        return self.config.attn_stages_wide if self._wide(n) else self.config.attn_stages
+
+    def attn_maxnreg(self, n: int) -> int:
+        """Register cap of the split attention for a batch of ``n`` rows (0: none): ``config.attn_maxnreg`` at head
+        dim 128 with the narrow pipeline (``attn_stages``), else none."""
+        return self.config.attn_maxnreg if self.head_dim == 128 and not self._wide(n) else 0
+
+    def _wide(self, n: int) -> bool:
+        return n * self.num_kv_heads > self.num_sms
 
     @classmethod
     def allocate(cls, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -118,7 +123,6 @@ class DecodeBuffers:
             sel_count=torch.zeros(max_batch, hsel, dtype=i32, device=device),
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
-            merge_done=torch.zeros(max_batch, num_kv_heads, dtype=i32, device=device),
             indexer_heads=indexer_heads, config=config,
         )
 

@@ -19,11 +19,10 @@ class DecodeConfig:
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
     attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch; attn_stages_wide its
         ``num_stages`` where a batch has more (request, KV head) rows than the GPU has multiprocessors.
-    attn_maxnreg: registers a thread of a split attention program may use at head dim 128 (0: no cap): four
-        programs a multiprocessor instead of two. Other head dims keep what the compiler gives them (64 takes fewer
-        uncapped; 256 needs more).
-    fuse_merge: the last split of each (request, KV head) to finish merges the splits (it counts them in
-        ``DecodeBuffers.merge_done``), instead of a merge launch after the split launch.
+    attn_maxnreg: registers a thread of a split attention program may use with ``attn_stages`` at head dim 128 (0:
+        no cap): four programs a multiprocessor instead of two. The deeper ``attn_stages_wide`` pipeline's shared
+        memory holds three programs a multiprocessor whatever their registers, and other head dims keep what the
+        compiler gives them (64 takes fewer uncapped; 256 needs more).
     fuse_write_max: the largest ``[block_size, D]`` key tile summarised inside the select launch (the K/V write
         and the summary of a block the new token completes go there); larger ones spill there and get a launch of
         their own.
@@ -42,7 +41,6 @@ class DecodeConfig:
     attn_stages: int = 2
     attn_stages_wide: int = 3
     attn_maxnreg: int = 128
-    fuse_merge: bool = True
     fuse_write_max: int = 8192
     select_tile_budget: int = 8192
     select_pivots: int = 16

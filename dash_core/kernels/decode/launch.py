@@ -2,15 +2,14 @@
 
 Nothing here reads a device tensor: every size comes from shapes (batch rows, ``max_pages`` of the page table,
 ``topk``), every sequence-dependent decision is taken by the kernels from ``seq_lens``, so one captured CUDA graph
-serves every step. A step is three launches, each after the first the programmatic dependent of the one before it
+serves every step. A step is four launches, each after the first the programmatic dependent of the one before it
 (``DecodeConfig.pdl``, sm_90+: it starts while that one ends and waits for its results on the device):
 
     scores against every candidate summary (split over candidates)         route.py
     entmax, group mean, topk cap, prior -> kept blocks per unit             route.py (routing.route_tile)
       and, beside it, the new K/V (+ the summary of a block it completes)   route.py (kv_write.write_token)
-    split-KV attention over local window + kept blocks, and the LSE merge    attention.py
-      of each (request, KV head)'s splits by the last of them to finish (``DecodeConfig.fuse_merge``;
-      else a fourth launch)
+    split-KV attention over local window + kept blocks                      attention.py
+    LSE merge of the splits                                                 attention.py
 
 The op (``dash_core.ops.paged_dash_decode``) validates the arguments, and chooses the attention stage: this
 module's, or a segment backend fed by the same routing (``write_and_route`` then ``dash_core.segments``).
@@ -48,12 +47,10 @@ def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_
     """Attention (stage 3) over the selection in ``buffers.sel_*`` into ``out [n, Hq, D]``."""
     _, nsa = buffers.splits(q.shape[0])
     b = buffers
-    maxnreg = b.config.attn_maxnreg if q.shape[2] == 128 else 0
     return decode_attention(q, cache.k_pages, cache.v_pages, block_table, seq_lens, params, b.sel_blk, b.sel_bias,
                             b.sel_count, b.o_part, b.lse_part, out, num_splits=nsa,
                             pdl=b.config.pdl and pdl_supported(q.device), warps=b.config.attn_warps,
-                            stages=b.attn_stages(q.shape[0]), maxnreg=maxnreg,
-                            done=b.merge_done if b.config.fuse_merge else None)
+                            stages=b.attn_stages(q.shape[0]), maxnreg=b.attn_maxnreg(q.shape[0]))
 
 
 def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
