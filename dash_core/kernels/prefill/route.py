@@ -410,10 +410,13 @@ def summary_copy_descriptor(copy: torch.Tensor, config: PrefillConfig) -> Option
 def scores_in_registers(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams,
                         config: PrefillConfig) -> bool:
     """Whether the route kernel keeps a tile's scores in registers (``X_REGS``: no score scratch, and the cap's
-    keys in registers too): ``config.route_registers``, router ``kv_head``, every candidate in one score tile, and
-    that tile within ``config.route_tile_budget`` (short block tables: about 4k tokens at block size 64)."""
+    keys in registers too): ``config.route_registers``, router ``kv_head``, at least two query heads a KV head,
+    every candidate in one score tile, and that tile within ``config.route_tile_budget`` (short block tables: about
+    4k tokens at block size 64). With one query head a KV head the keys, made in registers from a ``[QT, 1, TC]``
+    tile, are held by several threads each, and the compiled cap finds the wrong threshold (Triton 3.6, sm_90; the
+    same miscompile as ``routing.RADIX_MIN_KEYS`` guards); loaded from the scratch they give the right one."""
     block_n = route_block_n(d, max_cand, config)
-    return (config.route_registers and params.router != "shared" and pow2(max_cand) <= block_n
+    return (config.route_registers and params.router != "shared" and hq // hkv >= 2 and pow2(max_cand) <= block_n
             and qt * pow2(hq // hkv) * block_n <= config.route_tile_budget)
 
 
