@@ -94,12 +94,12 @@ def test_attention_head_dims_and_block_sizes():
 
 def test_wide_batches_take_the_deeper_attention_pipeline():
     """``DecodeBuffers.attn_stages``: ``attn_stages_wide`` once a batch's (request, KV head) rows outnumber the
-    multiprocessors (2 KV heads, 4 multiprocessors: 2 requests fill them, 3 do not fit), ``attn_stages`` below."""
+    multiprocessors (2 KV heads, 4 multiprocessors: 2 requests fill them, 3 do not fit), ``attn_stages`` below;
+    ``DecodeBuffers.attn_maxnreg``: the register cap with the narrow pipeline only, at head dim 128 only."""
     bufs = DecodeBuffers.allocate(3, 4, 2, 64, 16, 4, DashParams(block_size=16, topk=4), "cpu", num_sms=4)
     narrow, wide = bufs.config.attn_stages, bufs.config.attn_stages_wide
     assert narrow != wide
     assert [bufs.attn_stages(n) for n in (1, 2, 3)] == [narrow, narrow, wide]
-    # the register cap goes with the narrow pipeline, at head dim 128 only
     assert bufs.attn_maxnreg(1) == 0  # head dim 64
     bufs = DecodeBuffers.allocate(3, 4, 2, 128, 16, 4, DashParams(block_size=16, topk=4), "cpu", num_sms=4)
     assert bufs.config.attn_maxnreg > 0
