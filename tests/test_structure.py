@@ -1,6 +1,6 @@
 """The house's structure, read from the source: no import cycle inside ``dash_core``, the kernels import neither the
-ops, the segment backends nor the PyTorch path, imports inside functions only for optional packages, and no module
-of the product over 800 lines."""
+ops, the segment backends nor the PyTorch path, imports inside functions only for optional packages, every kernel the
+host launches goes through ``@cached_launch``, and no module of the product over 800 lines."""
 
 from __future__ import annotations
 
@@ -98,3 +98,28 @@ def test_no_module_over_800_lines():
         for name, path in modules(package).items():
             lines = len(path.read_text().splitlines())
             assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
+def _decorator_names(node) -> set:
+    """The last name of each decorator of a function (``triton.jit(...)`` -> ``jit``)."""
+    names = set()
+    for d in node.decorator_list:
+        d = d.func if isinstance(d, ast.Call) else d
+        names.add(d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", ""))
+    return names
+
+
+def test_every_launched_kernel_has_a_cached_launch():
+    """A kernel launched as ``kernel[grid](...)`` without ``@cached_launch`` pays Triton's per-call binding."""
+    kernels, launched = {}, set()
+    for path in modules("dash_core").values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and "jit" in _decorator_names(node):
+                kernels[node.name] = _decorator_names(node)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                target = node.func.value
+                launched.add(target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", ""))
+    found = launched & set(kernels)
+    assert len(found) >= 10, f"the kernel launches were not found: {sorted(found)}"
+    bare = sorted(name for name in found if "cached_launch" not in kernels[name])
+    assert not bare, f"launched without @cached_launch: {bare}"

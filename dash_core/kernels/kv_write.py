@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..layout import PagedKVCache
+from .launcher import cached_launch
 
 ROWS = 64  # tokens of one KV head per program of the prefill write and summary launches
 
@@ -79,6 +80,7 @@ def summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, 
     tl.store(summ_ptr + (slot // BS) * ss_b + h * ss_h + offs_d, s.to(summ_ptr.dtype.element_ty))
 
 
+@cached_launch
 @triton.jit
 def _kv_write_kernel(
     k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,
@@ -95,6 +97,7 @@ def _kv_write_kernel(
                 D=D, BS=BS, PS=PS, WRITE=WRITE, SUMMARIZE=SUMMARIZE, OWN_ROW=OWN_ROW)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_tokens"])
 def _kv_rows_kernel(
     k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,

@@ -15,9 +15,11 @@ import triton
 import triton.language as tl
 
 # LN2 is a tl.constexpr: kernels may read it
+from .launcher import cached_launch
 from .common import LN2, LOG2E_F as LOG2E, interpreting, max_or_zero, pow2, raise_max
 
 
+@cached_launch
 @triton.jit
 def _segment_attn_kernel(
     q_ptr, sq_n, sq_h, k_ptr, v_ptr, sk_t, sk_h, sv_t, sv_h,

@@ -43,8 +43,8 @@ def _interpreted_here() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     ours = sys.modules.get("dash_core.kernels.decode.route")
-    return isinstance(std.max, InterpretedFunction) and (
-        ours is None or isinstance(ours._decode_select_kernel, InterpretedFunction))
+    return isinstance(std.max, InterpretedFunction) and (  # (our kernels: a CachedLaunch around each)
+        ours is None or isinstance(ours._decode_select_kernel.fn, InterpretedFunction))
 
 
 INTERPRET = _interpreted_here()

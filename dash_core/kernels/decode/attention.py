@@ -18,8 +18,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..common import (LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query, max_or_zero, pdl_launch,
                       pow2, raise_max)
+from ..launcher import cached_launch
 
 
+@cached_launch
 @triton.jit
 def _decode_attn_split_kernel(
     q_ptr, sq_n, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h,
@@ -102,6 +104,7 @@ def _decode_attn_split_kernel(
     tl.store(lse_ptr + r * slse_r + heads, lse, mask=g_ok)
 
 
+@cached_launch
 @triton.jit
 def _merge_kernel(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, NSPLIT,
                   NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):

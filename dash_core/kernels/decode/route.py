@@ -22,10 +22,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
+from ..launcher import cached_launch
 from ..routing import SELECT_WARPS, route_tile
 from .config import DecodeConfig
 
 
+@cached_launch
 @triton.jit
 def _decode_scores_kernel(
     q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
@@ -64,6 +66,7 @@ def _decode_scores_kernel(
     tl.store(pmax_ptr + i * spm_n + heads * spm_h + s, mx, mask=g_ok)
 
 
+@cached_launch
 @triton.jit
 def _decode_select_kernel(
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,

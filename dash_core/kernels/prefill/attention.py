@@ -25,6 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...layout import PagedKVCache
 from ...params import DashParams
 from ..common import LOG2E, LOG2E_F, block_page, max_or_zero, pow2, raise_max, sm_count, tma_supported
+from ..launcher import cached_launch
 from . import gluon
 from .config import PrefillConfig
 from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
@@ -89,6 +90,7 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
     return nu
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G"])
 def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
@@ -258,6 +260,7 @@ def _prefill_attn_kernel(
                  o.to(o_ptr.dtype.element_ty), mask=in_m[:, None])
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["num_tokens"])
 def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr, ROWS: tl.constexpr):
     """Grid ``(P, Hq)``: zero the output rows past ``cu_seqlens_q[n]`` (tokens of no request), program p taking

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from ..common import sm90
+from ..launcher import cached_launch
 from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
                     INFO_TOK_BASE)
 
@@ -318,6 +319,7 @@ if HAVE_GLUON:
             n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST)
             item = gl.atomic_add(counter, 1)
 
+    @cached_launch
     @gluon.jit(do_not_specialize=["tiles", "num_tokens", "G"])  # no compile per prompt length
     def prefill_attn_ws(q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
                         k_desc, v_desc, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,

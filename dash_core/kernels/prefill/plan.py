@@ -76,10 +76,9 @@ class PrefillScratch:
     summary_desc: Optional[TensorDescriptor] = None
     copied_from: Optional[tuple] = None  # what gather_summaries last copied (route_wave checks it)
 
-    @property
-    def ws_counter(self) -> torch.Tensor:
-        """The Gluon attention launch's work counter: the last column of ``tile_info``'s row 0 (``[1]``)."""
-        return self.tile_info[0, INFO_COLS - 1:]
+    def __post_init__(self) -> None:
+        # the Gluon attention launch's work counter: the last column of tile_info's row 0 ([1]; a view made once)
+        self.ws_counter = self.tile_info[0, INFO_COLS - 1:]
 
     @staticmethod
     def _score_rows(hq: int, hkv: int, recompute: bool) -> int:

@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...layout import PagedKVCache
 from ...params import DashParams
+from ..launcher import cached_launch
 from ..common import block_page, pow2, scaled_query, summary_index, summary_scores, tma_supported
 from ..routing import append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
 from .config import PrefillConfig
@@ -35,6 +36,7 @@ from .tiles import tile_bounds, tile_rows
 COUNT_UNIT = tl.constexpr(2.0 ** -126)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["max_tokens", "HKV", "cs_req"])
 def _gather_summaries_kernel(summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens, cs_ptr, cs_req, HKV,
                              D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, CB: tl.constexpr):
@@ -252,6 +254,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
                 X_IN_REGS=False, TC=BLOCK_N, LIST=True, TL=TL)
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G", "HKV", "topk", "sel_cap"])
 def _prefill_route_kernel(
     q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n,

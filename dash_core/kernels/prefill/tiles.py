@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..common import pow2
+from ..launcher import cached_launch
 
 # tile_info: a row of int32 a tile of a wave, written by the union launch (``attention.py``) and read by the Gluon
 # attention (``gluon.py``); the columns by name (last_local is first_local - 1 where not ok). The last column of
@@ -86,6 +87,7 @@ def tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT: tl.constexpr, G_P
     return u_m, g_m, pos_m, tok_m, in_m, unit_ok
 
 
+@cached_launch
 @triton.jit(do_not_specialize=["n", "nt", "steps"])
 def _tile_tables_kernel(cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, n, nt, steps,
                         QT: tl.constexpr, R: tl.constexpr):

@@ -1,0 +1,96 @@
+"""Launches of compiled Triton kernels with less host time a call: ``@cached_launch`` over ``@triton.jit``.
+
+``kernel[grid](*args, **kw)`` through Triton's JIT binds the arguments into dictionaries, computes each one's
+specialisation, builds a cache key that includes the text of every keyword argument, compares every global the
+kernel reads with its value at compile time, builds the launch's metadata for the hooks, and then launches: on an
+H200 host about 30 us for a kernel of a few arguments and over 100 us for one of sixty, which a short prefill call
+pays for every launch it makes outside a CUDA graph.
+
+``CachedLaunch`` keeps the compiled kernel of each (device, per-parameter specialisation, keyword arguments) and
+launches it directly. The specialisations are Triton's own (``native_specialize_impl`` with each parameter's
+flags, what its binder computes), so a call reuses a compiled kernel exactly when Triton's cache would and compiles
+where Triton would. A key's first call, and every call while launch hooks are set (a profiler) or under the
+interpreter, goes through ``JITFunction.run``. What this skips, and so does not watch: the globals check (the
+kernels' globals are constants) and changes of Triton's debug knobs after a kernel's first launch.
+"""
+
+from __future__ import annotations
+
+import operator
+from itertools import repeat
+from typing import Any, Dict, Tuple
+
+import torch
+import triton
+from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+
+from .common import interpreting
+
+
+class CachedLaunch:
+    """A ``@triton.jit`` kernel launched as ``kernel[grid](*args, **kw)`` (grid: a tuple of 1 to 3 ints), each
+    compiled variant kept here after its first launch. Attributes other than ``[grid]`` are the kernel's."""
+
+    def __init__(self, fn: triton.runtime.JITFunction) -> None:
+        self.fn = fn
+        self._compiled: Dict[Tuple, Any] = {}
+        self._backends: Dict[int, Any] = {}
+        self._interpreted = interpreting()  # triton.jit made an InterpretedFunction: every launch is its own
+        if self._interpreted:
+            return
+        params = fn.params
+        self._names = fn.arg_names
+        self._defaults = [p.default for p in params]
+        runtime = [p for p in params if not p.is_constexpr]
+        # the arguments Triton specialises, and how (its binder's flags): C-level iteration over them below
+        self._runtime_args = _getter([p.num for p in runtime])
+        self._constexpr_args = _getter([p.num for p in params if p.is_constexpr])
+        self._is_const = [p.is_const for p in runtime]
+        self._specialize = [not p.do_not_specialize for p in runtime]
+        self._align = [not p.do_not_specialize_on_alignment for p in runtime]
+
+    def __getattr__(self, name: str):
+        return getattr(self.fn, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        """Launch on the current device and stream; returns the compiled kernel (None under the interpreter)."""
+        if self._interpreted or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+            return self.fn[grid](*args, **kwargs)
+        nargs = len(args)
+        full = args + tuple(map(kwargs.get, self._names[nargs:], self._defaults[nargs:]))
+        device = torch.cuda.current_device()
+        backend = self._backends.get(device)
+        if backend is None:  # what Triton's binder specialises with on this device
+            backend = self._backends[device] = self.fn.device_caches[device][3]
+        spec = tuple(map(native_specialize_impl, repeat(backend), self._runtime_args(full), self._is_const,
+                         self._specialize, self._align))
+        key = (device, spec, self._constexpr_args(full), tuple(kwargs.items()))
+        kernel = self._compiled.get(key)
+        if kernel is None:  # Triton's path: compiles, or finds the variant in its own cache
+            kernel = self._compiled[key] = self.fn[grid](*args, **kwargs)
+            return kernel
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        kernel.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function,
+                   kernel.packed_metadata, None, None, None, *full)
+        return kernel
+
+
+def _getter(indices: list):
+    """``x -> tuple(x[i] for i in indices)``, iterating in C."""
+    if len(indices) == 0:
+        return lambda x: ()
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda x: (x[i],)
+    return operator.itemgetter(*indices)
+
+
+def cached_launch(fn: triton.runtime.JITFunction) -> CachedLaunch:
+    """Decorator: ``@cached_launch`` above ``@triton.jit`` (or ``@gluon.jit``) on a kernel the host launches (not
+    on functions other kernels call)."""
+    return CachedLaunch(fn)

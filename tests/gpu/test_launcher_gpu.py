@@ -1,0 +1,101 @@
+"""``kernels.launcher.CachedLaunch``: a cached launch computes what Triton's own launch computes, compiles a new
+variant exactly where Triton's cache would (alignment, an int of 1 or a multiple of 16, dtypes, constexprs, options),
+gives way to Triton while launch hooks are set, and launches inside a captured CUDA graph."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton import knobs  # noqa: E402
+
+from dash_core.kernels.launcher import cached_launch  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@cached_launch
+@triton.jit(do_not_specialize=["m"])
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, m, alpha, BLOCK: tl.constexpr, SQUARE: tl.constexpr):
+    """``out[i] = alpha * x[i] (squared with SQUARE) + y[i] + m`` for ``i < n``."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + offs, mask=ok).to(tl.float32)
+    if SQUARE:
+        x = x * x
+    y = tl.load(y_ptr + offs, mask=ok).to(tl.float32)
+    tl.store(out_ptr + offs, (alpha * x + y + m).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _axpy(x, y, out, alpha=0.5, m=0, block=128, square=False, num_warps=4):
+    n = out.numel()
+    _axpy_kernel[(triton.cdiv(n, block),)](x, y, out, n, m, alpha, BLOCK=block, SQUARE=square, num_warps=num_warps)
+    ref = alpha * (x[:n].float() ** (2 if square else 1)) + y[:n].float() + m
+    return ref.to(out.dtype)
+
+
+def _triton_variants() -> int:
+    return len(_axpy_kernel.fn.device_caches[torch.cuda.current_device()][0])
+
+
+def test_cached_launches_match_torch_and_compile_where_triton_would():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(4096, device="cuda", generator=g)
+    y = torch.randn(4096, device="cuda", generator=g)
+    cases = [  # (x, y, out, kwargs): each a Triton specialisation or a repeat of an earlier one
+        (base, y, torch.empty(1024, device="cuda"), {}),
+        (base, y, torch.empty(1024, device="cuda"), {"alpha": 2.0, "m": 3}),  # m is not specialised
+        (base, y, torch.empty(1000, device="cuda"), {}),  # n not a multiple of 16
+        (base, y, torch.empty(1, device="cuda"), {}),  # n == 1: a constant of its own variant
+        (base[1:], y, torch.empty(1024, device="cuda"), {}),  # x not 16-byte aligned
+        (base[4:], y[4:], torch.empty(1024, device="cuda")[4:], {}),  # aligned again
+        (base.half(), y, torch.empty(1024, device="cuda", dtype=torch.float16), {}),
+        (base, y, torch.empty(1024, device="cuda"), {"square": True}),
+        (base, y, torch.empty(1024, device="cuda"), {"block": 256}),
+        (base, y, torch.empty(1024, device="cuda"), {"num_warps": 2}),
+    ]
+    triton_before, kept_before = _triton_variants(), len(_axpy_kernel._compiled)
+    for rep in range(2):  # the second round launches the kept variants, none through Triton
+        for x, yy, out, kw in cases:
+            ref = _axpy(x, yy, out, **kw)
+            torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+        if rep == 0:
+            variants = _triton_variants()
+    assert _triton_variants() == variants  # nothing compiled in the second round
+    # one kept variant for each of Triton's: 8 (the aligned view and the unspecialised m repeat the first case's;
+    # the other tests of this file launch with another BLOCK)
+    assert len(_axpy_kernel._compiled) - kept_before == variants - triton_before == 8
+
+
+def test_launch_hooks_take_tritons_path():
+    x = torch.randn(256, device="cuda")
+    out = torch.empty_like(x)
+    _axpy(x, x, out, block=64)  # a kept variant
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        _axpy(x, x, out, block=64)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert seen == ["_axpy_kernel"]
+
+
+def test_cached_launch_replays_in_a_cuda_graph():
+    x, y = torch.randn(512, device="cuda"), torch.randn(512, device="cuda")
+    out = torch.empty_like(x)
+    _axpy(x, y, out, block=64)  # compiled and kept outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        _axpy(x, y, out, block=64)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.copy_(torch.randn(512, device="cuda"))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, 0.5 * x + y)
