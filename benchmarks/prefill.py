@@ -559,12 +559,18 @@ def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat1
 
     add("dash-triton", "mixed", timed(dash_step, a, cuda) / nl, topk=topk, write=True, frac=None,
         mem=peak_mb(dash_step, cuda), note=f"one paged_dash_prefill call per layer, {nl} layers sharing a workspace")
+    if a.graph and cuda:
+        add("dash-triton", "mixed-graph", graph_ms([dash_step], a.iters, 2, min_calls=1) / nl, topk=topk, write=True,
+            frac=None, graph=True, note=f"the same step of {nl} layers replayed from one CUDA graph: no host time")
     for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
         try:
             built = [mixed_peer(peer, m, i, cuda) for i in range(nl)]
             fn = step_fn([b[0] for b in built])
             add("dense-" + peer, "mixed", timed(fn, a, cuda) / nl, frac=None, mem=peak_mb(fn, cuda),
                 note=built[0][1])
+            if a.graph and cuda and peer in SDPA_PEERS:
+                add("dense-" + peer, "mixed-graph", graph_ms([fn], a.iters, 2, min_calls=1) / nl, frac=None,
+                    graph=True, note=f"per layer of {nl} layers replayed from one CUDA graph")
             del built, fn
         except Exception as e:  # a peer must not stop the run
             log(f"  dense-{peer} mixed skipped: {type(e).__name__}: {str(e)[:200]}")

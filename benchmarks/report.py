@@ -258,10 +258,18 @@ def mixed_table(records: list) -> str:
                             and x.get("prompt_tokens") == r.get("prompt_tokens")
                             and x.get("decode_tokens") == r.get("decode_tokens"))
         step = f"{r['decode_tokens']} decode tokens at {tokens(r['context'])} + a {tokens(r['prompt_tokens'])} chunk"
-        rows.append([step, r["hkv"], topk_of(r), num(r["ms"]), peers_cell(peers), speedup(best(peers), r["ms"])])
+        graph = [g for g in pick(records, method="dash-triton", variant="mixed-graph", topk=r["topk"])
+                 if shape(g) == shape(r) and g.get("prompt_tokens") == r.get("prompt_tokens")]
+        gpeers = dense_peers(records, graph[-1], lambda x: x["variant"] == "mixed-graph"
+                             and x.get("prompt_tokens") == r.get("prompt_tokens")) if graph else {}
+        in_graph = (f"{num(graph[-1]['ms'])} / {num(best(gpeers))} ({speedup(best(gpeers), graph[-1]['ms'])})"
+                    if graph and gpeers else "-")
+        rows.append([step, r["hkv"], topk_of(r), num(r["ms"]), peers_cell(peers), speedup(best(peers), r["ms"]),
+                     in_graph])
     if not rows:
         return "_No mixed-step records yet: `bash ci/gpu.sh prefill bench --preset serving`._"
-    return md_table(["step", "Hkv", "topk", "DASH per layer (ms)", "dense peers (ms)", "vs best dense"], rows)
+    return md_table(["step", "Hkv", "topk", "DASH per layer (ms)", "dense peers (ms)", "vs best dense",
+                     "in a graph: DASH / best dense (ms)"], rows)
 
 
 def crossover_lines(records: list) -> str:
