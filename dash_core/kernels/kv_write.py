@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..layout import PagedKVCache
+from .common import cdiv
 from .launcher import cached_launch
 
 ROWS = 64  # tokens of one KV head per program of the prefill write and summary launches
@@ -177,7 +178,7 @@ def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     num_warps = summary_warps(block_size, d)
 
     def rows(write: bool, summ_on: bool, warps: int) -> None:
-        _kv_rows_kernel[(triton.cdiv(t, ROWS), cache.num_kv_heads)](
+        _kv_rows_kernel[(cdiv(t, ROWS), cache.num_kv_heads)](
             *args, t, D=d, BS=block_size, PS=cache.page_size, ROWS=ROWS, WRITE=write, SUMMARIZE=summ_on,
             num_warps=warps,
         )

@@ -133,7 +133,7 @@ def compile_variant(item):
     """The compiled kernel of one recorded launch ``(name, signature, constexprs, options, attributes)``, for
     ``TARGET``."""
     name, sig, consts, opts, attrs = item
-    fn = getattr(KERNELS[name], name)
+    fn = getattr(KERNELS[name], name).fn  # the JITFunction inside the CachedLaunch
     source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
     src = source(fn, sig, consts, {eval(k): v for k, v in attrs.items()})
     return triton.compile(src, target=TARGET, options=opts)

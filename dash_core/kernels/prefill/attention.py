@@ -24,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...layout import PagedKVCache
 from ...params import DashParams
-from ..common import LOG2E, LOG2E_F, block_page, max_or_zero, pow2, raise_max, sm_count, tma_supported
+from ..common import LOG2E, LOG2E_F, block_page, cdiv, max_or_zero, pow2, raise_max, sm_count, tma_supported
 from ..launcher import cached_launch
 from . import gluon
 from .config import PrefillConfig
@@ -353,7 +353,7 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     if ws:
         gc = cfg.gluon
         k_desc, v_desc = gluon.kv_block_descriptors(cache, bs, geo)
-        gluon.prefill_attn_ws[(min(sm_count(q.device), triton.cdiv(tiles * hkv, gc.warpgroups)),)](
+        gluon.prefill_attn_ws[(min(sm_count(q.device), cdiv(tiles * hkv, gc.warpgroups)),)](
             q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
             s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
             spr[1], out, so[0], so[1], qk_scale, g, tiles, t, hkv, s.ws_counter,
@@ -362,9 +362,10 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
             VST=gc.v_slots, REGS=gc.regs, num_warps=4, maxnreg=gc.regs)
 
 
-def zero_tail(out: torch.Tensor, cu_seqlens_q: torch.Tensor, config: PrefillConfig) -> None:
-    """Zero the rows of ``out [T, Hq, D]`` past ``cu_seqlens_q[-1]`` (tokens of no request), on the device."""
+def zero_tail(out: torch.Tensor, cu_end: torch.Tensor, config: PrefillConfig) -> None:
+    """Zero the rows of ``out [T, Hq, D]`` from ``cu_end [1]`` (``cu_seqlens_q[-1:]``: tokens of no request) on, on
+    the device."""
     t, hq, d = out.shape
     rows = 16
-    _zero_tail_kernel[(min(triton.cdiv(t, rows), config.zero_tail_programs), hq)](
-        out, out.stride(0), out.stride(1), cu_seqlens_q[-1:], t, D=d, ROWS=rows)
+    _zero_tail_kernel[(min(cdiv(t, rows), config.zero_tail_programs), hq)](
+        out, out.stride(0), out.stride(1), cu_end, t, D=d, ROWS=rows)

@@ -94,5 +94,5 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     for tile0, tiles in plan.waves():
         route_wave(rq, rcache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
         attend_wave(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, out, tile0, tiles)
-    zero_tail(out, cu_seqlens_q, config)
+    zero_tail(out, plan.cu_end, config)
     return out

@@ -142,6 +142,7 @@ class PrefillPlan:
     tile_off: torch.Tensor
     config: PrefillConfig = PrefillConfig()
     recompute: bool = False  # routing stores no score (recompute_routing): a smaller scratch per tile
+    cu_end: Optional[torch.Tensor] = None  # cu_seqlens_q[-1:], where the rows of no request start ([1], a view)
 
     @classmethod
     def build(cls, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -160,7 +161,7 @@ class PrefillPlan:
         qt, max_cand, per_tile = _tile_geometry(hq, hkv, table_tokens, params, config, route_heads, recompute)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
         wave = wave_tiles(nt, per_tile, hkv, q.device, config)
-        return cls(qt, nt, wave, max_cand, tile_req, tile_off, config, recompute)
+        return cls(qt, nt, wave, max_cand, tile_req, tile_off, config, recompute, cu_seqlens_q[-1:])
 
     def waves(self) -> list:
         """``(tile0, tiles)`` of each wave in the order the op issues them: the last first where

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...layout import PagedKVCache
 from ...params import DashParams
 from ..launcher import cached_launch
-from ..common import block_page, pow2, scaled_query, summary_index, summary_scores, tma_supported
+from ..common import block_page, cdiv, pow2, scaled_query, summary_index, summary_scores, tma_supported
 from ..routing import append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
 from .config import PrefillConfig
 from .tiles import tile_bounds, tile_rows
@@ -73,7 +73,7 @@ def gather_summaries(cache: PagedKVCache, block_table: torch.Tensor, seq_lens: t
     n, max_cand, hkv, d = copy.shape
     scratch.copied_from = _copy_source(cache, block_table, seq_lens)
     cb = 32
-    _gather_summaries_kernel[(n, triton.cdiv(max_cand, cb))](
+    _gather_summaries_kernel[(n, cdiv(max_cand, cb))](
         summ, summ.stride(0), summ.stride(1), block_table, block_table.stride(0), seq_lens,
         block_table.shape[1] * cache.page_size, copy, max_cand, hkv, D=d, BS=params.block_size, PS=cache.page_size,
         CB=cb, num_warps=4)
