@@ -1,9 +1,11 @@
-"""Time the prefill K/V write (``cache_dash_prefill``'s kernels) against one program per token.
+"""Time the prefill K/V write against one program per token.
 
-``write_kv_and_summaries(..., decode=False)`` writes a prompt's K/V into the paged cache, then
-summarises every block it completes, each launch taking ``kv_write.ROWS`` tokens of one KV head a
-program. The peer row launches the decode kernel the same two ways (write, then summaries) with one
-program per token and KV head, as the prefill write did before. Pages are shuffled; times are medians
+``write_kv_and_summaries(..., decode=False)`` writes a prompt's K/V into the paged cache and
+summarises every block it completes, ``kv_write.ROWS`` tokens of one KV head a program: in one launch
+where each request's tokens are consecutive (``consecutive``, the prefill op's write), else a write
+launch, then a summary launch (``cache_dash_prefill``'s, slots in any order). The peer row launches the
+decode kernel two ways (write, then summaries) with one program per token and KV head, as the prefill
+write did before. Pages are shuffled; times are medians
 of CUDA-event-timed calls after warm-up (``common.time_calls``: calls issued back to back); the floor is the
 bytes moved (K/V read and written, each completed block's keys read, the summaries written) over the measured
 copy bandwidth.
@@ -67,7 +69,9 @@ def main(argv=None) -> int:
         cache = PagedKVCache.from_sglang(kb, torch.zeros_like(kb), bs, alloc_summaries(pages * bs, bs, hkv, d, dt, dev))
         moved = 2 * (2 * k.numel() * 2) + (t // bs) * hkv * (bs + 1) * d * 2 + t * 8
         floor_us = moved / bw * 1e6
-        for name, fn in (("rows (ROWS tokens a program)", lambda: kv_write.write_kv_and_summaries(
+        for name, fn in (("rows, one launch (consecutive)", lambda: kv_write.write_kv_and_summaries(
+                             k, v, cache, slots, head_cls, bs, decode=False, consecutive=True)),
+                         ("rows, two launches", lambda: kv_write.write_kv_and_summaries(
                              k, v, cache, slots, head_cls, bs, decode=False)),
                          ("one program per token", lambda: per_token(k, v, cache, slots, head_cls, bs))):
             us = time_calls([fn], a.iters, 3, True) * 1e3

@@ -153,7 +153,7 @@ def paged_dash_prefill(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[t
     block_table : ``[n, max_pages]`` int32 page ids of each request.
     cu_seqlens_q : ``[n + 1]`` int32 row offsets of each request's new tokens.
     seq_lens : ``[n]`` int32 KV lengths after the extend (0: a padded request).
-    slot_mapping : ``[T]`` int64 (``< 0``: padding).
+    slot_mapping : ``[T]`` int64 (``< 0``: padding): each new token's slot, where the block table places its position.
     head_cls : ``[Hkv, D]`` the summary vectors (unused with an indexer, may be None).
     params : the layer's ``DashParams``.
     out : ``[T, Hq, D]`` to write into (optional).

@@ -1,13 +1,15 @@
 """Triton kernel: write new K/V into the paged cache and summarise the blocks they complete.
 
 Stage 1 of docs/semantics.md (section 2) on the GPU. A block is summarised by the program of the token
-that completes it (``slot % bs == bs - 1``); its other keys are read back from the cache.
+that completes it (``slot % bs == bs - 1``), in the launch that writes the keys.
 
-- Decode (one new token per request): one launch does both, the completing key is taken from
-  the input (``OWN_ROW``), the others were written by earlier steps.
-- Prefill (several tokens of a block may arrive in one batch): a write launch, then a summary
-  launch that reads every key of the block from the cache. Each program of either takes ``ROWS``
-  tokens of one KV head (a program per token and head left most of a launch to starting programs).
+- Decode (one new token per request): the completing key is taken from the input (``OWN_ROW``), the
+  others were written by earlier steps.
+- Prefill (several tokens of a block may arrive in one batch, written by other programs): where each
+  request's new tokens are consecutive rows (the prefill op), one launch takes a block's keys of this
+  batch from the input and the others from the cache; with slots in any order (``cache_dash_prefill``),
+  a write launch, then a summary launch reading the cache. Each program takes ``ROWS`` tokens of one KV
+  head (a program per token and head left most of a launch to starting programs).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..layout import PagedKVCache
 from .common import cdiv
 from .launcher import cached_launch
 
-ROWS = 64  # tokens of one KV head per program of the prefill write and summary launches
+ROWS = 64  # tokens of one KV head per program of the prefill write (and summary) launch
 
 
 @triton.jit
@@ -63,8 +65,7 @@ def write_token(
 def summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale, k_last,
                     D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, OWN_ROW: tl.constexpr):
     """Summarise KV head h of the block whose last slot is ``slot``: its keys ``[BS, D]`` from the cache
-    (the last one ``k_last [D]`` when OWN_ROW), ``softmax(K head_cls / sqrt(D))`` in fp32, the weighted key
-    sum stored at ``summaries[slot // BS, h]`` in the store's dtype."""
+    (the last one ``k_last [D]`` when OWN_ROW), then ``store_summary``."""
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BS)
     page = slot // PS
@@ -73,12 +74,40 @@ def summarize_block(slot, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, 
                  + offs_d[None, :]).to(tl.float32)
     if OWN_ROW:
         kb = tl.where(offs_t[:, None] == BS - 1, k_last.to(tl.float32)[None, :], kb)
+    store_summary(kb, slot, h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale, D=D, BS=BS)
+
+
+@triton.jit
+def store_summary(kb, slot, h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale, D: tl.constexpr, BS: tl.constexpr):
+    """``softmax(K head_cls / sqrt(D))`` over a block's keys ``kb [BS, D]`` (fp32), the weighted key sum stored at
+    ``summaries[slot // BS, h]`` in the store's dtype."""
+    offs_d = tl.arange(0, D)
     hc = tl.load(hc_ptr + h * shc_h + offs_d).to(tl.float32)
     logits = tl.sum(kb * hc[None, :], axis=1) * scale
     w = tl.exp(logits - tl.max(logits, axis=0))
     w = w / tl.sum(w, axis=0)
     s = tl.sum(w[:, None] * kb, axis=0)
     tl.store(summ_ptr + (slot // BS) * ss_b + h * ss_h + offs_d, s.to(summ_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _block_keys_written_now(slot, t, h, k_ptr, sk_t, sk_h, slot_ptr, kc_ptr, skc_p, skc_r, skc_h,
+                            D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr):
+    """The keys ``[BS, D]`` (fp32) of the block whose last slot is ``slot``, written by token ``t``: row r from
+    this batch's ``k`` where token ``t - (BS - 1 - r)`` writes its slot (a request's new tokens are consecutive
+    rows of the batch and fill consecutive slots of a block), else from the cache (written by an earlier call).
+    Rounded to the cache's dtype first, as the stored keys are."""
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, BS)
+    tok = t - (BS - 1) + offs_t
+    s_tok = tl.load(slot_ptr + tok, mask=tok >= 0, other=-1)
+    new = (tok >= 0) & (s_tok == slot - (BS - 1) + offs_t)
+    page = slot // PS
+    row0 = slot % PS - (BS - 1)
+    kb = tl.load(kc_ptr + page * skc_p + (row0 + offs_t)[:, None] * skc_r + h * skc_h + offs_d[None, :],
+                 mask=~new[:, None], other=0.0)
+    kn = tl.load(k_ptr + tok.to(tl.int64)[:, None] * sk_t + h * sk_h + offs_d[None, :], mask=new[:, None], other=0.0)
+    return tl.where(new[:, None], kn.to(kc_ptr.dtype.element_ty), kb).to(tl.float32)
 
 
 @cached_launch
@@ -109,8 +138,10 @@ def _kv_rows_kernel(
     WRITE: tl.constexpr, SUMMARIZE: tl.constexpr,
 ):
     """Grid ``(cdiv(T, ROWS), Hkv)``: program (i, h) takes tokens ``i * ROWS ..`` of KV head h. WRITE stores
-    their K/V rows at their slots (skipped when < 0 or out of range); SUMMARIZE (a later launch: it reads
-    keys other programs wrote) summarises the block of each token whose slot is the last of its block."""
+    their K/V rows at their slots (skipped when < 0 or out of range); SUMMARIZE summarises the block of each token
+    whose slot is the last of its block: with WRITE, from the keys of this batch (``_block_keys_written_now``: other
+    programs write them into the cache meanwhile; each request's new tokens consecutive) and of the cache; alone,
+    from the cache (written by an earlier launch)."""
     h = tl.program_id(1)
     offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     slot = tl.load(slot_ptr + offs_r, mask=offs_r < num_tokens, other=-1).to(tl.int64)
@@ -131,8 +162,14 @@ def _kv_rows_kernel(
         rank = tl.cumsum(last.to(tl.int32), axis=0) - 1
         for j in range(tl.sum(last.to(tl.int32), axis=0)):  # the j-th token of this program that ends a block
             s_j = tl.max(tl.where(last & (rank == j), slot, -1), axis=0)
-            summarize_block(s_j, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale, None,
-                            D=D, BS=BS, PS=PS, OWN_ROW=False)
+            if WRITE:
+                t_j = tl.max(tl.where(last & (rank == j), offs_r, -1), axis=0)
+                kb = _block_keys_written_now(s_j, t_j, h, k_ptr, sk_t, sk_h, slot_ptr, kc_ptr, skc_p, skc_r, skc_h,
+                                             D=D, BS=BS, PS=PS)
+                store_summary(kb, s_j, h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale, D=D, BS=BS)
+            else:
+                summarize_block(s_j, h, kc_ptr, skc_p, skc_r, skc_h, summ_ptr, ss_b, ss_h, hc_ptr, shc_h, scale,
+                                None, D=D, BS=BS, PS=PS, OWN_ROW=False)
 
 
 def write_args(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
@@ -160,14 +197,16 @@ def summary_warps(block_size: int, head_dim: int) -> int:
 
 def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
                            slot_mapping: torch.Tensor, head_cls: Optional[torch.Tensor], block_size: int,
-                           *, decode: bool) -> None:
+                           *, decode: bool, consecutive: bool = False) -> None:
     """Write ``k, v [T, Hkv, D]`` at ``slot_mapping [T]`` (int64, < 0 = skipped) and summarise every
     block whose last slot is written (when the cache has a summary store).
 
     decode=True: one launch, a program per token and KV head; each token's block holds no other token of
-    this batch (one new token per request). decode=False: a write launch, then a summary launch, of
-    ``ROWS`` tokens a program (prefill, any batch). ``k, v`` None: the summaries only.
-    Arguments are assumed validated (``dash_core.checks``); nothing is synchronised.
+    this batch (one new token per request). decode=False: programs of ``ROWS`` tokens (prefill, any batch): with
+    ``consecutive`` (each request's new tokens are consecutive rows filling consecutive slots, as
+    ``paged_dash_prefill``'s ``cu_seqlens_q`` and block table place them) one launch, a block's new keys read from
+    ``k``; otherwise (slots in any order) a write launch, then a summary launch reading the cache. ``k, v`` None:
+    the summaries only. Arguments are assumed validated (``dash_core.checks``); nothing is synchronised.
     """
     t = slot_mapping.shape[0]
     if t == 0 or (k is None and cache.summaries is None):
@@ -189,19 +228,23 @@ def write_kv_and_summaries(k: Optional[torch.Tensor], v: Optional[torch.Tensor],
             OWN_ROW=summarize and k is not None, num_warps=num_warps,
         )
         return
+    if k is not None and summarize and consecutive:  # [ROWS, D] K and V tiles, then each completed block's keys
+        rows(True, True, max(num_warps, ROWS * d // 2048))
+        return
     if k is not None:
-        rows(True, False, max(4, ROWS * d // 2048))  # [ROWS, D] K and V tiles
+        rows(True, False, max(4, ROWS * d // 2048))
     if summarize:  # after the write: a block's keys may come from several programs
         rows(False, True, num_warps)
 
 
 def write_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, slot_mapping: torch.Tensor,
-                  params, head_cls: Optional[torch.Tensor]) -> None:
-    """Write ``k, v [T, Hkv, D]`` at ``slot_mapping [T]`` and summarise the blocks completed (prefill: any batch).
-    Arguments validated by the op."""
+                  params, head_cls: Optional[torch.Tensor], consecutive: bool = False) -> None:
+    """Write ``k, v [T, Hkv, D]`` at ``slot_mapping [T]`` and summarise the blocks completed (prefill: any batch;
+    ``consecutive`` as for ``write_kv_and_summaries``). Arguments validated by the op."""
     k = k if k.stride(-1) == 1 else k.contiguous()  # the kernel reads whole [D] rows
     v = v if v.stride(-1) == 1 else v.contiguous()
-    write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=False)
+    write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=False,
+                           consecutive=consecutive)
 
 
 def write_indexer_summaries(cache: PagedKVCache, slot_mapping: torch.Tensor, head_cls_i: torch.Tensor,

@@ -2,9 +2,9 @@
 
 ``kernel[grid](*args, **kw)`` through Triton's JIT binds the arguments into dictionaries, computes each one's
 specialisation, builds a cache key that includes the text of every keyword argument, compares every global the
-kernel reads with its value at compile time, builds the launch's metadata for the hooks, and then launches: on an
-H200 host about 30 us for a kernel of a few arguments and over 100 us for one of sixty, which a short prefill call
-pays for every launch it makes outside a CUDA graph.
+kernel reads with its value at compile time, builds the launch's metadata for the hooks, and then launches: host
+time that grows with the arguments (our attention launch has sixty), which a short prefill call pays for every
+launch it makes outside a CUDA graph (docs/PERFORMANCE.md, where the time goes).
 
 ``CachedLaunch`` keeps the compiled kernel of each (device, per-parameter specialisation, keyword arguments) and
 launches it directly. The specialisations are Triton's own (``native_specialize_impl`` with each parameter's
@@ -30,7 +30,9 @@ from .common import interpreting
 
 class CachedLaunch:
     """A ``@triton.jit`` kernel launched as ``kernel[grid](*args, **kw)`` (grid: a tuple of 1 to 3 ints), each
-    compiled variant kept here after its first launch. Attributes other than ``[grid]`` are the kernel's."""
+    compiled variant kept here after its first launch. Runtime arguments go positionally; keywords are constexprs
+    and launch options (hashable values: they are part of the key). Attributes other than ``[grid]`` are the
+    kernel's."""
 
     def __init__(self, fn: triton.runtime.JITFunction) -> None:
         self.fn = fn
@@ -71,6 +73,9 @@ class CachedLaunch:
         key = (device, spec, self._constexpr_args(full), tuple(kwargs.items()))
         kernel = self._compiled.get(key)
         if kernel is None:  # Triton's path: compiles, or finds the variant in its own cache
+            tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+            if tensors:  # its identity would key the cache: a miss, and a kept variant, at every call
+                raise TypeError(f"{self.fn.__name__}: pass tensors positionally, not as keywords {tensors}")
             kernel = self._compiled[key] = self.fn[grid](*args, **kwargs)
             return kernel
         g1 = grid[1] if len(grid) > 1 else 1

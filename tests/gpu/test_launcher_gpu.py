@@ -1,6 +1,6 @@
 """``kernels.launcher.CachedLaunch``: a cached launch computes what Triton's own launch computes, compiles a new
 variant exactly where Triton's cache would (alignment, an int of 1 or a multiple of 16, dtypes, constexprs, options),
-gives way to Triton while launch hooks are set, and launches inside a captured CUDA graph."""
+gives way to Triton while launch hooks are set, launches inside a captured CUDA graph, and refuses a tensor keyword."""
 
 import pytest
 import torch
@@ -99,3 +99,10 @@ def test_cached_launch_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, 0.5 * x + y)
+
+
+def test_a_tensor_keyword_is_refused():
+    """A tensor passed by keyword would key the cache by its identity (a new variant kept at every call)."""
+    x = torch.randn(64, device="cuda")
+    with pytest.raises(TypeError, match="pass tensors positionally"):
+        _axpy_kernel[(1,)](x, x, out_ptr=torch.empty_like(x), n=64, m=0, alpha=1.0, BLOCK=64, SQUARE=False)

@@ -25,7 +25,7 @@ from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
 
 PREFILL_KERNELS = {"_prefill_route_kernel": pf_route, "_prefill_attn_kernel": pf_attention,
-                   "_zero_tail_kernel": pf_attention, "_gather_summaries_kernel": pf_route,
+                   "_gather_summaries_kernel": pf_route,
                    "_tile_tables_kernel": pf_tiles, "_kv_rows_kernel": kv_write, "prefill_attn_ws": gluon}
 # The device queries the launches make, answered as on the H200 while recording (module attribute -> stand-in).
 AS_ON_H200 = {"tma_supported": lambda device: True, "sm90": lambda device: True, "sm_count": lambda device: 132}
@@ -83,9 +83,11 @@ def record_launches() -> dict:
                 iq = torch.zeros(t, hi, d, dtype=dtype) if hi else None
                 paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
                                           config=PrefillConfig(scratch_bytes=1 << 24))
-                if not hi:  # cache_dash_prefill's write and summary launches
+                if not hi:  # cache_dash_prefill's write and summary launches, the prefill op's one launch
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
-                    kv_write.write_kv_and_summaries(kv, kv, cache, torch.arange(t), hc, bs, decode=False)
+                    for consecutive in (False, True):
+                        kv_write.write_kv_and_summaries(kv, kv, cache, torch.arange(t), hc, bs, decode=False,
+                                                        consecutive=consecutive)
     finally:
         for mod, name, value in patched:
             setattr(mod, name, value)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECKS = {  # checker module -> (fewest launches, the kernels it must cover or None)
     "tests.kernels._kernel_compile_check": (20, None),
     "tests.kernels._prefill_compile_check": (18, {"_prefill_route_kernel", "_prefill_attn_kernel",
-                                                  "_zero_tail_kernel", "_tile_tables_kernel", "_kv_rows_kernel",
+                                                  "_tile_tables_kernel", "_kv_rows_kernel",
                                                   "_gather_summaries_kernel", "prefill_attn_ws"}),
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -85,10 +86,11 @@ def test_prefill_write_and_summaries(seed, ntok, bs, ppb, layout, d, dtype, pad)
     torch.testing.assert_close(cache.summaries.cpu().double(), expect, **summary_tolerance(dtype))
 
 
-def test_row_programs_write_as_one_program_per_token():
-    """The prefill write's row programs (``ROWS`` tokens of a head each) against the decode kernel launched once
-    per token and head, write then summaries (the prefill write before them; ``benchmarks/kv_write.py``'s
-    peer), bit for bit: prompts in order on
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_row_programs_write_as_one_program_per_token(consecutive):
+    """The prefill write's row programs (``ROWS`` tokens of a head each; ``consecutive``: one launch, a block's new
+    keys from the input) against the decode kernel launched once per token and head, write then summaries (the
+    prefill write before them; ``benchmarks/kv_write.py``'s peer), bit for bit: prompts in order on
     shuffled pages that end just before, on and after a program's last token (bs 16: four blocks end in each
     program), a padding slot and one past the cache; then the summaries alone (``k, v`` None) again."""
     from dash_core.kernels import kv_write
@@ -105,13 +107,13 @@ def test_row_programs_write_as_one_program_per_token():
         head_cls = torch.randn(hkv, d, generator=g).to(dtype).to(DEV)
 
         def cache():
-            kb = torch.zeros(npages * bs, hkv, d, dtype=dtype, device=DEV)
+            kb = torch.full((npages * bs, hkv, d), 3.0, dtype=dtype, device=DEV)  # a stale read shows
             return PagedKVCache.from_sglang(kb, torch.zeros_like(kb), bs, alloc_summaries(npages * bs, bs, hkv, d,
                                                                                             dtype, DEV))
 
         rows, per_token = cache(), cache()
         sm = slots.to(DEV)
-        write_kv_and_summaries(k, v, rows, sm, head_cls, bs, decode=False)
+        write_kv_and_summaries(k, v, rows, sm, head_cls, bs, decode=False, consecutive=consecutive)
         import_benchmark("kv_write").per_token(k, v, per_token, sm, head_cls, bs)  # the benchmark's peer
         assert torch.equal(rows.k_pages, per_token.k_pages) and torch.equal(rows.v_pages, per_token.v_pages)
         assert torch.equal(rows.summaries, per_token.summaries)
@@ -119,3 +121,13 @@ def test_row_programs_write_as_one_program_per_token():
         rows.summaries.zero_()
         write_kv_and_summaries(None, None, rows, sm, head_cls, bs, decode=False)
         assert torch.equal(rows.summaries, per_token.summaries)
+        if consecutive:  # the same prompt in two calls that split a block (and a program): its older keys cached
+            for cut in (2 * bs + 5, kv_write.ROWS + 3):
+                if cut >= t:
+                    continue
+                chunked = cache()
+                for part in (slice(0, cut), slice(cut, t)):
+                    write_kv_and_summaries(k[part], v[part], chunked, sm[part], head_cls, bs, decode=False,
+                                           consecutive=True)
+                assert torch.equal(chunked.k_pages, per_token.k_pages)
+                assert torch.equal(chunked.summaries, per_token.summaries)

@@ -751,24 +751,25 @@ def test_chunked_prompt_every_boundary_class():
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-@pytest.mark.parametrize("programs", [PrefillConfig().zero_tail_programs, 2, 1])
-def test_tail_rows_and_inconsistent_requests_are_zero(programs):
+@pytest.mark.parametrize("tail,scratch_bytes", [(40, None), (1, None), (300, None), (40, 1)])
+def test_tail_rows_and_inconsistent_requests_are_zero(tail, scratch_bytes):
     """Token rows past ``cu_seqlens_q[n]`` and rows of a request whose new tokens outnumber its length
-    are written as zeros (never NaN, never left stale); with one or two programs a head, the tail launch loops
-    over the 40 tail rows in chunks of 16."""
+    are written as zeros (never NaN, never left stale). The attention programs of the tiles past the last one zero
+    the tail, each its share; with a scratch of one tile a wave, those tiles come in waves of their own."""
     p = DashParams(block_size=16, scaling_factor=2.0)
     case = make_prefill_case(8, [(40, 20), (30, 10)], params=p).to(DEV)
     t = case.q.shape[0]
-    q = torch.cat([case.q, torch.randn(40, *case.q.shape[1:]).to(case.q)])
+    q = torch.cat([case.q, torch.randn(tail, *case.q.shape[1:]).to(case.q)])
     seq = case.seq_lens.clone()
     seq[1] = 5  # 10 new tokens cannot end at length 5
     out = torch.full_like(q, float("nan"))
+    config = PrefillConfig() if scratch_bytes is None else PrefillConfig(scratch_bytes=scratch_bytes)
     pf_launch.paged_dash_prefill_triton(q, None, None, case.cache, case.block_table, case.cu, seq, None,
-                                        case.head_cls, p, out=out, config=PrefillConfig(zero_tail_programs=programs))
+                                        case.head_cls, p, out=out, config=config)
     out = out.cpu()
     assert torch.equal(out[20:], torch.zeros_like(out[20:]))
     assert torch.isfinite(out[:20]).all() and out[:20].abs().sum() > 0
-    assert out.shape[0] == t + 40
+    assert out.shape[0] == t + tail
 
 
 def test_validation_errors_before_any_write():

@@ -91,10 +91,10 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
 
 
 @cached_launch
-@triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G"])
+@triton.jit(do_not_specialize=["tile0", "n", "nt", "max_tokens", "num_tokens", "G"])
 def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
-    cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
+    cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, nt, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, upos_ptr, spos_w, spos_h, o_ptr, so_t, so_h, qk_scale, G,
     k_desc, v_desc, info_ptr, sinfo, nu_ptr, counter_ptr, ublk_page, ublk_step, ublk_head,
@@ -119,7 +119,8 @@ def _prefill_attn_kernel(
        ``v_desc`` from ``_kv_descriptors``, which otherwise are the K/V pointers again and unused):
        ``[M, BLOCK_U]`` fp32 logits plus each row's bias for the block of each key, online softmax in base 2.
     Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
-    inconsistent get zeros.
+    inconsistent get zeros, and the tiles past the last one (of the ``nt`` the tile tables number, at least one)
+    zero the rows of no request (``_zero_tail_rows``).
 
     UNION_ONLY: step 1 only, for ``gluon.prefill_attn_ws``: the union's size to ``nu_ptr [w Hkv + h]``, the
     tile's bounds to row w of ``info_ptr`` (rows ``sinfo`` apart, columns ``tiles.INFO_*``), and 0 to
@@ -130,6 +131,10 @@ def _prefill_attn_kernel(
     req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = tile_bounds(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
     last_local = tl.where(ok, a0 // BS, first_local - 1)
+    first_dead = tl.load(tile_off_ptr + n)  # the tiles' count
+    if tile0 + w >= first_dead:
+        _zero_tail_rows(o_ptr, so_t, so_h, h, G, tl.load(cu_ptr + n).to(tl.int32), num_tokens, tile0 + w - first_dead,
+                        tl.maximum(nt - first_dead, 1), QT, G_PAD, D)
     if UNION_ONLY:
         if h == 0:
             info = info_ptr + w * sinfo
@@ -260,19 +265,20 @@ def _prefill_attn_kernel(
                  o.to(o_ptr.dtype.element_ty), mask=in_m[:, None])
 
 
-@cached_launch
-@triton.jit(do_not_specialize=["num_tokens"])
-def _zero_tail_kernel(o_ptr, so_t, so_h, cu_end_ptr, num_tokens, D: tl.constexpr, ROWS: tl.constexpr):
-    """Grid ``(P, Hq)``: zero the output rows past ``cu_seqlens_q[n]`` (tokens of no request), program p taking
-    every P-th chunk of ``ROWS`` of them; with no such row, each program returns after one load (a grid of one
-    program a chunk of all ``T`` rows costs a long prompt a launch of that many programs for nothing)."""
-    hd = tl.program_id(1)
-    end = tl.load(cu_end_ptr).to(tl.int64)
-    offs = tl.arange(0, D)
-    for r0 in range(end + tl.program_id(0) * ROWS, num_tokens, tl.num_programs(0) * ROWS):
-        r = (r0 + tl.arange(0, ROWS)).to(tl.int64)  # int64 already (end is): offsets of long outputs
-        tl.store(o_ptr + r[:, None] * so_t + hd * so_h + offs[None, :],
-                 tl.zeros([ROWS, D], tl.float32).to(o_ptr.dtype.element_ty), mask=(r < num_tokens)[:, None])
+@triton.jit
+def _zero_tail_rows(o_ptr, so_t, so_h, h, G, cu_end, num_tokens, k, ndead, QT: tl.constexpr, G_PAD: tl.constexpr,
+                    D: tl.constexpr):
+    """Tile ``k`` of the ``ndead`` tiles past the last one, for KV head h: zero its share of the output rows from
+    ``cu_end`` (``cu_seqlens_q[n]``: tokens of no request) on, every ``ndead``-th chunk of ``QT`` rows, the G query
+    heads of h (``[QT * G_PAD, D]`` stores; with no such row, nothing)."""
+    offs_m = tl.arange(0, QT * G_PAD)
+    g = offs_m % G_PAD
+    offs_d = tl.arange(0, D)
+    zero = tl.zeros([QT * G_PAD, D], tl.float32).to(o_ptr.dtype.element_ty)
+    for r0 in range(cu_end + k * QT, num_tokens, ndead * QT):
+        tok = (r0 + offs_m // G_PAD).to(tl.int64)
+        ok = (tok < num_tokens) & (g < G)
+        tl.store(o_ptr + tok[:, None] * so_t + (h * G + g)[:, None] * so_h + offs_d[None, :], zero, mask=ok[:, None])
 
 
 def _nested_rows(x: torch.Tensor) -> bool:
@@ -336,7 +342,8 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     qk_scale = LOG2E_F / math.sqrt(d)
     _prefill_attn_kernel[(tiles, hkv)](
         q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0),
-        cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
+        cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], plan.num_tiles,
+        bt.shape[1] * cache.page_size,
         t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1], s.sel_count, scnt[0], 0 if shared else scnt[1],
         s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_pos, spos[0], spos[1],
         out, so[0], so[1], qk_scale, g,
@@ -360,12 +367,3 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
             geo[2],
             QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
             VST=gc.v_slots, REGS=gc.regs, num_warps=4, maxnreg=gc.regs)
-
-
-def zero_tail(out: torch.Tensor, cu_end: torch.Tensor, config: PrefillConfig) -> None:
-    """Zero the rows of ``out [T, Hq, D]`` from ``cu_end [1]`` (``cu_seqlens_q[-1:]``: tokens of no request) on, on
-    the device."""
-    t, hq, d = out.shape
-    rows = 16
-    _zero_tail_kernel[(min(cdiv(t, rows), config.zero_tail_programs), hq)](
-        out, out.stride(0), out.stride(1), cu_end, t, D=d, ROWS=rows)

@@ -71,7 +71,6 @@ class PrefillConfig:
         picked by ``tl.gather``, which with 32 ids hit an illegal address compiled with Triton 3.6: keep it at 16).
         attn_tma: union tiles of one block loaded by TMA (Hopper and later). union_tile, union_list_tile: elements
         of the union-building ``[TU, QT]`` and ``[QT, TJ]`` tiles.
-        zero_tail_programs: programs a query head of the launch that zeroes the rows of no request.
     gluon: the Hopper attention launch (``GluonConfig``).
     """
 
@@ -102,7 +101,6 @@ class PrefillConfig:
     attn_tma: bool = True
     union_tile: int = 4096
     union_list_tile: int = 2048
-    zero_tail_programs: int = 64
     gluon: GluonConfig = field(default_factory=GluonConfig)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
 """The prefill call: plan and scratch (made once per batch through a ``PrefillWorkspace``), then each wave's route
-and attention launches, then the rows of no request zeroed. Launches only: nothing reads a device value on the host.
+and attention launches (the attention launch also zeroes the rows of no request). Launches only: nothing reads a
+device value on the host.
 Arguments are validated by the op (``dash_core.ops``) before anything here runs.
 """
 
@@ -13,7 +14,7 @@ from ...layout import PagedKVCache
 from ...params import DashParams
 from ...workspace import PrefillWorkspace
 from ..kv_write import write_prefill
-from .attention import attend_wave, zero_tail
+from .attention import attend_wave
 from .config import PrefillConfig
 from .plan import PrefillPlan, PrefillScratch
 from .route import gather_summaries, route_wave
@@ -69,7 +70,7 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     if out is None:
         out = torch.empty_like(q)
     if k is not None:
-        write_prefill(k, v, cache, slot_mapping, params, head_cls)
+        write_prefill(k, v, cache, slot_mapping, params, head_cls, consecutive=True)  # the op's token layout
     t, hq, d = q.shape
     n = seq_lens.shape[0]
     if t == 0:
@@ -94,5 +95,4 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     for tile0, tiles in plan.waves():
         route_wave(rq, rcache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
         attend_wave(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, out, tile0, tiles)
-    zero_tail(out, plan.cu_end, config)
     return out

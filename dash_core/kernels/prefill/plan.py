@@ -142,7 +142,6 @@ class PrefillPlan:
     tile_off: torch.Tensor
     config: PrefillConfig = PrefillConfig()
     recompute: bool = False  # routing stores no score (recompute_routing): a smaller scratch per tile
-    cu_end: Optional[torch.Tensor] = None  # cu_seqlens_q[-1:], where the rows of no request start ([1], a view)
 
     @classmethod
     def build(cls, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -161,7 +160,7 @@ class PrefillPlan:
         qt, max_cand, per_tile = _tile_geometry(hq, hkv, table_tokens, params, config, route_heads, recompute)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
         wave = wave_tiles(nt, per_tile, hkv, q.device, config)
-        return cls(qt, nt, wave, max_cand, tile_req, tile_off, config, recompute, cu_seqlens_q[-1:])
+        return cls(qt, nt, wave, max_cand, tile_req, tile_off, config, recompute)
 
     def waves(self) -> list:
         """``(tile0, tiles)`` of each wave in the order the op issues them: the last first where
@@ -200,7 +199,7 @@ def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_he
     config = PrefillConfig() if config is None else config
     params = params.routed_by(indexer_heads is not None)
     qt, max_cand, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, config, indexer_heads)
-    nt = num_tokens // qt + 2 * min(max_requests, num_tokens)
+    nt = num_tokens // qt + 2 * min(max_requests, num_tokens) + 1
 
     def waves(tile_bytes: int) -> int:
         return min(nt * tile_bytes, max(config.scratch_bytes, tile_bytes))

@@ -124,11 +124,12 @@ def tile_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: 
     """Device tables placing the tiles, in one launch and without synchronising.
 
     Returns ``tile_req [NT]`` int32 (request of each tile, ``n`` past the last tile), ``tile_off
-    [n + 1]`` int32 (first tile of each request) and the static bound ``NT = T // QT + 2 n``
-    (``cdiv(start % QT + qlen, QT) <= qlen // QT + 2`` tiles per request).
+    [n + 1]`` int32 (first tile of each request) and the static bound ``NT = T // QT + 2 n + 1``
+    (``cdiv(start % QT + qlen, QT) <= qlen // QT + 2`` tiles per request, and at least one tile past the last,
+    whose attention programs zero the rows of no request).
     """
     n = seq_lens.shape[0]
-    nt = num_tokens // qt + 2 * n
+    nt = num_tokens // qt + 2 * n + 1
     dev = seq_lens.device
     tile_req = torch.empty(nt, dtype=torch.int32, device=dev)
     tile_off = torch.empty(n + 1, dtype=torch.int32, device=dev)
