@@ -91,6 +91,8 @@ def test_prefill_rows_serving_and_mixed_rows_each_against_their_own_peers(report
         _pre(32768, "dash-triton", "mixed", 0.5, write=True, batch=9, decode_tokens=8, prompt_tokens=2048),
         _pre(32768, "dense-flashinfer", "mixed", 0.6, topk=None, batch=9, decode_tokens=8, prompt_tokens=2048),
         _pre(32768, "dense-cudnn", "mixed", 0.4, topk=None, batch=9, decode_tokens=8, prompt_tokens=2048),
+        _pre(32768, "dash-triton", "mixed-graph", 0.25, write=True, batch=9, decode_tokens=8, prompt_tokens=2048),
+        _pre(32768, "dense-cudnn", "mixed-graph", 0.3, topk=None, batch=9, decode_tokens=8, prompt_tokens=2048),
     ]
     rows = {r[0]: r for r in _rows(report.prefill_table(recs))}
     assert set(rows) == {"8k", "8k, vLLM layout", "128k", "128k, 8k chunks"}
@@ -104,7 +106,7 @@ def test_prefill_rows_serving_and_mixed_rows_each_against_their_own_peers(report
     assert serving == [["8 x 2k", "8", "64", "0.4", "100", "**cudnn 0.5**", "1.25x", "0.2 / 0.3 (1.50x)"]]
     mixed = _rows(report.mixed_table(recs))
     assert mixed == [["8 decode tokens at 32k + a 2k chunk", "8", "64", "0.5", "**cudnn 0.4**, flashinfer 0.6",
-                      "0.80x"]]
+                      "0.80x", "0.25 / 0.3 (1.20x)"]]
     lines = report.crossover_lines(recs).splitlines()
     assert "- Hkv 8, topk 64, one shot: faster than the fastest dense peer from 128k tokens on; slower at 8k" in lines
 
