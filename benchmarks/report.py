@@ -228,6 +228,17 @@ def prefill_table(records: list) -> str:
     return with_devices(records, md_table(head, rows))
 
 
+def graph_cell(records: list, r: dict, variant: str, match) -> str:
+    """``DASH / best dense (ms) (speed-up)`` of the ``variant`` records (a step replayed from a graph) of ``r``'s case
+    that ``match``, or ``-``."""
+    graph = [g for g in pick(records, method="dash-triton", variant=variant, topk=r["topk"])
+             if shape(g) == shape(r) and match(g)]
+    gpeers = dense_peers(records, graph[-1], lambda x: x["variant"] == variant and match(x)) if graph else {}
+    if not gpeers:
+        return "-"
+    return f"{num(graph[-1]['ms'])} / {num(best(gpeers))} ({speedup(best(gpeers), graph[-1]['ms'])})"
+
+
 def serving_table(records: list) -> str:
     """Per layer of an engine step (``variant: "serving"``): ``batch`` prompts of ``context`` tokens."""
     dash = sorted(pick(records, method="dash-triton", variant="serving"),
@@ -235,14 +246,9 @@ def serving_table(records: list) -> str:
     rows = []
     for r in dash:
         peers = dense_peers(records, r, lambda x: x["variant"] == "serving")
-        graph = [g for g in pick(records, method="dash-triton", variant="serving-graph", topk=r["topk"])
-                 if shape(g) == shape(r)]
-        gpeers = dense_peers(records, graph[-1], lambda x: x["variant"] == "serving-graph") if graph else {}
-        in_graph = (f"{num(graph[-1]['ms'])} / {num(best(gpeers))} ({speedup(best(gpeers), graph[-1]['ms'])})"
-                    if graph and gpeers else "-")
         rows.append([f"{r['batch']} x {tokens(r['context'])}", r["hkv"], topk_of(r), num(r["ms"]),
                      "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}", peers_cell(peers),
-                     speedup(best(peers), r["ms"]), in_graph])
+                     speedup(best(peers), r["ms"]), graph_cell(records, r, "serving-graph", lambda x: True)])
     if not rows:
         return "_No serving records yet: `bash ci/gpu.sh prefill bench --preset serving`._"
     head = ["prompts", "Hkv", "topk", "DASH per layer (ms)", "peak scratch (MiB)", "dense peers (ms)", "vs best dense",
@@ -258,14 +264,9 @@ def mixed_table(records: list) -> str:
                             and x.get("prompt_tokens") == r.get("prompt_tokens")
                             and x.get("decode_tokens") == r.get("decode_tokens"))
         step = f"{r['decode_tokens']} decode tokens at {tokens(r['context'])} + a {tokens(r['prompt_tokens'])} chunk"
-        graph = [g for g in pick(records, method="dash-triton", variant="mixed-graph", topk=r["topk"])
-                 if shape(g) == shape(r) and g.get("prompt_tokens") == r.get("prompt_tokens")]
-        gpeers = dense_peers(records, graph[-1], lambda x: x["variant"] == "mixed-graph"
-                             and x.get("prompt_tokens") == r.get("prompt_tokens")) if graph else {}
-        in_graph = (f"{num(graph[-1]['ms'])} / {num(best(gpeers))} ({speedup(best(gpeers), graph[-1]['ms'])})"
-                    if graph and gpeers else "-")
+        same_step = lambda x: x.get("prompt_tokens") == r.get("prompt_tokens")
         rows.append([step, r["hkv"], topk_of(r), num(r["ms"]), peers_cell(peers), speedup(best(peers), r["ms"]),
-                     in_graph])
+                     graph_cell(records, r, "mixed-graph", same_step)])
     if not rows:
         return "_No mixed-step records yet: `bash ci/gpu.sh prefill bench --preset serving`._"
     return md_table(["step", "Hkv", "topk", "DASH per layer (ms)", "dense peers (ms)", "vs best dense",

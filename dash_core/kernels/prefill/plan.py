@@ -23,7 +23,7 @@ from ...params import DashParams
 from ..common import sm_count
 from .config import PrefillConfig
 from .route import may_recompute, recompute_routing, summary_copy_descriptor
-from .tiles import INFO_COLS, tile_tables, tile_tokens
+from .tiles import INFO_COLS, max_tiles, tile_tables, tile_tokens
 
 
 def _row(max_cand: int) -> int:
@@ -199,7 +199,7 @@ def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_he
     config = PrefillConfig() if config is None else config
     params = params.routed_by(indexer_heads is not None)
     qt, max_cand, per_tile = _tile_geometry(num_q_heads, num_kv_heads, max_context, params, config, indexer_heads)
-    nt = num_tokens // qt + 2 * min(max_requests, num_tokens) + 1
+    nt = max_tiles(num_tokens, min(max_requests, num_tokens), qt)
 
     def waves(tile_bytes: int) -> int:
         return min(nt * tile_bytes, max(config.scratch_bytes, tile_bytes))

@@ -24,8 +24,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...layout import PagedKVCache
 from ...params import DashParams
-from ..launcher import cached_launch
 from ..common import block_page, cdiv, pow2, scaled_query, summary_index, summary_scores, tma_supported
+from ..launcher import cached_launch
 from ..routing import append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
 from .config import PrefillConfig
 from .tiles import tile_bounds, tile_rows

@@ -120,16 +120,21 @@ def _tile_tables_kernel(cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, n, nt,
         tl.store(tile_req_ptr + t, lo, mask=t < nt)
 
 
+def max_tiles(num_tokens: int, n: int, qt: int) -> int:
+    """``NT = T // QT + 2 n + 1``: the most tiles ``n`` requests of ``T`` new tokens take
+    (``cdiv(start % QT + qlen, QT) <= qlen // QT + 2`` a request), and one past the last at least, whose attention
+    programs zero the rows of no request."""
+    return num_tokens // qt + 2 * n + 1
+
+
 def tile_tables(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, qt: int):
     """Device tables placing the tiles, in one launch and without synchronising.
 
     Returns ``tile_req [NT]`` int32 (request of each tile, ``n`` past the last tile), ``tile_off
-    [n + 1]`` int32 (first tile of each request) and the static bound ``NT = T // QT + 2 n + 1``
-    (``cdiv(start % QT + qlen, QT) <= qlen // QT + 2`` tiles per request, and at least one tile past the last,
-    whose attention programs zero the rows of no request).
+    [n + 1]`` int32 (first tile of each request) and the static bound ``NT`` (``max_tiles``).
     """
     n = seq_lens.shape[0]
-    nt = num_tokens // qt + 2 * n + 1
+    nt = max_tiles(num_tokens, n, qt)
     dev = seq_lens.device
     tile_req = torch.empty(nt, dtype=torch.int32, device=dev)
     tile_off = torch.empty(n + 1, dtype=torch.int32, device=dev)
