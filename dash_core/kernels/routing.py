@@ -11,15 +11,20 @@ All arithmetic is fp32 (scores accumulate fp32 from products of the query/summar
 entmax reads the score rows from the scratch (L2-resident at decode sizes) once when a unit's
 candidates fit one register tile (or takes them from the caller's registers), else once per Halley
 step. The cap never sorts: the ``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive
-floats order like their bits), by a radix select on histograms (8 bits a pass) when a unit's candidates fit one register
-tile of at least ``RADIX_MIN_KEYS``, else by a multi-pivot search (prefill: over each unit's list of
-positive mp, written as mp is computed, from the range of its keys; the ties and the compaction read
-the list too); ties go to the lower block.
+floats order like their bits). Decode writes each unit's positive mp as a list (with their candidates) as mp is
+computed; a list of at most ``DecodeConfig.cap_rank_max`` keys (the usual case: a few percent of the candidates
+are positive) is ranked by comparison, each key against all, a longer one takes a radix select on histograms (8
+bits a pass) over every candidate's key in registers. Prefill uses the radix select on one register tile of at
+least ``RADIX_MIN_KEYS`` keys, else a multi-pivot search (over each unit's list of positive mp, from the range of
+its keys). The ties and the compaction read the lists where there are lists; ties go to the lower block.
 
 Who takes which path (``route_tile``'s flags):
 
-    decode, one unit a program                 ONE_TILE, X_IN_REGS: the scores loaded once, the cap's keys in
-                                               registers (radix select), up to DecodeConfig.one_tile_max candidates
+    decode, one unit a program                 ONE_TILE, X_IN_REGS, LIST: the scores loaded once, the mp list
+                                               ranked (or the radix select over the keys in registers), up to
+                                               DecodeConfig.one_tile_max candidates
+    decode, scores wider than one tile         ONE_TILE (the cap's keys loaded, radix select), or beyond
+                                               one_tile_max neither (the multi-pivot search)
     prefill, short tables (one score tile)     ONE_TILE, X_IN_REGS, X_GIVEN: the scores never leave registers
     prefill, longer tables, stored scores      LIST: the scores re-read each pass, the cap over the mp lists
     prefill, long tables, router kv_head       no route_tile: prefill/route.py's _route_recompute, with the
@@ -35,7 +40,7 @@ from .. import reference
 
 PRIOR_EPS = 1e-20  # docs/semantics.md section 5
 HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # docs/semantics.md section 4 (globals kernels read are constexprs)
-INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite mp
+INF_BITS = tl.constexpr(0x7F800000)  # bit pattern of +inf: above every finite mp
 SELECT_WARPS = 8  # warps of the decode select kernel
 # The one-tile cap's radix select runs on tiles of at least this many keys (one per thread of the select kernel),
 # else the pivot search. On a smaller tile several threads hold each key, and with the keys made in registers
@@ -96,10 +101,10 @@ def halley_step(ssq, sdf, cnt, tau, lo, hi):
 def mp_key_range(mp, ok, npos, key_min, key_max):
     """``(npos, key_min, key_max) [QT]`` updated with an ``[QT, T]`` mp tile (entries where ``ok``): the
     count of positive entries and the bits (int32) of the smallest positive and of the largest entry.
-    Start from ``0, 0x7F800000, 0``."""
+    Start from ``0, INF_BITS, 0``."""
     key = mp.to(tl.int32, bitcast=True)
     pos = (mp > 0) & ok
-    n, lo, hi = tl.reduce((pos.to(tl.int32), tl.where(pos, key, 0x7F800000), tl.where(ok, key, 0)), 1,
+    n, lo, hi = tl.reduce((pos.to(tl.int32), tl.where(pos, key, INF_BITS), tl.where(ok, key, 0)), 1,
                           _count_min_max)  # one reduction of the three
     return npos + n, tl.minimum(key_min, lo), tl.maximum(key_max, hi)
 
@@ -127,6 +132,21 @@ def radix_kth(keys, kvalid, topk):
         krem = krem - tl.sum(tl.where(bins == d_sel, at_least - hist, 0), axis=0)  # keys above d_sel go first
         prefix = prefix | (d_sel << shift)
     return prefix
+
+
+@triton.jit
+def rank_kth(list_ptr, n, topk, RK: tl.constexpr, CH: tl.constexpr):
+    """The ``topk``-th largest (``1 <= topk <= n``) of the ``n <= RK`` positive floats at ``list_ptr``, as int32 bits:
+    each key counts the keys above it, ``CH`` at a time (each thread compares its key with a chunk, so only the last
+    minimum crosses threads); the answer is the smallest key with fewer than ``topk`` above it."""
+    offs = tl.arange(0, RK)
+    mine = tl.load(list_ptr + offs, mask=offs < n, other=0.0).to(tl.int32, bitcast=True)
+    above = tl.zeros([RK], tl.int32)
+    for c0 in range(0, n, CH):
+        oc = c0 + tl.arange(0, CH)
+        other = tl.load(list_ptr + oc, mask=oc < n, other=0.0).to(tl.int32, bitcast=True)
+        above += tl.sum((other[:, None] > mine[None, :]).to(tl.int32), axis=0)
+    return tl.min(tl.where((offs < n) & (above < topk), mine, INF_BITS), axis=0)
 
 
 @triton.jit
@@ -177,20 +197,24 @@ def select_kept(
     count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max, ck_ptr,
     QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
     PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr,
-    LIST: tl.constexpr, TL: tl.constexpr,
+    LIST: tl.constexpr, TL: tl.constexpr, RK: tl.constexpr = 0,
 ):
     """The ``topk`` cap, ties, prior and compaction of ``QT`` units from their ``mp`` in scratch
     (``mp_ptr + mp_unit[u] + c``, ``npos [QT]`` positive entries each, ``nmax`` the most candidates):
     the second half of ``route_tile``, also called by routing kernels that compute ``mp`` themselves.
     ``mp_regs [QT, TC]``: the mp already in registers (``X_IN_REGS``; otherwise any placeholder).
-    LIST (not with ONE_TILE): the scratch holds only each unit's ``npos`` positive mp, in increasing
+    LIST: the scratch holds only each unit's ``npos`` positive mp, in increasing
     candidate order, with their candidates at ``ck_ptr + mp_unit[u] + j`` (``append_positive``), and
     ``[key_min, key_max]`` (``[QT]`` int32) are the bits of the smallest and the largest: every pass
     reads the lists, never the other candidates, up to ``npos`` rounded up to 4 (each unit's rows must have
     room for that many). Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
-    Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction.
+    LIST with ONE_TILE (one unit, its mp in registers: decode): a list of at most ``RK`` keys is ranked
+    (``rank_kth``), a longer one takes the radix select over the keys in registers.
+    Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction, ``[32, RK]`` for
+    the ranks.
     """
-    tl.static_assert(not (LIST and ONE_TILE), "LIST is for the multi-pivot search")
+    tl.static_assert(not (LIST and ONE_TILE) or (X_IN_REGS and QT == 1 and RK >= RADIX_MIN_KEYS),
+                     "LIST with ONE_TILE: one unit, its mp in registers, lists up to RK >= RADIX_MIN_KEYS ranked")
     offs_s = tl.arange(0, TS)
     offs_l = tl.arange(0, TL)
     if LIST:  # the passes below read npos list entries instead of ncand candidates, in groups of 4
@@ -212,7 +236,7 @@ def select_kept(
             hi_k = tl.where(need, key_max + 1, 1)
         else:
             lo_k = tl.where(need, 1, 0)
-            hi_k = tl.where(need, 0x7F800000, 1)
+            hi_k = tl.where(need, INF_BITS, 1)
         offs_p = tl.arange(0, NPIV)
         if ONE_TILE:  # every candidate fits one tile: keep the keys in registers for all passes
             if X_IN_REGS:
@@ -221,7 +245,20 @@ def select_kept(
             else:
                 key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
                                   other=0.0).to(tl.int32, bitcast=True)
-        if ONE_TILE and QT == 1 and TS >= RADIX_MIN_KEYS:  # radix select: the topk-th largest key, 8 bits a pass
+        if ONE_TILE and LIST:  # rank a short list (from memory); a longer one takes the radix select below
+            if capped:
+                n_list = tl.sum(npos, axis=0)
+                if TS > RK:  # (then TS >= 2 * RADIX_MIN_KEYS)
+                    if n_list <= RK:
+                        kth = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=32)
+                    else:
+                        keys = tl.reshape(key_all, [TS])
+                        kth = radix_kth(keys, (offs_s < tl.sum(ncand, axis=0)) & (keys > 0), n_list * 0 + topk)
+                else:
+                    kth = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=32)
+                lo_k = tl.where(need, kth, lo_k)
+                hi_k = lo_k + 1
+        elif ONE_TILE and QT == 1 and TS >= RADIX_MIN_KEYS:  # radix select: the topk-th largest key, 8 bits a pass
             if capped:  # (else lo_k, hi_k = 0, 1)
                 keys = tl.reshape(key_all, [TS])
                 kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
@@ -345,7 +382,7 @@ def route_tile(
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
     X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0, X_GIVEN: tl.constexpr = False,
-    x_regs=0,
+    x_regs=0, RK: tl.constexpr = 0,
 ):
     """Route a tile of ``QT`` units (docs/semantics.md sections 4-5) from their scores in a scratch buffer.
 
@@ -362,12 +399,12 @@ def route_tile(
     on 256-bin histograms instead of the pivot search);
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes; with X_GIVEN they come
     in registers instead, ``x_regs [QT, NH_PAD, TC]`` (masked here as the load would be; ``x_ptr`` unused).
-    The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST (not with
-    X_IN_REGS): the mp scratch receives each unit's positive mp only, as a list with their candidates
-    in ``ck_ptr`` (int32, shaped like mp, rows of at least ``ncand`` rounded up to 4), and the cap and
-    compaction read those lists. TL: the width of the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
+    The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST: the mp
+    scratch receives each unit's positive mp only, as a list with their candidates in ``ck_ptr`` (int32,
+    shaped like mp, rows of at least ``ncand`` rounded up to 4), and the cap and compaction read those
+    lists (with ONE_TILE and X_IN_REGS, one unit: lists up to ``RK`` long are ranked, ``rank_kth``).
+    TL: the width of the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
     """
-    tl.static_assert(not (LIST and X_IN_REGS), "LIST is for scores read in tiles")
     offs_r = tl.arange(0, NH_PAD)
     offs_c = tl.arange(0, TC)
     row_ok = offs_r < nrows
@@ -407,13 +444,16 @@ def route_tile(
     # Probabilities (not renormalised), mean over the unit's rows -> mp scratch.
     nrows_f = nrows * 1.0  # (a runtime int, or a constexpr where Triton specialises it)
     npos = tl.zeros([QT], tl.int32)  # positive mp, bits of the smallest positive and of the largest mp
-    key_min = tl.full([QT], 0x7F800000, tl.int32)
+    key_min = tl.full([QT], INF_BITS, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
     if X_IN_REGS:
         cok = offs_c[None, :] < ncand[:, None]
         diff = positive_part(x_all - tau[:, :, None])
         mp_regs = tl.sum(diff * diff, axis=1) / nrows_f
-        tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
+        if LIST:
+            append_positive(mp_regs, offs_c, cok, mp_ptr, ck_ptr, mp_unit, npos)
+        else:
+            tl.store(mp_ptr + mp_unit[:, None] + offs_c[None, :], mp_regs, mask=cok)
         npos, key_min, key_max = mp_key_range(mp_regs, cok, npos, key_min, key_max)
     else:
         for c0 in range(0, nmax, TC):
@@ -435,7 +475,7 @@ def route_tile(
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=True, TC=TC, LIST=False, TL=TS)
+                    X_IN_REGS=True, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS, RK=RK)
     else:
         select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max,

@@ -1,6 +1,7 @@
 """The decode cap's radix select run alone on random tiles, checked against torch: each histogram and the topk-th
 key. ``test_kernel_routing`` runs it where the kernel uses the radix select (tiles of ``RADIX_MIN_KEYS`` keys and
-more); ``benchmarks/investigations/histogram_probe.py`` sweeps the smaller tiles where it went wrong."""
+more); ``benchmarks/investigations/histogram_probe.py`` sweeps the smaller tiles where it went wrong. ``rank_probe``
+runs the cap's other search, ``rank_kth``, alone the same way."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dash_core.kernels.routing import radix_kth  # the kernel's own radix select
+from dash_core.kernels.routing import radix_kth, rank_kth  # the kernel's own searches
 
 
 @triton.jit
@@ -56,3 +57,26 @@ def probe(device, ts: int, nh: int, from_heads: bool, warps: int, trials: int, g
         wrong_hist += int(not torch.equal(hist.cpu(), ref))
         wrong_kth += int(pos.numel() >= topk and int(kth) != int(torch.topk(pos, topk).values[-1]))
     return wrong_hist, wrong_kth
+
+
+@triton.jit
+def _rank_kernel(x_ptr, n_ptr, topk_ptr, kth_ptr, RK: tl.constexpr):
+    tl.store(kth_ptr, rank_kth(x_ptr, tl.load(n_ptr), tl.load(topk_ptr), RK=RK, CH=32))
+
+
+def rank_probe(device, rk: int, warps: int, trials: int, g: torch.Generator) -> int:
+    """Wrong topk-th keys of ``rank_kth`` in ``trials`` random lists of 1 to ``rk`` positive floats (from few
+    distinct values half the time: ties at the threshold), on a program of ``warps`` warps."""
+    wrong = 0
+    for t in range(trials):
+        n = int(torch.randint(1, rk + 1, (1,), generator=g))
+        topk = int(torch.randint(1, n + 1, (1,), generator=g))
+        x = torch.rand(n, generator=g) + 1e-3
+        if t % 2:
+            x = torch.ceil(x * 4) / 4
+        kth = torch.empty(1, dtype=torch.int32, device=device)
+        _rank_kernel[(1,)](x.to(device), torch.tensor([n], dtype=torch.int32, device=device),
+                           torch.tensor([topk], dtype=torch.int32, device=device), kth, RK=rk, num_warps=warps)
+        want = int(torch.topk(x.view(torch.int32), topk).values[-1])
+        wrong += int(int(kth) != want)
+    return wrong

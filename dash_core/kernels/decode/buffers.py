@@ -22,7 +22,8 @@ class DecodeBuffers:
     bounded by the number of candidates). Units: ``Hsel = Hkv`` (router ``kv_head``) or 1.
 
     scores ``[max_batch, Hq, max_cand]`` fp32, pmax ``[max_batch, Hq, score_splits]`` fp32,
-    mp ``[max_batch, Hsel, max_cand]`` fp32, sel_idx / sel_blk ``[max_batch, Hsel, cap]`` int32,
+    mp ``[max_batch, Hsel, max_cand4]`` fp32 and mp_cand ``[max_batch, Hsel, max_cand4]`` int32 (a unit's list of
+    positive mp and their candidates; ``max_cand4``: ``max_cand`` rounded up to 4), sel_idx / sel_blk ``[max_batch, Hsel, cap]`` int32,
     sel_bias ``[max_batch, Hsel, cap]`` fp32, sel_count ``[max_batch, Hsel]`` int32,
     o_part ``[parts, Hq, D]`` fp32 and lse_part ``[parts, Hq]`` fp32 with ``parts`` the most
     ``batch * attn_splits`` over batches up to ``max_batch``.
@@ -49,6 +50,7 @@ class DecodeBuffers:
     scores: torch.Tensor
     pmax: torch.Tensor
     mp: torch.Tensor
+    mp_cand: torch.Tensor
     sel_idx: torch.Tensor
     sel_blk: torch.Tensor
     sel_bias: torch.Tensor
@@ -116,7 +118,8 @@ class DecodeBuffers:
             max_batch, num_q_heads, num_kv_heads, head_dim, max_cand, params, num_sms, splits,
             scores=torch.empty(max_batch, score_rows, max_cand, dtype=f32, device=device),
             pmax=torch.empty(max_batch, score_rows, nsr_max, dtype=f32, device=device),
-            mp=torch.empty(max_batch, hsel, max_cand, dtype=f32, device=device),
+            mp=torch.empty(max_batch, hsel, cdiv(max_cand, 4) * 4, dtype=f32, device=device),
+            mp_cand=torch.empty(max_batch, hsel, cdiv(max_cand, 4) * 4, dtype=i32, device=device),
             sel_idx=torch.zeros(max_batch, hsel, cap, dtype=i32, device=device),
             sel_blk=torch.zeros(max_batch, hsel, cap, dtype=i32, device=device),
             sel_bias=torch.zeros(max_batch, hsel, cap, dtype=f32, device=device),

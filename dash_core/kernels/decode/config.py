@@ -29,6 +29,10 @@ class DecodeConfig:
     select_tile_budget: elements of the select kernel's largest register tile (halved for 16 or more score rows).
     select_pivots: pivots a pass of the top-k cap's search where a unit's candidates do not fit one tile.
     one_tile_max: up to this many candidates the cap keeps every mp in registers.
+    cap_rank_max: where the mp stay in registers, a unit with at most this many positive mp finds its ``topk``-th
+        largest by ranking them, each against all (one per thread of the select program at the default; at least
+        ``routing.RADIX_MIN_KEYS``); more take the radix select over every candidate.
+    list_tile: width of the tiles in which the cap's ties pass and the compaction read a unit's list of positive mp.
     pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): the select, split and merge
         launches start while the launch before them ends, and wait for its results on the device.
     """
@@ -45,4 +49,6 @@ class DecodeConfig:
     select_tile_budget: int = 8192
     select_pivots: int = 16
     one_tile_max: int = 8192
+    cap_rank_max: int = 256
+    list_tile: int = 256
     pdl: bool = True

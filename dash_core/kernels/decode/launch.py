@@ -38,7 +38,7 @@ def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_l
     nsr, _ = buffers.splits(q.shape[0])
     b = buffers
     route_decode(q, cache.summaries, block_table, seq_lens, params, cache.page_size, b.scores, b.pmax, b.mp,
-                 b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr, config=b.config, write=write,
+                 b.mp_cand, b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr, config=b.config, write=write,
                  write_summarize=cache.summaries is not None, only=only)
 
 

@@ -70,19 +70,20 @@ def _decode_scores_kernel(
 @triton.jit
 def _decode_select_kernel(
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-    mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
+    mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
     count_ptr, scnt_n, NROWS, topk, inv_sigma, HSEL,
     w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
     w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
     w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, FUSE_WRITE: tl.constexpr,
-    WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
+    RK: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
-    Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile``. PDL: launched while the
+    Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile`` (with X_IN_REGS, each unit's
+    positive mp go to a list: ``mp_ptr`` and ``ck_ptr``, rows ``smp_n, smp_h``; the full mp otherwise). PDL: launched while the
     score launch ends, it waits for that launch's results first, and lets the attention launch start.
     FUSE_WRITE: program (i, HSEL + h) writes the new K/V of request i, KV head h instead (and the summary of the
     block it completes), without waiting for the score launch: nothing in this step's routing reads them.
@@ -99,20 +100,22 @@ def _decode_select_kernel(
                     D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
     else:
         _select_unit(x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-                     mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
+                     mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
                      count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
                      NH_PAD=NH_PAD, NS_PAD=NS_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG,
-                     BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, PDL=PDL)
+                     BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, TL=TL, RK=RK,
+                     PDL=PDL)
 
 
 @triton.jit
 def _select_unit(
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-    mp_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
+    mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
     count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, PDL: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
+    RK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Unit u of request i of ``_decode_select_kernel``."""
     if PDL:
@@ -131,11 +134,11 @@ def _select_unit(
     i64 = i.to(tl.int64)
     route_tile(
         x_ptr, one + i64 * sx_n + u * NROWS * sx_h, sx_h, NROWS, one.to(tl.int32) + ncand, m[None, :],
-        mp_ptr, one + i64 * smp_n + u * smp_h, mp_ptr, bt_ptr, one + i64 * sbt_n,  # (no mp lists in decode)
+        mp_ptr, one + i64 * smp_n + u * smp_h, ck_ptr, bt_ptr, one + i64 * sbt_n,
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
         count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
         QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-        ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS,
+        ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, LIST=X_IN_REGS, TL=TL, RK=RK,
     )
 
 
@@ -146,7 +149,7 @@ def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
 
 def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
-                 sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
+                 mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
                  *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
                  write_summarize: bool = False, only: Optional[str] = None) -> None:
     """Route one decode token per request (two launches, no host synchronisation).
@@ -154,8 +157,8 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
     ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token, 0 = padded row).
     Scratch (rows ``>= n`` untouched): scores ``[>= n, Hq, max_cand]`` fp32, pmax
-    ``[>= n, Hq, >= num_splits]`` fp32, mp ``[>= n, Hsel, max_cand]`` fp32 with
-    ``max_cand = max_pages * page_size // bs``. Outputs: ``sel_idx, sel_blk`` int32 and
+    ``[>= n, Hq, >= num_splits]`` fp32, mp ``[>= n, Hsel, max_cand4]`` fp32 and mp_cand (same shape and strides,
+    int32) with ``max_cand = max_pages * page_size // bs`` and ``max_cand4`` that rounded up to 4. Outputs: ``sel_idx, sel_blk`` int32 and
     ``sel_bias`` fp32 ``[>= n, Hsel, cap]``, ``sel_count [>= n, Hsel]`` int32: per unit, the kept
     candidate blocks (logical index, physical block, log prior) in increasing order.
     ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
@@ -177,7 +180,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
                       pdl and only is None)
     if only == "scores":
         return
-    _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
+    _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
                    sel_bias, sel_count, hq if shared else hq // hkv, 1 if shared else hkv, max_cand, n, config, pdl,
                    q, hkv, q.shape[2], write, write_summarize)
 
@@ -200,7 +203,7 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
     )
 
 
-def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, sel_idx, sel_blk,
+def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
                    sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, hkv, d, write,
                    write_summarize) -> None:
     bs = params.block_size
@@ -217,15 +220,17 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         ts = max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
         npiv = config.select_pivots
     topk = params.topk if params.topk is not None else 0
+    x_in_regs = one_tile and tc == ts  # then each unit's positive mp go to a list, read in tiles of list_tile
     _decode_select_kernel[(n, hsel + (hkv if write is not None else 0))](
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
-        mp, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
+        mp, mp_cand, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
         *(write if write is not None else _NO_WRITE(q, seq_lens)),
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
-        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=one_tile and tc == ts,
+        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
+        TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max,
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
         num_warps=SELECT_WARPS, **pdl_launch(pdl),
     )

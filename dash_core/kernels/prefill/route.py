@@ -26,7 +26,7 @@ from ...layout import PagedKVCache
 from ...params import DashParams
 from ..common import block_page, cdiv, pow2, scaled_query, summary_index, summary_scores, tma_supported
 from ..launcher import cached_launch
-from ..routing import append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
+from ..routing import INF_BITS, append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
 from .config import PrefillConfig
 from .tiles import tile_bounds, tile_rows
 
@@ -231,7 +231,7 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
                          PAIRED)
     tl.debug_barrier()  # the group sums are read back by other threads of this program
     npos = tl.zeros([QT], tl.int32)
-    key_min = tl.full([QT], 0x7F800000, tl.int32)
+    key_min = tl.full([QT], INF_BITS, tl.int32)
     key_max = tl.zeros([QT], tl.int32)
     # Each tile's group sums are loaded one iteration ahead: loaded where they are used, the multiplies wait for
     # them.
