@@ -23,7 +23,8 @@ class DecodeBuffers:
 
     scores ``[max_batch, Hq, max_cand]`` fp32, pmax ``[max_batch, Hq, score_splits]`` fp32,
     mp ``[max_batch, Hsel, max_cand4]`` fp32 and mp_cand ``[max_batch, Hsel, max_cand4]`` int32 (a unit's list of
-    positive mp and their candidates; ``max_cand4``: ``max_cand`` rounded up to 4), sel_idx / sel_blk ``[max_batch, Hsel, cap]`` int32,
+    positive mp and their candidates; ``max_cand4``: ``max_cand`` rounded up to 4),
+    sel_idx / sel_blk ``[max_batch, Hsel, cap]`` int32,
     sel_bias ``[max_batch, Hsel, cap]`` fp32, sel_count ``[max_batch, Hsel]`` int32,
     o_part ``[parts, Hq, D]`` fp32 and lse_part ``[parts, Hq]`` fp32 with ``parts`` the most
     ``batch * attn_splits`` over batches up to ``max_batch``.

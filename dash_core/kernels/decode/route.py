@@ -83,8 +83,9 @@ def _decode_select_kernel(
     """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
     Row maxima come from the score kernel's ``pmax``; everything else is ``route_tile`` (with X_IN_REGS, each unit's
-    positive mp go to a list: ``mp_ptr`` and ``ck_ptr``, rows ``smp_n, smp_h``; the full mp otherwise). PDL: launched while the
-    score launch ends, it waits for that launch's results first, and lets the attention launch start.
+    positive mp go to a list: ``mp_ptr`` and ``ck_ptr``, rows ``smp_n, smp_h``; the full mp otherwise).
+    PDL: launched while the score launch ends, it waits for that launch's results first, and lets the attention
+    launch start.
     FUSE_WRITE: program (i, HSEL + h) writes the new K/V of request i, KV head h instead (and the summary of the
     block it completes), without waiting for the score launch: nothing in this step's routing reads them.
     """
@@ -149,7 +150,8 @@ def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
 
 def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
-                 mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor, sel_count: torch.Tensor,
+                 mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
+                 sel_count: torch.Tensor,
                  *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
                  write_summarize: bool = False, only: Optional[str] = None) -> None:
     """Route one decode token per request (two launches, no host synchronisation).
@@ -158,9 +160,9 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token, 0 = padded row).
     Scratch (rows ``>= n`` untouched): scores ``[>= n, Hq, max_cand]`` fp32, pmax
     ``[>= n, Hq, >= num_splits]`` fp32, mp ``[>= n, Hsel, max_cand4]`` fp32 and mp_cand (same shape and strides,
-    int32) with ``max_cand = max_pages * page_size // bs`` and ``max_cand4`` that rounded up to 4. Outputs: ``sel_idx, sel_blk`` int32 and
-    ``sel_bias`` fp32 ``[>= n, Hsel, cap]``, ``sel_count [>= n, Hsel]`` int32: per unit, the kept
-    candidate blocks (logical index, physical block, log prior) in increasing order.
+    int32) with ``max_cand = max_pages * page_size // bs`` and ``max_cand4`` that rounded up to 4.
+    Outputs: ``sel_idx, sel_blk`` int32 and ``sel_bias`` fp32 ``[>= n, Hsel, cap]``, ``sel_count [>= n, Hsel]``
+    int32: per unit, the kept candidate blocks (logical index, physical block, log prior) in increasing order.
     ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
     bounded by the number of candidates).
     write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
