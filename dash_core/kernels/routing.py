@@ -136,17 +136,21 @@ def radix_kth(keys, kvalid, topk):
 
 @triton.jit
 def rank_kth(list_ptr, n, topk, RK: tl.constexpr, CH: tl.constexpr):
-    """The ``topk``-th largest (``1 <= topk <= n``) of the ``n <= RK`` positive floats at ``list_ptr``, as int32 bits:
-    each key counts the keys above it, ``CH`` at a time (each thread compares its key with a chunk, so only the last
-    minimum crosses threads); the answer is the smallest key with fewer than ``topk`` above it."""
+    """``(kth, n_gt, n_eq)``: the ``topk``-th largest (``1 <= topk <= n``) of the ``n <= RK`` positive floats at
+    ``list_ptr``, as int32 bits, and how many keys are above it and equal to it. Each key counts the keys above it,
+    ``CH`` at a time (each thread compares its key with a chunk: only the last reductions cross threads; the chunks
+    are unrolled, so their loads are in flight together, and those past ``n`` load nothing); the answer is the
+    smallest key with fewer than ``topk`` above it."""
     offs = tl.arange(0, RK)
     mine = tl.load(list_ptr + offs, mask=offs < n, other=0.0).to(tl.int32, bitcast=True)
     above = tl.zeros([RK], tl.int32)
-    for c0 in range(0, n, CH):
+    for c0 in tl.static_range(0, RK, CH):
         oc = c0 + tl.arange(0, CH)
-        other = tl.load(list_ptr + oc, mask=oc < n, other=0.0).to(tl.int32, bitcast=True)
+        other = tl.load(list_ptr + oc, mask=oc < n, other=0.0).to(tl.int32, bitcast=True)  # 0: above no key
         above += tl.sum((other[:, None] > mine[None, :]).to(tl.int32), axis=0)
-    return tl.min(tl.where((offs < n) & (above < topk), mine, INF_BITS), axis=0)
+    kth = tl.min(tl.where((offs < n) & (above < topk), mine, INF_BITS), axis=0)
+    n_gt, n_eq = tl.reduce(((mine > kth).to(tl.int32), (mine == kth).to(tl.int32)), 0, _add2)  # (past n: 0 < kth)
+    return kth, n_gt, n_eq
 
 
 @triton.jit
@@ -197,7 +201,7 @@ def select_kept(
     count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max, ck_ptr,
     QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
     PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr,
-    LIST: tl.constexpr, TL: tl.constexpr, RK: tl.constexpr = 0,
+    LIST: tl.constexpr, TL: tl.constexpr, RK: tl.constexpr = 0, RCH: tl.constexpr = 32,
 ):
     """The ``topk`` cap, ties, prior and compaction of ``QT`` units from their ``mp`` in scratch
     (``mp_ptr + mp_unit[u] + c``, ``npos [QT]`` positive entries each, ``nmax`` the most candidates):
@@ -228,6 +232,9 @@ def select_kept(
     # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
     thr = tl.zeros([QT], tl.int32)
     need = npos < 0
+    ranked = tl.sum(npos, axis=0) < 0  # the rank search also counted the keys above and at the threshold:
+    rank_gt = tl.zeros([QT], tl.int32)  # these counts, and no ties pass (unless EST_DIAG needs its sums)
+    rank_eq = tl.zeros([QT], tl.int32)
     if HAS_TOPK:
         need = npos > topk
         capped = tl.sum(need.to(tl.int32), axis=0) > 0  # some unit keeps more than topk: the cap binds
@@ -250,12 +257,18 @@ def select_kept(
                 n_list = tl.sum(npos, axis=0)
                 if TS > RK:  # (then TS >= 2 * RADIX_MIN_KEYS)
                     if n_list <= RK:
-                        kth = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=32)
+                        kth, n_gt, n_eq = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=RCH)
+                        ranked = n_list <= RK
+                        rank_gt += n_gt
+                        rank_eq += n_eq
                     else:
                         keys = tl.reshape(key_all, [TS])
                         kth = radix_kth(keys, (offs_s < tl.sum(ncand, axis=0)) & (keys > 0), n_list * 0 + topk)
                 else:
-                    kth = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=32)
+                    kth, n_gt, n_eq = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=RCH)
+                    ranked = n_list <= RK
+                    rank_gt += n_gt
+                    rank_eq += n_eq
                 lo_k = tl.where(need, kth, lo_k)
                 hi_k = lo_k + 1
         elif ONE_TILE and QT == 1 and TS >= RADIX_MIN_KEYS:  # radix select: the topk-th largest key, 8 bits a pass
@@ -302,11 +315,14 @@ def select_kept(
     log_g = tl.zeros([QT], tl.float32)
     if HAS_TOPK or EST_DIAG:
         ngt = tl.zeros([QT], tl.int32)
+        if not EST_DIAG:
+            ngt = rank_gt
+            neq = rank_eq
         slog = tl.zeros([QT], tl.float32)
         nlog = tl.zeros([QT], tl.float32)
         n_ties = n_hi  # the pass counts what a unit keeps above the threshold: not needed where no cap binds
         if not EST_DIAG:  # (then HAS_TOPK)
-            n_ties = tl.where(capped, n_hi, 0)
+            n_ties = tl.where(capped & ~ranked, n_hi, 0)
         for c0 in range(0, n_ties, TL):
             mpv, _c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, n_load, LIST)
             key = mpv.to(tl.int32, bitcast=True)
@@ -382,7 +398,7 @@ def route_tile(
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
     X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0, X_GIVEN: tl.constexpr = False,
-    x_regs=0, RK: tl.constexpr = 0,
+    x_regs=0, RK: tl.constexpr = 0, RCH: tl.constexpr = 32,
 ):
     """Route a tile of ``QT`` units (docs/semantics.md sections 4-5) from their scores in a scratch buffer.
 
@@ -402,7 +418,8 @@ def route_tile(
     The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST: the mp
     scratch receives each unit's positive mp only, as a list with their candidates in ``ck_ptr`` (int32,
     shaped like mp, rows of at least ``ncand`` rounded up to 4), and the cap and compaction read those
-    lists (with ONE_TILE and X_IN_REGS, one unit: lists up to ``RK`` long are ranked, ``rank_kth``).
+    lists (with ONE_TILE and X_IN_REGS, one unit: lists up to ``RK`` long are ranked, ``rank_kth``, in chunks of
+    ``RCH``).
     TL: the width of the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
     """
     offs_r = tl.arange(0, NH_PAD)
@@ -475,7 +492,7 @@ def route_tile(
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=True, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS, RK=RK)
+                    X_IN_REGS=True, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS, RK=RK, RCH=RCH)
     else:
         select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max,

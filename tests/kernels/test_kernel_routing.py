@@ -106,11 +106,12 @@ def test_radix_select_where_the_kernel_runs_it():
 
 def test_rank_select_against_torch():
     """The cap's rank search (``routing.rank_kth``) alone on lists up to ``DecodeConfig.cap_rank_max`` long, with
-    and without ties at the threshold, on a program of ``SELECT_WARPS`` warps."""
+    and without ties at the threshold, on a program of ``SELECT_WARPS`` warps: the key and its counts."""
     from tests.kernels._radix_probe import rank_probe
 
     g = torch.Generator().manual_seed(1)
-    assert rank_probe(DEV, DecodeConfig().cap_rank_max, routing.SELECT_WARPS, 40, g) == 0
+    config = DecodeConfig()
+    assert rank_probe(DEV, config.cap_rank_max, config.cap_rank_chunk, routing.SELECT_WARPS, 40, g) == 0
 
 
 def _route_small_topk(seed, lens):

@@ -78,7 +78,7 @@ def _decode_select_kernel(
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
-    RK: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
+    RK: tl.constexpr, RCH: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
@@ -105,7 +105,7 @@ def _decode_select_kernel(
                      count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
                      NH_PAD=NH_PAD, NS_PAD=NS_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG,
                      BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, TL=TL, RK=RK,
-                     PDL=PDL)
+                     RCH=RCH, PDL=PDL)
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def _select_unit(
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
-    RK: tl.constexpr, PDL: tl.constexpr,
+    RK: tl.constexpr, RCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Unit u of request i of ``_decode_select_kernel``."""
     if PDL:
@@ -139,7 +139,7 @@ def _select_unit(
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
         count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
         QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-        ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, LIST=X_IN_REGS, TL=TL, RK=RK,
+        ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, LIST=X_IN_REGS, TL=TL, RK=RK, RCH=RCH,
     )
 
 
@@ -232,7 +232,7 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
-        TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max,
+        TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
         num_warps=SELECT_WARPS, **pdl_launch(pdl),
     )
