@@ -348,22 +348,31 @@ def select_kept(
     nkept = tl.zeros([QT], tl.int32)
     nties = tl.zeros([QT], tl.int32)
     every_tie = tl.max((neq > ties).to(tl.int32), axis=0) == 0  # no unit leaves a tie out: no ranks needed
+    whole_lists = False
+    if LIST and not EST_DIAG:  # no unit capped: each keeps its whole list, in order (no prefix sums)
+        whole_lists = tl.max(need.to(tl.int32), axis=0) == 0
     for c0 in range(0, n_hi, TL):
         mpv, c, cok = _kept_entries(mp_ptr, ck_ptr, mp_unit, c0 + offs_l, n_u, n_load, LIST)
-        key = mpv.to(tl.int32, bitcast=True)
-        gt = (key > thr[:, None]) & cok
-        tie = (key == thr[:, None]) & (key > 0) & cok
-        if every_tie:
-            keep = gt | tie
-        else:  # the first ties (lower blocks) of each unit
-            tie_i = tie.to(tl.int32)
-            tie_rank = nties[:, None] + tl.cumsum(tie_i, axis=1) - tie_i
-            keep = gt | (tie & (tie_rank < ties[:, None]))
-            nties += tl.sum(tie_i, axis=1)
-        if EST_DIAG:
-            keep = keep & (mpv > 1e-20)
-        keep_i = keep.to(tl.int32)
-        j = nkept[:, None] + tl.cumsum(keep_i, axis=1) - keep_i
+        if whole_lists:
+            keep = cok
+            j = c0 + offs_l[None, :] + tl.zeros_like(nkept)[:, None]
+            n_tile = tl.minimum(tl.maximum(n_u - c0, 0), TL)
+        else:
+            key = mpv.to(tl.int32, bitcast=True)
+            gt = (key > thr[:, None]) & cok
+            tie = (key == thr[:, None]) & (key > 0) & cok
+            if every_tie:
+                keep = gt | tie
+            else:  # the first ties (lower blocks) of each unit
+                tie_i = tie.to(tl.int32)
+                tie_rank = nties[:, None] + tl.cumsum(tie_i, axis=1) - tie_i
+                keep = gt | (tie & (tie_rank < ties[:, None]))
+                nties += tl.sum(tie_i, axis=1)
+            if EST_DIAG:
+                keep = keep & (mpv > 1e-20)
+            keep_i = keep.to(tl.int32)
+            j = nkept[:, None] + tl.cumsum(keep_i, axis=1) - keep_i
+            n_tile = tl.sum(keep_i, axis=1)
         keep_w = keep & (j < sel_cap)
         logmp = tl.log(tl.where(keep, mpv, 1.0))
         if EST_DIAG:
@@ -376,7 +385,7 @@ def select_kept(
         tl.store(sel_idx_ptr + dst, c, mask=keep_w)
         tl.store(sel_blk_ptr + dst, blk.to(tl.int32), mask=keep_w)
         tl.store(sel_bias_ptr + dst, bias, mask=keep_w)
-        nkept += tl.sum(keep_i, axis=1)
+        nkept += n_tile
     tl.store(count_ptr + count_unit, tl.minimum(nkept, sel_cap))
 
 
