@@ -139,12 +139,12 @@ def rank_kth(list_ptr, n, topk, RK: tl.constexpr, CH: tl.constexpr):
     """``(kth, n_gt, n_eq)``: the ``topk``-th largest (``1 <= topk <= n``) of the ``n <= RK`` positive floats at
     ``list_ptr``, as int32 bits, and how many keys are above it and equal to it. Each key counts the keys above it,
     ``CH`` at a time (each thread compares its key with a chunk: only the last reductions cross threads; the chunks
-    are unrolled, so their loads are in flight together, and those past ``n`` load nothing); the answer is the
-    smallest key with fewer than ``topk`` above it."""
+    come from the cache lines loading ``mine`` brought in, and stop at ``n``: the compares are most of the cost); the
+    answer is the smallest key with fewer than ``topk`` above it."""
     offs = tl.arange(0, RK)
     mine = tl.load(list_ptr + offs, mask=offs < n, other=0.0).to(tl.int32, bitcast=True)
     above = tl.zeros([RK], tl.int32)
-    for c0 in tl.static_range(0, RK, CH):
+    for c0 in range(0, n, CH):
         oc = c0 + tl.arange(0, CH)
         other = tl.load(list_ptr + oc, mask=oc < n, other=0.0).to(tl.int32, bitcast=True)  # 0: above no key
         above += tl.sum((other[:, None] > mine[None, :]).to(tl.int32), axis=0)
