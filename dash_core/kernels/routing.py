@@ -443,11 +443,11 @@ def route_tile(
 
     # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
     if X_IN_REGS:  # every candidate in one [TC] tile: the scores are read once for all passes
-        x_ok = row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None])
         if X_GIVEN:  # the caller's x_regs [QT, NH_PAD, TC], never stored
+            x_ok = row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None])
             x_all = tl.where(x_ok, x_regs, float("-inf"))
         else:
-            x_all = tl.load(x_rows + offs_c[None, None, :], mask=x_ok, other=float("-inf"))
+            x_all = _load_scores(x_rows, offs_c, row_ok, ncand, ncand4)
     lo = m - 1.0
     hi = m
     tau = (lo + hi) * 0.5

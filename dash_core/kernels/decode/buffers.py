@@ -67,7 +67,8 @@ class DecodeBuffers:
         if fixed is not None:
             return fixed
         rows = max(1, n * hkv)
-        nsr = max(1, min(cdiv(2 * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
+        nsr = max(1, min(cdiv(config.score_programs_per_sm * num_sms, rows),
+                         cdiv(max_cand, config.score_split_min_candidates)))
         nsa = max(1, min(cdiv(config.attn_programs_per_sm * num_sms, rows), config.attn_split_max,
                          cdiv(local_blocks + cap, config.attn_split_min_blocks)))
         return nsr, nsa
