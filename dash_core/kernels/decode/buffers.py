@@ -67,8 +67,8 @@ class DecodeBuffers:
         if fixed is not None:
             return fixed
         rows = max(1, n * hkv)
-        nsr = max(1, min(cdiv(config.score_programs_per_sm * num_sms, rows),
-                         cdiv(max_cand, config.score_split_min_candidates)))
+        per_sm = config.score_programs_per_sm if rows <= num_sms else config.score_programs_per_sm_wide
+        nsr = max(1, min(cdiv(per_sm * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
         nsa = max(1, min(cdiv(config.attn_programs_per_sm * num_sms, rows), config.attn_split_max,
                          cdiv(local_blocks + cap, config.attn_split_min_blocks)))
         return nsr, nsa
