@@ -16,7 +16,8 @@ class DecodeConfig:
     score_split_min_candidates: a score program handles at least this many candidates (the score launch is split
         over a request's candidates for occupancy). score_programs_per_sm: score programs a multiprocessor gets before
         a (request, KV head) is split no further, where a batch has at most as many (request, KV head) rows as the
-        GPU has multiprocessors; score_programs_per_sm_wide: the same beyond that. attn_split_max: the most splits of one request's attention.
+        GPU has multiprocessors; score_programs_per_sm_wide: the same beyond that.
+    attn_split_max: the most splits of one request's attention.
     attn_programs_per_sm: attention programs a multiprocessor gets before a (request, KV head) is split no further.
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
     attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch; attn_stages_wide its
