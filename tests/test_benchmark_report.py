@@ -120,6 +120,10 @@ def test_published_rows_compare_the_same_call_form(report):
            _pre(131072, "published-dash", "one-shot", None, topk=None, write=True, note="failed: illegal access")]
     rows = _rows(report.published_table(dec, pre))
     assert rows[0][4:] == ["310 us", "155 us eager (117 us in a graph)", "2.00x"]
+    # DASH's decode records from another run than the published one's: shown, marked, and no ratio
+    elsewhere = [dict(r, run="r3") if r["method"] == "dash-triton" else r for r in dec]
+    assert _rows(report.published_table(elsewhere, pre))[0][4:] == [
+        "310 us", "155 us eager (117 us in a graph), another run", "-"]
     assert rows[1][4:] == ["36 ms", "9 ms (with its write)", "4.00x"]
     assert rows[2][4] == "not run: failed: illegal access"
 
