@@ -67,7 +67,7 @@ class DecodeBuffers:
         if fixed is not None:
             return fixed
         rows = max(1, n * hkv)
-        per_sm = config.score_programs_per_sm if rows <= num_sms else config.score_programs_per_sm_wide
+        per_sm = config.score_programs_per_sm_wide if _wide(n, hkv, num_sms) else config.score_programs_per_sm
         nsr = max(1, min(cdiv(per_sm * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
         nsa = max(1, min(cdiv(config.attn_programs_per_sm * num_sms, rows), config.attn_split_max,
                          cdiv(local_blocks + cap, config.attn_split_min_blocks)))
@@ -81,15 +81,13 @@ class DecodeBuffers:
     def attn_stages(self, n: int) -> int:
         """``num_stages`` of the split attention for a batch of ``n`` rows: ``config.attn_stages_wide`` where its
         (request, KV head) rows outnumber the multiprocessors, else ``config.attn_stages``."""
-        return self.config.attn_stages_wide if self._wide(n) else self.config.attn_stages
+        return self.config.attn_stages_wide if _wide(n, self.num_kv_heads, self.num_sms) else self.config.attn_stages
 
     def attn_maxnreg(self, n: int) -> int:
         """Register cap of the split attention for a batch of ``n`` rows (0: none): ``config.attn_maxnreg`` at head
         dim 128 with the narrow pipeline (``attn_stages``), else none."""
-        return self.config.attn_maxnreg if self.head_dim == 128 and not self._wide(n) else 0
-
-    def _wide(self, n: int) -> bool:
-        return n * self.num_kv_heads > self.num_sms
+        wide = _wide(n, self.num_kv_heads, self.num_sms)
+        return self.config.attn_maxnreg if self.head_dim == 128 and not wide else 0
 
     @classmethod
     def allocate(cls, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -115,13 +113,14 @@ class DecodeBuffers:
             nsr, nsa = cls._splits(n, num_kv_heads, max_cand, cap, params.local_blocks, num_sms, splits, config)
             nsr_max, parts = max(nsr_max, nsr), max(parts, n * nsa)
         f32, i32 = torch.float32, torch.int32
+        mp_row = cdiv(max_cand, 4) * 4  # a unit's list is read in whole groups of 4
         score_rows = max(num_q_heads, indexer_heads or 0)
         return cls(
             max_batch, num_q_heads, num_kv_heads, head_dim, max_cand, params, num_sms, splits,
             scores=torch.empty(max_batch, score_rows, max_cand, dtype=f32, device=device),
             pmax=torch.empty(max_batch, score_rows, nsr_max, dtype=f32, device=device),
-            mp=torch.empty(max_batch, hsel, cdiv(max_cand, 4) * 4, dtype=f32, device=device),
-            mp_cand=torch.empty(max_batch, hsel, cdiv(max_cand, 4) * 4, dtype=i32, device=device),
+            mp=torch.empty(max_batch, hsel, mp_row, dtype=f32, device=device),
+            mp_cand=torch.empty(max_batch, hsel, mp_row, dtype=i32, device=device),
             sel_idx=torch.zeros(max_batch, hsel, cap, dtype=i32, device=device),
             sel_blk=torch.zeros(max_batch, hsel, cap, dtype=i32, device=device),
             sel_bias=torch.zeros(max_batch, hsel, cap, dtype=f32, device=device),
@@ -166,3 +165,9 @@ class DecodeBuffers:
             problems.append(f"allocated for indexer_heads {self.indexer_heads}, the step has {hi}")
         if problems:
             raise ValueError("buffers do not fit this decode step: " + "; ".join(problems))
+
+
+def _wide(n: int, hkv: int, num_sms: int) -> bool:
+    """A batch of ``n`` rows has more (request, KV head) rows than the GPU has multiprocessors: the score launch
+    splits less and the split attention takes the deeper pipeline."""
+    return n * hkv > num_sms
