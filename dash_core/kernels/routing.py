@@ -252,30 +252,21 @@ def select_kept(
             else:
                 key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
                                   other=0.0).to(tl.int32, bitcast=True)
-        if ONE_TILE and LIST:  # rank a short list (from memory); a longer one takes the radix select below
-            if capped:
+        if ONE_TILE and QT == 1 and (LIST or TS >= RADIX_MIN_KEYS):  # one unit: its topk-th largest key
+            if capped:  # (else lo_k, hi_k = 0, 1)
                 n_list = tl.sum(npos, axis=0)
-                if TS > RK:  # (then TS >= 2 * RADIX_MIN_KEYS)
-                    if n_list <= RK:
+                kth = n_list * 0
+                if LIST:  # rank a short list (from memory)
+                    ranked = n_list <= RK
+                    if ranked:
                         kth, n_gt, n_eq = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=RCH)
-                        ranked = n_list <= RK
                         rank_gt += n_gt
                         rank_eq += n_eq
-                    else:
+                if TS > RK or not LIST:  # a longer list (in a tile wider than RK), or no list: radix, 8 bits a pass
+                    if not ranked:
                         keys = tl.reshape(key_all, [TS])
                         kth = radix_kth(keys, (offs_s < tl.sum(ncand, axis=0)) & (keys > 0), n_list * 0 + topk)
-                else:
-                    kth, n_gt, n_eq = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=RCH)
-                    ranked = n_list <= RK
-                    rank_gt += n_gt
-                    rank_eq += n_eq
                 lo_k = tl.where(need, kth, lo_k)
-                hi_k = lo_k + 1
-        elif ONE_TILE and QT == 1 and TS >= RADIX_MIN_KEYS:  # radix select: the topk-th largest key, 8 bits a pass
-            if capped:  # (else lo_k, hi_k = 0, 1)
-                keys = tl.reshape(key_all, [TS])
-                kvalid = (offs_s < tl.sum(ncand, axis=0)) & (keys > 0)
-                lo_k = tl.where(need, radix_kth(keys, kvalid, tl.sum(lo_k, axis=0) * 0 + topk), lo_k)
                 hi_k = lo_k + 1
         # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k
         # (until a pivot splits them exactly: below).
