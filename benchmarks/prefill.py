@@ -715,20 +715,23 @@ def flush_records(a, records: list) -> None:
 # ---------------------------------------------------------------------------- a profiler's call
 
 def profile(a, device) -> int:
-    """One prompt (the first ``--context``, ``--hkv`` and ``--topk``; the last ``--tune`` setting), no write: a
-    warm-up call, then for ``ncu`` one call between ``cudaProfilerStart`` and ``cudaProfilerStop`` (``ncu
-    --profile-from-start off`` sees that call's kernels only; ``ci/gpu.sh prefill profile`` picks a wave of them),
-    for ``torch`` ``--iters`` calls under ``torch.profiler``, printed as a table of kernels."""
-    n, hkv = int(a.context.split(",")[0]), int(a.hkv.split(",")[0])
+    """One prompt (the first ``--context``, ``--hkv`` and ``--topk``; the last ``--tune`` setting), or with
+    ``--preset serving`` the prompts of the first ``--serving-cases`` entry in one call, no write: a warm-up call,
+    then for ``ncu`` one call between ``cudaProfilerStart`` and ``cudaProfilerStop`` (``ncu --profile-from-start
+    off`` sees that call's kernels only; ``ci/gpu.sh prefill profile`` picks a wave of them), for ``torch``
+    ``--iters`` calls under ``torch.profiler``, printed as a table of kernels."""
+    batch, n = (parse_serving_cases(a.serving_cases)[0] if a.preset == "serving"
+                else (1, int(a.context.split(",")[0])))
+    hkv = int(a.hkv.split(",")[0])
     t = a.topk.split(",")[0].strip().lower()
     topk = None if t == "none" else int(t)
     pr = Prompt(n, a.hq, hkv, a.head_dim, a.block_size, a.page_size, torch.bfloat16, device, 11,
-                a.query_correlation, True, layout=a.layout)
+                a.query_correlation, True, layout=a.layout, batch=batch)
     sf = a.sf if a.sf is not None else prompt_sf(pr, a.block_size, a.target_fraction)
     tag, config = a.tunings[-1]
     fn = dash_fn(pr, DashParams(block_size=a.block_size, topk=topk, scaling_factor=sf), False, None,
                  torch.empty_like(pr.q), config=config)
-    log(f"profiling one {n}-token prompt, Hkv {hkv}, topk {topk}, sf {sf:.4g}{tag}")
+    log(f"profiling {batch} x {n}-token prompts, Hkv {hkv}, topk {topk}, sf {sf:.4g}{tag}")
     fn()
     torch.cuda.synchronize()
     if a.profile == "ncu":
@@ -790,7 +793,8 @@ def main(argv=None) -> int:
                     help="extra DASH kernel settings to time, e.g. --tune attn_stages=2,route_tile_budget=2048 "
                          "(repeatable; the prefill kernels' settings, lower case)")
     ap.add_argument("--profile", choices=["ncu", "torch"],
-                    help="no records: one prompt's calls for a profiler (ci/gpu.sh prefill profile runs ncu)")
+                    help="no records: one prompt's calls (--preset serving: the first --serving-cases step's) for a "
+                         "profiler (ci/gpu.sh prefill profile runs ncu)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     add_output_args(ap, "prefill")
     a = ap.parse_args(argv)

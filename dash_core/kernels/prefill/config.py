@@ -55,10 +55,11 @@ class PrefillConfig:
         route_tile_budget: elements of ``route_tile``'s largest register tile. route_registers: short block tables
             (every candidate in one score tile) route from the scores in registers, storing none
             (``route.scores_in_registers``); else through the score scratch. route_warps, route_stages: warps and
-        pipeline stages of the route kernel with stored scores. route_score_tile: candidates of one score tile
-        (half that above D 128). route_pivots, route_pivot_budget, route_list_budget: the top-k cap's pivot search
-        (pivots per pass; elements of its ``[QT, pivots, entries]`` tile; of the ``[QT, entries]`` tiles of its
-        ties and compaction passes).
+            pipeline stages of the route kernel with stored scores; route_regs_warps: its warps with the scores in
+            registers (one small tile a program: fewer warps, more programs a multiprocessor). route_score_tile:
+            candidates of one score tile (half that above D 128). route_pivots, route_pivot_budget,
+            route_list_budget: the top-k cap's pivot search (pivots per pass; elements of its ``[QT, pivots,
+            entries]`` tile; of the ``[QT, entries]`` tiles of its ties and compaction passes).
     Routing from a summary copy (no score scratch; router ``kv_head`` on long block tables):
         recompute_min_candidates: the fewest candidates that route this way (half that from
         ``recompute_wide_group`` query heads per KV head); summary_copy_bytes: the most a call's copy may take.
@@ -81,6 +82,7 @@ class PrefillConfig:
     route_tile_budget: int = 4096
     route_registers: bool = True
     route_warps: int = 8
+    route_regs_warps: int = 4
     route_stages: int = 3
     route_score_tile: int = 64
     route_pivots: int = 4

@@ -470,7 +470,8 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     if recompute and (s.scores.shape[1] < hkv or s.scores.shape[2] < plan.max_cand):
         raise RuntimeError(f"this scratch's score storage is {tuple(s.scores.shape[1:])} a slot: routing from the "
                            f"summary copy keeps group sums there, {hkv} rows of at least {plan.max_cand}")
-    launch = dict(num_warps=cfg.route_warps, num_stages=cfg.route_stages)
+    x_regs = not recompute and scores_in_registers(plan.qt, hq, hkv, d, plan.max_cand, params, cfg)
+    launch = dict(num_warps=cfg.route_regs_warps if x_regs else cfg.route_warps, num_stages=cfg.route_stages)
     if recompute:
         launch = dict(num_warps=cfg.recompute_warps, num_stages=cfg.recompute_stages)
         if cfg.recompute_maxnreg:
@@ -485,8 +486,7 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
         1.0 / params.sigma, copy if recompute else summ, s.summary_desc if s.summary_desc is not None else summ,
         copy.shape[1] if recompute else 0, PS=cache.page_size,
-        **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg,
-                            not recompute and scores_in_registers(plan.qt, hq, hkv, d, plan.max_cand, params, cfg)),
+        **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg, x_regs),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
         STAGE_Q=recompute and stages_queries(g, q, s),
         **launch,
