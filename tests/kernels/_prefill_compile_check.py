@@ -33,7 +33,8 @@ kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 
 CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
     (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64)),  # the benchmark's shape
-    (torch.bfloat16, 32, 8, 128, 64, 64, 64, dict(topk=64)),  # a 4k table: the scores in registers
+    (torch.bfloat16, 32, 8, 128, 64, 64, 64, dict(topk=64)),  # 4k and 8k tables: the scores in registers
+    (torch.bfloat16, 32, 8, 128, 64, 64, 128, dict(topk=64)),
     (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(estimate_diagonal=True)),
     (torch.bfloat16, 32, 2, 128, 64, 128, 1024, dict(topk=256)),  # G = 16
     (torch.float16, 16, 1, 64, 16, 256, 64, dict(topk=16, router="shared")),

@@ -158,7 +158,7 @@ def test_prefill_route_lists_keep_the_oracle_blocks(router, topk):
     positive mp in candidate order."""
     p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, router=router)
     case = make_prefill_case(23, [(16 * 45 + 5, 20), (300, 12)], hq=4, hkv=2, params=p, q_scale=1.5).to(DEV)
-    config = PrefillConfig(route_score_tile=16)
+    config = PrefillConfig(route_score_tile=16, route_registers=False)
     plan, scratch = plan_and_scratch(case, config)
     assert not pf_route.scores_in_registers(plan.qt, 4, 2, case.q.shape[2], plan.max_cand, p, config)
     scratch.mp_cand.fill_(-1)

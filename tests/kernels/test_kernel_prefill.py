@@ -207,7 +207,7 @@ def test_routing_wide_rows_and_caps():
     # its ties and compaction, over lists of up to 44 positive mp (20+ with topk 3)
     pivots = PrefillConfig().route_pivots
     config = PrefillConfig(scratch_bytes=1 << 40, route_tile_budget=256, route_pivot_budget=4 * 16 * pivots,
-                           route_list_budget=8 * 16,
+                           route_list_budget=8 * 16, route_registers=False,  # the stored scores, in tiles
                            route_score_tile=16)  # the passes that compute the scores again: 16 a tile too
     # estimate_diagonal (sigma 1: the default 1e6 flattens the prior): the priors also depend on the geometric
     # mean of the kept mp, which the ties pass sums over the list tiles (exact ties at the threshold are the cap
@@ -228,15 +228,18 @@ def test_routing_wide_rows_and_caps():
 
 @pytest.mark.parametrize("topk,est", [(None, False), (3, True), (30, False)])
 def test_routing_scores_in_registers(topk, est):
-    """Short block tables (every candidate in one score tile, ``scores_in_registers``): the route kernel keeps the
-    scores in registers and stores none (the score scratch stays NaN), caps in registers (topk below, near and
-    above the support), and keeps the oracle's blocks with their priors."""
+    """Short block tables (every candidate in one score tile, ``scores_in_registers``; 100 candidates here, a
+    128-wide tile): the route kernel keeps the scores in registers and stores none (the score scratch stays NaN),
+    caps in registers (topk below, near and above the support), and keeps the oracle's blocks with their priors."""
     p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=est, sigma=1.0)
-    case = make_prefill_case(22, [(16 * 40 + 5, 30), (40, 40)], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
+    case = make_prefill_case(22, [(16 * 40 + 5, 30), (40, 40), (16 * 100 + 3, 12)], hq=8, hkv=2, params=p,
+                             q_scale=1.5).to(DEV)
     config = PrefillConfig(scratch_bytes=1 << 40)
     plan, scratch = plan_and_scratch(case, config, recompute=False)
+    assert plan.max_cand > 64
     assert pf_route.scores_in_registers(plan.qt, 8, 2, case.q.shape[2], plan.max_cand, p, config)
     assert not pf_route.scores_in_registers(plan.qt, 2, 2, case.q.shape[2], plan.max_cand, p, config)  # G 1
+    assert not pf_route.scores_in_registers(plan.qt, 8, 2, case.q.shape[2], 2 * plan.max_cand, p, config)
     scratch.scores.fill_(float("nan"))
     pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
                         plan.num_tiles)

@@ -53,8 +53,8 @@ class PrefillConfig:
         attn_rows: query rows of one tile (tokens x padded GQA group).
     Routing (``route.py``):
         route_tile_budget: elements of ``route_tile``'s largest register tile. route_registers: short block tables
-            (every candidate in one score tile) route from the scores in registers, storing none
-            (``route.scores_in_registers``); else through the score scratch. route_warps, route_stages: warps and
+            (every candidate in one score tile of at most ``route_regs_budget`` elements) route from the scores in
+            registers, storing none (``route.scores_in_registers``); else through the score scratch. route_warps, route_stages: warps and
             pipeline stages of the route kernel with stored scores; route_regs_warps: its warps with the scores in
             registers (one small tile a program: fewer warps, more programs a multiprocessor). route_score_tile:
             candidates of one score tile (half that above D 128). route_pivots, route_pivot_budget,
@@ -81,6 +81,7 @@ class PrefillConfig:
     attn_rows: int = 64
     route_tile_budget: int = 4096
     route_registers: bool = True
+    route_regs_budget: int = 8192
     route_warps: int = 8
     route_regs_warps: int = 4
     route_stages: int = 3

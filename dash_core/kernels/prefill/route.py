@@ -410,17 +410,23 @@ def summary_copy_descriptor(copy: torch.Tensor, config: PrefillConfig) -> Option
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [route_block_n(d, max_cand, config), d])
 
 
+def registers_block_n(max_cand: int) -> int:
+    """Candidates of the one score tile of the route kernel with the scores in registers."""
+    return max(16, pow2(max_cand))
+
+
 def scores_in_registers(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams,
                         config: PrefillConfig) -> bool:
     """Whether the route kernel keeps a tile's scores in registers (``X_REGS``: no score scratch, and the cap's
-    keys in registers too): ``config.route_registers``, router ``kv_head``, at least two query heads a KV head,
-    every candidate in one score tile, and that tile within ``config.route_tile_budget`` (short block tables: about
-    4k tokens at block size 64). With one query head a KV head the keys, made in registers from a ``[QT, 1, TC]``
-    tile, are held by several threads each, and the compiled cap finds the wrong threshold (Triton 3.6, sm_90; the
-    same miscompile as ``routing.RADIX_MIN_KEYS`` guards); loaded from the scratch they give the right one."""
-    block_n = route_block_n(d, max_cand, config)
-    return (config.route_registers and params.router != "shared" and hq // hkv >= 2 and pow2(max_cand) <= block_n
-            and qt * pow2(hq // hkv) * block_n <= config.route_tile_budget)
+    keys in registers too): ``config.route_registers``, router ``kv_head``, at least two query heads a KV head, and
+    every candidate in one ``[QT x G, candidates]`` score tile within ``config.route_regs_budget`` (a quarter of it
+    above D 128, whose summary and query tiles are twice as wide): block tables up to 8k tokens at block size 64.
+    With one query head a KV head the keys, made in registers from a ``[QT, 1, TC]`` tile, are held by several
+    threads each, and the compiled cap finds the wrong threshold (Triton 3.6, sm_90; the same miscompile as
+    ``routing.RADIX_MIN_KEYS`` guards); loaded from the scratch they give the right one."""
+    budget = config.route_regs_budget if d <= 128 else config.route_regs_budget // 4
+    return (config.route_registers and params.router != "shared" and hq // hkv >= 2
+            and qt * pow2(hq // hkv) * registers_block_n(max_cand) <= budget)
 
 
 def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams,
@@ -432,8 +438,8 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
     tc = max(16, min(pow2(max_cand), config.route_tile_budget // (qt * nh_pad)))
     ts = max(1, min(pow2(max_cand), config.route_pivot_budget // (config.route_pivots * qt)))
     npiv = config.route_pivots
-    if x_regs:  # the cap's keys in one [QT, TC] tile: fewer pivots keep [QT, NPIV, TC] in its budget
-        ts = tc
+    if x_regs:  # one score tile; the cap's keys in one [QT, TC] tile: fewer pivots keep [QT, NPIV, TC] in its budget
+        block_n = tc = ts = registers_block_n(max_cand)
         npiv = max(1, min(npiv, config.route_pivot_budget // (qt * tc)))
     return dict(
         QT=qt, G_PAD=pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
