@@ -53,11 +53,12 @@ class PrefillConfig:
         attn_rows: query rows of one tile (tokens x padded GQA group).
     Routing (``route.py``):
         route_tile_budget: elements of ``route_tile``'s largest register tile. route_registers: short block tables
-            (every candidate in one score tile of at most ``route_regs_budget`` elements) route from the scores in
-            registers, storing none (``route.scores_in_registers``); else through the score scratch. route_warps, route_stages: warps and
+            (every candidate in one ``[QT x G, candidates]`` tile of at most ``route_regs_budget`` elements, a
+            quarter of it above D 128) route from the scores in registers, storing none
+            (``route.scores_in_registers``); else through the score scratch. route_warps, route_stages: warps and
             pipeline stages of the route kernel with stored scores; route_regs_warps: its warps with the scores in
-            registers (one small tile a program: fewer warps, more programs a multiprocessor). route_score_tile:
-            candidates of one score tile (half that above D 128). route_pivots, route_pivot_budget,
+            registers (one tile a program: fewer warps, more programs a multiprocessor). route_score_tile:
+            candidates of one stored-scores tile (half that above D 128). route_pivots, route_pivot_budget,
             route_list_budget: the top-k cap's pivot search (pivots per pass; elements of its ``[QT, pivots,
             entries]`` tile; of the ``[QT, entries]`` tiles of its ties and compaction passes).
     Routing from a summary copy (no score scratch; router ``kv_head`` on long block tables):
