@@ -683,14 +683,6 @@ def run_published_isolated(a, cases, device, bw, records) -> None:
     flush_records(a, records)
 
 
-# ---------------------------------------------------------------------------- outputs
-
-def _key(r):
-    return (r["device"], r["batch"], r["context"], r["hq"], r["hkv"], r["head_dim"], r["bs"], str(r["topk"]),
-            r["method"], r["variant"], r["includes_write"])
-
-
-
 # ---------------------------------------------------------------------------- records
 
 def record_key(r: dict) -> tuple:
