@@ -100,7 +100,7 @@ def record_launches() -> dict:
             num_pages = 4
             kb = torch.zeros(num_pages * ps, hkv, d, dtype=dtype)
             cache = PagedKVCache.from_sglang(kb, kb.clone(), ps, alloc_summaries(num_pages * ps, bs, hkv, d, dtype))
-            for n in (1, 8):
+            for n in (1, 8, 32):  # 32: wide enough that the select launch scores (route_fuse_min_units)
                 q = torch.zeros(n, hq, d, dtype=dtype)
                 k = torch.zeros(n, hkv, d, dtype=dtype)
                 bt = torch.zeros(n, max_pages, dtype=torch.int32)
