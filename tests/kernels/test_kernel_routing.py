@@ -94,9 +94,10 @@ def test_select_launch_scoring_matches_the_score_launch():
         for r, u in itertools.product(range(sc.n), range(c0.shape[1])):
             k = int(c0[r, u])
             assert torch.equal(i0[r, u, :k], i1[r, u, :k]) and torch.equal(b0[r, u, :k], b1[r, u, :k]), (r, u)
-    wide = DecodeBuffers.allocate(64, 32, 8, 128, 64, 4, DashParams(topk=64), "cpu", num_sms=132)
-    least = DecodeConfig().route_fuse_min_units
-    assert [wide.splits(n)[0] == 0 for n in range(1, 65)] == [n * 8 >= least for n in range(1, 65)]
+    for least in (0, 128):  # 0: never
+        config = DecodeConfig(route_fuse_min_units=least)
+        bufs = DecodeBuffers.allocate(64, 32, 8, 128, 64, 4, DashParams(topk=64), "cpu", num_sms=132, config=config)
+        assert [bufs.splits(n)[0] == 0 for n in range(1, 65)] == [0 < least <= n * 8 for n in range(1, 65)]
 
 
 def test_small_topk_on_few_candidates():

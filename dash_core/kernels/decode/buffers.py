@@ -69,7 +69,7 @@ class DecodeBuffers:
         rows = max(1, n * hkv)
         per_sm = config.score_programs_per_sm_wide if _wide(n, hkv, num_sms) else config.score_programs_per_sm
         nsr = max(1, min(cdiv(per_sm * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
-        if n * hsel >= config.route_fuse_min_units:
+        if 0 < config.route_fuse_min_units <= n * hsel:
             nsr = 0
         nsa = max(1, min(cdiv(config.attn_programs_per_sm * num_sms, rows), config.attn_split_max,
                          cdiv(local_blocks + cap, config.attn_split_min_blocks)))

@@ -1,4 +1,4 @@
-"""Decode routing: two launches a step (one for wide batches), no host synchronisation.
+"""Decode routing: two launches a step (or one, ``SCORE`` below), no host synchronisation.
 
 - ``_decode_scores_kernel``, grid ``(n, Hkv, splits)``: each program scores a contiguous share of one request's
   candidates for the G query heads of one KV head (summaries read through the page table) into the score scratch,
@@ -9,9 +9,9 @@
   selection, off the chain of scores -> selection that bounds a small batch's step: this step's routing never reads
   them (the block the new token completes is in the local window), and the attention launch that does comes after.
 
-From ``DecodeConfig.route_fuse_min_units`` (request, unit) programs a step, the select launch runs alone: each
-program scores its own unit's candidates first (``SCORE``), the same code and arithmetic as the score launch with one
-share, so the selection is the same bit for bit.
+Where ``DecodeConfig.route_fuse_min_units`` asks for it (wide batches; off by default), the select launch runs
+alone: each program scores its own unit's candidates first (``SCORE``), the same code and arithmetic as the score
+launch with one share, so the selection is the same bit for bit.
 """
 
 from __future__ import annotations

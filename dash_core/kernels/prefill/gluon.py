@@ -148,24 +148,13 @@ if HAVE_GLUON:
         return gl.load(ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
 
     @gluon.jit
-    def _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ublk, nu, n0, col, c: gl.constexpr, KST: gl.constexpr,
-                    VST: gl.constexpr):
-        """Issue the TMAs of a tile's first union blocks into warpgroup c's ``KST`` K and ``VST`` V slots (after
-        ``n0`` blocks; none past ``nu``)."""
-        for s in gl.static_range(KST):
-            _issue_row_at(k_desc, k_all, kbar, _row_of(ublk, s, nu), s, n0, nu, col, c, KST)
-        for s in gl.static_range(VST):
-            _issue_row_at(v_desc, v_all, vbar, _row_of(ublk, s, nu), s, n0, nu, col, c, VST)
-
-    @gluon.jit
     def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, col, qk_scale, n0,
                     c: gl.constexpr, R: gl.constexpr, QT: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                     KST: gl.constexpr, VST: gl.constexpr):
         """The online softmax state ``(m, l, acc)`` of a tile's rows over its union blocks ``0 .. nu - 1`` (the first
-        blocks it attends), through warpgroup c's own K and V rings (their first slots issued by ``_fill_rings``),
-        a slot refilled as soon as its MMA is done; ``n0`` blocks went through the rings before (the slots'
-        phases). FlashAttention 3's order: block j's QK and block j - 1's PV issued together, then block j's
-        softmax."""
+        blocks it attends), through warpgroup c's own K and V rings, a slot refilled as soon as its MMA is done;
+        ``n0`` blocks went through the rings before (the slots' phases). FlashAttention 3's order: block j's QK and
+        block j - 1's PV issued together, then block j's softmax."""
         o_layout: gl.constexpr = wgmma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_layout: gl.constexpr = wgmma_layout(BS)
@@ -175,6 +164,10 @@ if HAVE_GLUON:
         l_i = gl.full([R], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([R, D], gl.float32, o_layout)
         dt: gl.constexpr = q_s.dtype
+        for s in gl.static_range(KST):
+            _issue_row_at(k_desc, k_all, kbar, _row_of(ublk, s, nu), s, n0, nu, col, c, KST)
+        for s in gl.static_range(VST):
+            _issue_row_at(v_desc, v_all, vbar, _row_of(ublk, s, nu), s, n0, nu, col, c, VST)
         if nu > 0:  # block 0's QK (acc is still zero: no rescale)
             ks = c * KST + n0 % KST
             prior = gl.load(prow)
@@ -283,21 +276,19 @@ if HAVE_GLUON:
             ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             o_layout: gl.constexpr = wgmma_layout(D)
             s_layout: gl.constexpr = wgmma_layout(BS)
-            ublk = ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h
-            gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the queries and the slots
-            # the first union blocks load while the queries do
-            _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ublk, nu, n0, h * cols_ph, c, KST, VST)
             # the queries, zero where not a live row of an ok request
             tok_ld, g_ld, in_ld = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, G, R, G_PAD,
                                              gl.SliceLayout(1, ld_layout))
             q = _load_rows(q_ptr, tok_ld.to(gl.int64) * sq_t + (h * G + g_ld) * sq_h, in_ld & (ok != 0), D, R,
                            ld_layout)
             q_s = q_all.index(c)
+            gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the queries
             q_s.store(q)
             fence_async_shared()
             gl.thread_barrier()
             r_s = gl.arange(0, R, layout=gl.SliceLayout(1, s_layout))
             prow = uprior_ptr + w.to(gl.int64) * spr_w + h * spr_h + r_s // G_PAD
+            ublk = ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h
             m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu,
                                         h * cols_ph, qk_scale, n0, c, R, QT, D, BS, KST, VST)
             # every TMA this warpgroup issued has been waited for: its first slots take the local window
