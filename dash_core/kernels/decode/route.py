@@ -104,7 +104,8 @@ def _decode_select_kernel(
     launch start.
     SCORE: no score launch ran: the program first scores its unit's ``HPU`` KV heads over all their candidates
     (``_score_share`` in ``SBN`` wide steps, its one share of ``pmax``; ``NSPLIT`` 1), then selects from those
-    scores: for batches of a (request, unit) or more a multiprocessor, where splitting the candidates gains nothing.
+    scores: meant for batches of about a (request, unit) a multiprocessor or more, where splitting the candidates
+    adds no occupancy.
     FUSE_WRITE: program (i, HSEL + h) writes the new K/V of request i, KV head h instead (and the summary of the
     block it completes), without waiting for the score launch: nothing in this step's routing reads them.
     """
