@@ -79,10 +79,10 @@ def test_routing_matches_oracle(seed, lens, router, topk, est, sigma, sf, local_
 def test_select_launch_scoring_matches_the_score_launch():
     """Without the score launch (score splits 0, what ``DecodeConfig.route_fuse_min_units`` picks for wide batches)
     each select program scores its own unit: the same scores, so the same selections and priors bit for bit, under
-    both routers (``shared``: one program scores every KV head)."""
-    for router, topk in (("kv_head", 5), ("kv_head", None), ("shared", 7)):
+    both routers (``shared``: one program scores every KV head; with one KV head, as an indexer's store)."""
+    for router, topk, hkv in (("kv_head", 5, 2), ("kv_head", None, 2), ("shared", 7, 2), ("shared", 3, 1)):
         p = DashParams(block_size=16, topk=topk, scaling_factor=2.0, sigma=1.0, router=router)
-        sc = make_scenario(7, [16 * 40 + 3, 0, 16 * 9 + 1], hq=8, hkv=2, params=p, q_scale=1.5).to(DEV)
+        sc = make_scenario(7, [16 * 40 + 3, 0, 16 * 9 + 1], hq=8, hkv=hkv, params=p, q_scale=1.5).to(DEV)
         got = []
         for splits in ((3, 1), (0, 1)):
             bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=splits)
