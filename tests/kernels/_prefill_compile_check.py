@@ -19,7 +19,7 @@ import torch
 from dash_core import DashParams
 from dash_core.kernels import kv_write
 from dash_core.kernels.prefill import attention as pf_attention, gluon, route as pf_route, tiles as pf_tiles
-from dash_core.kernels.prefill.config import PrefillConfig
+from dash_core.kernels.prefill.config import GluonConfig, PrefillConfig
 from dash_core.kernels.prefill.launch import paged_dash_prefill_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
@@ -83,8 +83,12 @@ def record_launches() -> dict:
                 seq = torch.full((n,), t, dtype=torch.int32)
                 hc = None if hi else torch.zeros(hkv, d, dtype=dtype)
                 iq = torch.zeros(t, hi, d, dtype=dtype) if hi else None
-                paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
-                                          config=PrefillConfig(scratch_bytes=1 << 24))
+                # the benchmark's shape with the Gluon attention's rings filled before its queries load, too
+                fills = (False, True) if (dtype, hq, hkv, d, bs, ps, max_pages, pk, hi) == configs[0] else (False,)
+                for fill in fills:
+                    paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
+                                              config=PrefillConfig(scratch_bytes=1 << 24,
+                                                                   gluon=GluonConfig(fill_first=fill)))
                 if not hi:  # cache_dash_prefill's write and summary launches, the prefill op's one launch
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
                     for consecutive in (False, True):

@@ -366,4 +366,4 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
             spr[1], out, so[0], so[1], qk_scale, g, tiles, t, hkv, s.ws_counter,
             geo[2],
             QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
-            VST=gc.v_slots, REGS=gc.regs, num_warps=4, maxnreg=gc.regs)
+            VST=gc.v_slots, REGS=gc.regs, FILL_FIRST=gc.fill_first, num_warps=4, maxnreg=gc.regs)

@@ -23,6 +23,9 @@ class GluonConfig:
     min_candidates, min_tiles: the Gluon launch runs on block tables of at least ``min_candidates`` candidates, and
     on shorter ones in waves of at least ``min_tiles`` tiles (many short prompts in one call). Smaller waves keep the
     Triton attention: they are short, and the Gluon launch costs the host more a wave than it saves there.
+    fill_first: a warpgroup issues a tile's first union blocks (its rings' slots) before loading the tile's
+    queries, so that their latencies overlap; else after storing them (off until a GPU run measures it: short
+    prompts, of few blocks a tile, are where it would count).
     """
 
     enabled: bool = True
@@ -32,6 +35,7 @@ class GluonConfig:
     regs: int = 168
     min_candidates: int = 256
     min_tiles: int = 512
+    fill_first: bool = False
 
     def wanted(self, max_cand: int, tiles: int) -> bool:
         """Whether a wave of ``tiles`` tiles over block tables of ``max_cand`` candidates takes the Gluon launch

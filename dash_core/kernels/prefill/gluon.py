@@ -148,13 +148,24 @@ if HAVE_GLUON:
         return gl.load(ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
 
     @gluon.jit
+    def _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ublk, nu, n0, col, c: gl.constexpr, KST: gl.constexpr,
+                    VST: gl.constexpr):
+        """Issue the TMAs of a tile's first union blocks into warpgroup c's ``KST`` K and ``VST`` V slots (after
+        ``n0`` blocks; none past ``nu``)."""
+        for s in gl.static_range(KST):
+            _issue_row_at(k_desc, k_all, kbar, _row_of(ublk, s, nu), s, n0, nu, col, c, KST)
+        for s in gl.static_range(VST):
+            _issue_row_at(v_desc, v_all, vbar, _row_of(ublk, s, nu), s, n0, nu, col, c, VST)
+
+    @gluon.jit
     def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, col, qk_scale, n0,
                     c: gl.constexpr, R: gl.constexpr, QT: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
-                    KST: gl.constexpr, VST: gl.constexpr):
+                    KST: gl.constexpr, VST: gl.constexpr, FILLED: gl.constexpr):
         """The online softmax state ``(m, l, acc)`` of a tile's rows over its union blocks ``0 .. nu - 1`` (the first
-        blocks it attends), through warpgroup c's own K and V rings, a slot refilled as soon as its MMA is done;
-        ``n0`` blocks went through the rings before (the slots' phases). FlashAttention 3's order: block j's QK and
-        block j - 1's PV issued together, then block j's softmax."""
+        blocks it attends), through warpgroup c's own K and V rings (their first slots issued by ``_fill_rings``
+        here, or before where ``FILLED``), a slot refilled as soon as its MMA is done; ``n0`` blocks went through
+        the rings before (the slots' phases). FlashAttention 3's order: block j's QK and block j - 1's PV issued
+        together, then block j's softmax."""
         o_layout: gl.constexpr = wgmma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_layout: gl.constexpr = wgmma_layout(BS)
@@ -164,10 +175,8 @@ if HAVE_GLUON:
         l_i = gl.full([R], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([R, D], gl.float32, o_layout)
         dt: gl.constexpr = q_s.dtype
-        for s in gl.static_range(KST):
-            _issue_row_at(k_desc, k_all, kbar, _row_of(ublk, s, nu), s, n0, nu, col, c, KST)
-        for s in gl.static_range(VST):
-            _issue_row_at(v_desc, v_all, vbar, _row_of(ublk, s, nu), s, n0, nu, col, c, VST)
+        if not FILLED:
+            _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ublk, nu, n0, col, c, KST, VST)
         if nu > 0:  # block 0's QK (acc is still zero: no rescale)
             ks = c * KST + n0 % KST
             prior = gl.load(prow)
@@ -255,9 +264,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile(c: gl.constexpr, w, h, n0, rt, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
-              BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr):
+              BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, FILL_FIRST: gl.constexpr):
         """Warpgroup c runs tile w of the wave for KV head h; ``n0`` union blocks went through its rings before.
-        Returns the blocks this tile put through them."""
+        Returns the blocks this tile put through them. FILL_FIRST: ``GluonConfig.fill_first``."""
         (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
          q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
          spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph) = rt
@@ -276,13 +285,18 @@ if HAVE_GLUON:
             ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             o_layout: gl.constexpr = wgmma_layout(D)
             s_layout: gl.constexpr = wgmma_layout(BS)
+            if FILL_FIRST:  # the first union blocks load while the queries do
+                gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the slots
+                _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h,
+                            nu, n0, h * cols_ph, c, KST, VST)
             # the queries, zero where not a live row of an ok request
             tok_ld, g_ld, in_ld = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, G, R, G_PAD,
                                              gl.SliceLayout(1, ld_layout))
             q = _load_rows(q_ptr, tok_ld.to(gl.int64) * sq_t + (h * G + g_ld) * sq_h, in_ld & (ok != 0), D, R,
                            ld_layout)
             q_s = q_all.index(c)
-            gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the queries
+            if not FILL_FIRST:
+                gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the queries
             q_s.store(q)
             fence_async_shared()
             gl.thread_barrier()
@@ -290,7 +304,7 @@ if HAVE_GLUON:
             prow = uprior_ptr + w.to(gl.int64) * spr_w + h * spr_h + r_s // G_PAD
             ublk = ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h
             m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu,
-                                        h * cols_ph, qk_scale, n0, c, R, QT, D, BS, KST, VST)
+                                        h * cols_ph, qk_scale, n0, c, R, QT, D, BS, KST, VST, FILL_FIRST)
             # every TMA this warpgroup issued has been waited for: its first slots take the local window
             bt_row = bt_ptr + req.to(gl.int64) * sbt_n
             m_i, l_i, acc = _local_window(q_s, k_all.index(c * KST), v_all.index(c * VST), k_ptr, v_ptr, sk_p, sk_r,
@@ -309,14 +323,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _worker(c: gl.constexpr, rt, tiles, items, counter, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
-                BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr):
+                BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, FILL_FIRST: gl.constexpr):
         """Warpgroup c: (tile, KV head) items taken from the wave's counter until none is left, by KV head then
         tile (the launch order of the Triton kernel: neighbouring tiles of a head, which share most of their
         blocks, run at the same time)."""
         n0 = 0
         item = gl.atomic_add(counter, 1)
         while item < items:
-            n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST)
+            n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST)
             item = gl.atomic_add(counter, 1)
 
     @cached_launch
@@ -326,7 +340,7 @@ if HAVE_GLUON:
                         o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr, cols_ph,
                         QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                         PPB: gl.constexpr, NC: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
-                        REGS: gl.constexpr):
+                        REGS: gl.constexpr, FILL_FIRST: gl.constexpr):
         """Persistent grid (one program a multiprocessor): ``NC`` (3) warpgroups, each taking (tile, KV head) items
         of the wave from ``counter_ptr`` (zeroed by the union launch) and running the tile over its union
         (``union_blk``: each block's first row, ``union_prior`` and ``union_count`` of the Triton union launch) and
@@ -348,9 +362,9 @@ if HAVE_GLUON:
               q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
               spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph)
         gl.warp_specialize([
-            (_worker, (0, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
-            (_worker, (1, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
-            (_worker, (2, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
+            (_worker, (0, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST)),
+            (_worker, (1, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST)),
+            (_worker, (2, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST)),
         ], [4, 4], [REGS, REGS])
 
 
