@@ -12,6 +12,7 @@ Run without ``TRITON_INTERPRET``:
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -83,12 +84,12 @@ def record_launches() -> dict:
                 seq = torch.full((n,), t, dtype=torch.int32)
                 hc = None if hi else torch.zeros(hkv, d, dtype=dtype)
                 iq = torch.zeros(t, hi, d, dtype=dtype) if hi else None
-                # the benchmark's shape with the Gluon attention's rings filled before its queries load, too
-                fills = (False, True) if (dtype, hq, hkv, d, bs, ps, max_pages, pk, hi) == configs[0] else (False,)
-                for fill in fills:
+                # the benchmark's shape with the Gluon attention's options too (fill_first, local_ring)
+                first = (dtype, hq, hkv, d, bs, ps, max_pages, pk, hi) == configs[0]
+                for fill, ring in itertools.product((False, True), repeat=2) if first else ((False, False),):
+                    gc = GluonConfig(fill_first=fill, local_ring=ring)
                     paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
-                                              config=PrefillConfig(scratch_bytes=1 << 24,
-                                                                   gluon=GluonConfig(fill_first=fill)))
+                                              config=PrefillConfig(scratch_bytes=1 << 24, gluon=gc))
                 if not hi:  # cache_dash_prefill's write and summary launches, the prefill op's one launch
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
                     for consecutive in (False, True):

@@ -26,6 +26,9 @@ class GluonConfig:
     fill_first: a warpgroup issues a tile's first union blocks (its rings' slots) before loading the tile's
     queries, so that their latencies overlap; else after storing them (off until a GPU run measures it: short
     prompts, of few blocks a tile, are where it would count).
+    local_ring: a tile's local blocks whose rows are all written (below its request's length) go through the K and
+    V rings by TMA after its union blocks, prefetched like them and masked causally; else every local block is
+    loaded by pointers after the union, one at a time (off until a GPU run measures it, as ``fill_first``).
     """
 
     enabled: bool = True
@@ -36,6 +39,7 @@ class GluonConfig:
     min_candidates: int = 256
     min_tiles: int = 512
     fill_first: bool = False
+    local_ring: bool = False
 
     def wanted(self, max_cand: int, tiles: int) -> bool:
         """Whether a wave of ``tiles`` tiles over block tables of ``max_cand`` candidates takes the Gluon launch
