@@ -434,13 +434,14 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
     g = hq // hkv
     shared = params.router == "shared"
     nh_pad = pow2(hq) if shared else pow2(g)
-    block_n = route_block_n(d, max_cand, config)
-    tc = max(16, min(pow2(max_cand), config.route_tile_budget // (qt * nh_pad)))
-    ts = max(1, min(pow2(max_cand), config.route_pivot_budget // (config.route_pivots * qt)))
-    npiv = config.route_pivots
     if x_regs:  # one score tile; the cap's keys in one [QT, TC] tile: fewer pivots keep [QT, NPIV, TC] in its budget
         block_n = tc = ts = registers_block_n(max_cand)
-        npiv = max(1, min(npiv, config.route_pivot_budget // (qt * tc)))
+        npiv = max(1, min(config.route_pivots, config.route_pivot_budget // (qt * tc)))
+    else:
+        block_n = route_block_n(d, max_cand, config)
+        tc = max(16, min(pow2(max_cand), config.route_tile_budget // (qt * nh_pad)))
+        ts = max(1, min(pow2(max_cand), config.route_pivot_budget // (config.route_pivots * qt)))
+        npiv = config.route_pivots
     return dict(
         QT=qt, G_PAD=pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_N=block_n, TC=tc, TS=ts, TL=max(1, min(pow2(max_cand), config.route_list_budget // qt)),
@@ -477,11 +478,11 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         raise RuntimeError(f"this scratch's score storage is {tuple(s.scores.shape[1:])} a slot: routing from the "
                            f"summary copy keeps group sums there, {hkv} rows of at least {plan.max_cand}")
     x_regs = not recompute and scores_in_registers(plan.qt, hq, hkv, d, plan.max_cand, params, cfg)
-    launch = dict(num_warps=cfg.route_regs_warps if x_regs else cfg.route_warps, num_stages=cfg.route_stages)
     if recompute:
-        launch = dict(num_warps=cfg.recompute_warps, num_stages=cfg.recompute_stages)
-        if cfg.recompute_maxnreg:
-            launch["maxnreg"] = cfg.recompute_maxnreg
+        launch = dict(num_warps=cfg.recompute_warps, num_stages=cfg.recompute_stages,
+                      **({"maxnreg": cfg.recompute_maxnreg} if cfg.recompute_maxnreg else {}))
+    else:
+        launch = dict(num_warps=cfg.route_regs_warps if x_regs else cfg.route_warps, num_stages=cfg.route_stages)
     _prefill_route_kernel[(tiles, 1 if shared else hkv)](
         q, sq[0], sq[1], summ, ssum[0], ssum[1], bt, bt.stride(0),
         cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
