@@ -221,7 +221,7 @@ WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, rou
 
 
 @cuda_only
-@pytest.mark.parametrize("options", [{}, {"fill_first": True}, {"fill_first": True, "local_ring": True}])
+@pytest.mark.parametrize("options", [{}, {"fill_first": True}, {"local_ring": True}])
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
 def test_gluon_attention_matches_triton(case, options, monkeypatch):
     """On Hopper, the warp-specialized Gluon attention (``gluon.py``: G 3 padded to 4, G 8 with router

@@ -11,7 +11,8 @@
 
 Where ``DecodeConfig.route_fuse_min_units`` asks for it (wide batches; off by default), the select launch runs
 alone: each program scores its own unit's candidates first (``SCORE``), the same code and arithmetic as the score
-launch with one share, so the selection is the same bit for bit.
+launch with one share (wider score steps, more warps), so its selections equal the split route's (bit for bit in the
+tests).
 """
 
 from __future__ import annotations

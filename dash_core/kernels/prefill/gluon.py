@@ -133,7 +133,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _ring_row(ring, j, BS: gl.constexpr, PPB: gl.constexpr, LOCAL_RING: gl.constexpr):
         """The first row of a tile's ring block j (``ring``: ``_tile``'s): union block j (``_row_of``), or with
-        LOCAL_RING, from ``nu`` on, local block ``first_local + j - nu`` (through the page table); 0 past ``nt``."""
+        LOCAL_RING, from ``nu`` on, local block ``first_local + j - nu`` (through the page table); past ``nt`` a
+        row no TMA is issued for."""
         ublk, nu, nt, bt_row, first_local, rows_pp, head_row = ring
         if LOCAL_RING:
             lb = first_local + (j - nu)
