@@ -34,7 +34,8 @@ kc.KERNELS.update(PREFILL_KERNELS)  # the shared compiler looks kernels up here
 
 CONFIGS = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
     (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64)),  # the benchmark's shape
-    (torch.bfloat16, 32, 8, 128, 64, 64, 64, dict(topk=64)),  # 4k and 8k tables: the scores in registers
+    (torch.bfloat16, 32, 8, 128, 64, 64, 16, dict(topk=64)),  # 1k, 4k and 8k tables: the scores in registers
+    (torch.bfloat16, 32, 8, 128, 64, 64, 64, dict(topk=64)),
     (torch.bfloat16, 32, 8, 128, 64, 64, 128, dict(topk=64)),
     (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(estimate_diagonal=True)),
     (torch.bfloat16, 32, 2, 128, 64, 128, 1024, dict(topk=256)),  # G = 16
@@ -90,6 +91,10 @@ def record_launches() -> dict:
                     gc = GluonConfig(fill_first=fill, local_ring=ring)
                     paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
                                               config=PrefillConfig(scratch_bytes=1 << 24, gluon=gc))
+                # the short tables' registers route with several KV heads a program, too
+                for kvh in (2, 4) if max_pages <= 64 and hkv == 8 and hi is None else ():
+                    paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p,
+                                              config=PrefillConfig(scratch_bytes=1 << 24, route_regs_kv_heads=kvh))
                 if not hi:  # cache_dash_prefill's write and summary launches, the prefill op's one launch
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
                     for consecutive in (False, True):
