@@ -67,10 +67,11 @@ class DecodeBuffers:
         if fixed is not None:
             return fixed
         rows = max(1, n * hkv)
-        per_sm = config.score_programs_per_sm_wide if _wide(n, hkv, num_sms) else config.score_programs_per_sm
-        nsr = max(1, min(cdiv(per_sm * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
-        if 0 < config.route_fuse_min_units <= n * hsel:
+        if 0 < config.route_fuse_min_units <= n * hsel:  # no score launch
             nsr = 0
+        else:
+            per_sm = config.score_programs_per_sm_wide if _wide(n, hkv, num_sms) else config.score_programs_per_sm
+            nsr = max(1, min(cdiv(per_sm * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
         nsa = max(1, min(cdiv(config.attn_programs_per_sm * num_sms, rows), config.attn_split_max,
                          cdiv(local_blocks + cap, config.attn_split_min_blocks)))
         return nsr, nsa

@@ -84,10 +84,10 @@ def _score_share(
 @cached_launch
 @triton.jit
 def _decode_select_kernel(
-    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
+    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
+    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, sf, x_scale, G, HPU,
     mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
     count_ptr, scnt_n, NROWS, topk, inv_sigma, HSEL,
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, sf, x_scale, G, HPU,
     w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
     w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
     w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
@@ -246,7 +246,7 @@ def _select_launch(q, summaries, scores, pmax, num_splits, block_table, seq_lens
                    write_summarize) -> None:
     n, hq, d = q.shape
     hkv = summaries.shape[1]
-    hsel = 1 if params.router == "shared" else hkv
+    hsel = params.selection_units(hkv)
     nrows = hq // hsel
     bs = params.block_size
     max_cand = block_table.shape[1] * page_size // bs
@@ -264,13 +264,11 @@ def _select_launch(q, summaries, scores, pmax, num_splits, block_table, seq_lens
     topk = params.topk if params.topk is not None else 0
     x_in_regs = one_tile and tc == ts  # then each unit's positive mp go to a list, read in tiles of list_tile
     score = num_splits == 0  # no score launch ran: each select program scores its unit first
-    q_, sq_n, sq_h, summ, ss_b, ss_h, bt, sbt_n, sl, max_tokens, x, sx_n, sx_h, pm, spm_n, spm_h = _score_args(
-        q, summaries, block_table, seq_lens, page_size, scores, pmax)
     _decode_select_kernel[(n, hsel + (hkv if write is not None else 0))](
-        x, sx_n, sx_h, pm, spm_n, spm_h, max(1, num_splits), bt, sbt_n, sl, max_tokens,
+        *_score_args(q, summaries, block_table, seq_lens, page_size, scores, pmax), max(1, num_splits),
+        params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, hkv // hsel,
         mp, mp_cand, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
-        q_, sq_n, sq_h, summ, ss_b, ss_h, params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, hkv // hsel,
         *(write if write is not None else _NO_WRITE(q, seq_lens)),
         NH_PAD=nh_pad, NS_PAD=pow2(max(1, num_splits)), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,

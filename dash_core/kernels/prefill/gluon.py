@@ -340,6 +340,8 @@ if HAVE_GLUON:
             s_layout: gl.constexpr = wgmma_layout(BS)
             if FILL_FIRST:  # the first ring blocks load while the queries do
                 gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the slots
+                # (the ring is made again below, where the default makes it, so that the default's code stays as it
+                # was; the compiler keeps one copy)
                 ring, _ = _tile_ring(ublk_ptr, sub_w, sub_h, bt_ptr, sbt_n, seq_lens_ptr, rows_pp, rows_ph, w, h, nu,
                                      req, first_local, last_local, BS, LOCAL_RING)
                 _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ring, n0, h * cols_ph, c, KST, VST, BS, PPB,

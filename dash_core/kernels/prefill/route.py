@@ -98,6 +98,17 @@ def _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h, G, bt_row
 
 
 @triton.jit
+def _head_pair_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h, G, bt_row, summ_ptr, ss_b, ss_h, offs_n,
+                      cm, x_scale, PS: tl.constexpr, BS: tl.constexpr):
+    """``[2M, BLOCK_N]``: ``_head_scores`` of KV head h, then of KV head h + 1."""
+    return _stack_rows(
+        _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h, G, bt_row, summ_ptr, ss_b, ss_h, offs_n,
+                     cm, x_scale, PS, BS),
+        _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h + 1, G, bt_row, summ_ptr, ss_b, ss_h,
+                     offs_n, cm, x_scale, PS, BS))
+
+
+@triton.jit
 def _stack_rows(a, b):
     """``[2M, N]``: the rows of ``a [M, N]``, then those of ``b``."""
     return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), [2 * a.shape[0], a.shape[1]])
@@ -330,18 +341,16 @@ def _prefill_route_kernel(
                 tl.static_assert(KVH == 1 or KVH == 2 or KVH == 4, "X_REGS: 1, 2 or 4 KV heads a program")
                 cm = offs_n < ncand
                 h0 = hp * KVH
-                x = _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0, G, bt_row, summ_ptr, ss_b,
-                                 ss_h, offs_n, cm, x_scale, PS, BS)
-                if KVH >= 2:
-                    x = _stack_rows(x, _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0 + 1, G,
-                                                    bt_row, summ_ptr, ss_b, ss_h, offs_n, cm, x_scale, PS, BS))
-                if KVH == 4:
-                    x23 = _stack_rows(
-                        _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0 + 2, G, bt_row, summ_ptr,
-                                     ss_b, ss_h, offs_n, cm, x_scale, PS, BS),
-                        _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0 + 3, G, bt_row, summ_ptr,
-                                     ss_b, ss_h, offs_n, cm, x_scale, PS, BS))
-                    x = _stack_rows(x, x23)
+                if KVH == 1:
+                    x = _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0, G, bt_row, summ_ptr,
+                                     ss_b, ss_h, offs_n, cm, x_scale, PS, BS)
+                else:  # KV heads h0, h0 + 1 (then h0 + 2, h0 + 3), their rows one after the other
+                    x = _head_pair_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0, G, bt_row, summ_ptr,
+                                          ss_b, ss_h, offs_n, cm, x_scale, PS, BS)
+                    if KVH == 4:
+                        x = _stack_rows(x, _head_pair_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0 + 2,
+                                                             G, bt_row, summ_ptr, ss_b, ss_h, offs_n, cm, x_scale, PS,
+                                                             BS))
                 mx = tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1)
                 x_regs = tl.reshape(x, [KVH * QT, G_PAD, BLOCK_N])
             else:
