@@ -1,10 +1,10 @@
-"""What the prefill calls of one batch share: the plan and the routing scratch, made once.
+"""What the prefill calls of one batch share: the plan, the routing scratch and the launches, made once.
 
 Every layer of an engine step prefills the same batch: the same ``cu_seqlens_q`` and ``seq_lens``,
 the same shapes. Without a workspace each call builds its plan (shape arithmetic and the launch that
-writes the tile tables) and allocates its routing scratch again. Pass one ``PrefillWorkspace`` to
-all of a batch's ``ops.paged_dash_prefill`` calls (FlashInfer's plan/run split, made implicit): the
-first call builds and keeps them, the calls after it reuse them.
+writes the tile tables), allocates its routing scratch and prepares its launches' arguments again. Pass
+one ``PrefillWorkspace`` to all of a batch's ``ops.paged_dash_prefill`` calls (FlashInfer's plan/run
+split, made implicit): the first call builds and keeps them, the calls after it reuse them.
 
 A workspace serves one batch. It rebuilds when a call differs from the one that built it in shapes,
 parameters, device or the length tensors themselves (compared by identity; the workspace holds them,

@@ -12,6 +12,11 @@ flags, what its binder computes), so a call reuses a compiled kernel exactly whe
 where Triton would. A key's first call, and every call while launch hooks are set (a profiler) or under the
 interpreter, goes through ``JITFunction.run``. What this skips, and so does not watch: the globals check (the
 kernels' globals are constants) and changes of Triton's debug knobs after a kernel's first launch.
+
+``CachedLaunch.bind`` goes one step further for launches that repeat with most of their arguments unchanged (the
+layers of an engine step: the same step tensors, scratch and constexprs, each layer its own queries, cache and
+output): a ``BoundLaunch`` keeps the trailing arguments and the keywords, and each call passes only the leading
+ones, which are all it specialises.
 """
 
 from __future__ import annotations
@@ -84,6 +89,58 @@ class CachedLaunch:
                    kernel.packed_metadata, None, None, None, *full)
         return kernel
 
+    def bind(self, grid, lead: int, tail: tuple, **options) -> "BoundLaunch":
+        """``kernel[grid](*lead_args, *tail, **options)`` with ``tail`` and ``options`` kept: call the result with
+        the ``lead`` leading runtime arguments (and keywords of their own, constexprs that follow from them)."""
+        return BoundLaunch(self, grid, lead, tail, options)
+
+    def _lead_spec(self, backend, args: tuple) -> tuple:
+        """Triton's specialisation of the first ``len(args)`` runtime arguments."""
+        n = len(args)
+        return tuple(map(native_specialize_impl, repeat(backend), args, self._is_const[:n], self._specialize[:n],
+                         self._align[:n]))
+
+
+class BoundLaunch:
+    """A launch of a ``CachedLaunch`` kernel whose grid, trailing arguments and keywords are fixed
+    (``CachedLaunch.bind``). A call passes the leading arguments, which must be the kernel's first parameters and
+    runtime ones; the kept arguments are specialised once, at the first call of each variant (through
+    ``CachedLaunch.launch``, which compiles where Triton would), so a later call specialises its leading arguments
+    only. The kept tensors must outlive the bound launch unchanged in address (a workspace's scratch and a step's
+    tables)."""
+
+    def __init__(self, kernel: CachedLaunch, grid, lead: int, tail: tuple, options: dict) -> None:
+        self.kernel, self.grid, self.lead, self.tail, self.options = kernel, tuple(grid), lead, tuple(tail), options
+        self._variants: Dict[Tuple, Tuple[Any, tuple]] = {}  # key -> (compiled kernel, the arguments after lead)
+        if not kernel._interpreted:
+            params = kernel.fn.params
+            if any(p.is_constexpr for p in params[:lead + len(tail)]):
+                raise TypeError(f"{kernel.fn.__name__}: bound arguments must be runtime parameters; pass "
+                                "constexprs as keywords")
+        self._dims = (self.grid + (1, 1))[:3]
+
+    def __call__(self, *args, **more) -> None:
+        k = self.kernel
+        if len(args) != self.lead:
+            raise TypeError(f"{k.fn.__name__}: a bound launch takes its {self.lead} leading arguments, got {len(args)}")
+        if k._interpreted or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+            k.launch(self.grid, args + self.tail, {**self.options, **more})
+            return
+        device = torch.cuda.current_device()
+        backend = k._backends.get(device)
+        key = None if backend is None else (device, k._lead_spec(backend, args), tuple(more.items()))
+        found = self._variants.get(key)
+        if found is None:  # the first call of this variant: the whole launch specialised, kept by the lead's key
+            kwargs = {**self.options, **more}
+            compiled = k.launch(self.grid, args + self.tail, kwargs)
+            nargs = len(args) + len(self.tail)
+            rest = self.tail + tuple(map(kwargs.get, k._names[nargs:], k._defaults[nargs:]))
+            self._variants[(device, k._lead_spec(k._backends[device], args), tuple(more.items()))] = (compiled, rest)
+            return
+        compiled, rest = found
+        compiled.run(*self._dims, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *rest)
+
 
 def _getter(indices: list):
     """``x -> tuple(x[i] for i in indices)``, iterating in C."""
@@ -93,6 +150,14 @@ def _getter(indices: list):
         i = indices[0]
         return lambda x: (x[i],)
     return operator.itemgetter(*indices)
+
+
+def bind_launch(kernel, grid, lead: int, tail: tuple, **options):
+    """``kernel.bind(grid, lead, tail, **options)`` for a ``CachedLaunch``; for any other launchable (a recording
+    stand-in in the compile checks), a call of ``kernel[grid]`` with the kept arguments appended."""
+    if isinstance(kernel, CachedLaunch):
+        return kernel.bind(grid, lead, tail, **options)
+    return lambda *args, **more: kernel[grid](*args, *tail, **options, **more)
 
 
 def cached_launch(fn: triton.runtime.JITFunction) -> CachedLaunch:

@@ -1,6 +1,7 @@
 """``kernels.launcher.CachedLaunch``: a cached launch computes what Triton's own launch computes, compiles a new
 variant exactly where Triton's cache would (alignment, an int of 1 or a multiple of 16, dtypes, constexprs, options),
-gives way to Triton while launch hooks are set, launches inside a captured CUDA graph, and refuses a tensor keyword."""
+gives way to Triton while launch hooks are set, launches inside a captured CUDA graph, and refuses a tensor keyword;
+a bound launch (``CachedLaunch.bind``) does the same with its trailing arguments kept."""
 
 import pytest
 import torch
@@ -106,3 +107,47 @@ def test_a_tensor_keyword_is_refused():
     x = torch.randn(64, device="cuda")
     with pytest.raises(TypeError, match="pass tensors positionally"):
         _axpy_kernel[(1,)](x, x, out_ptr=torch.empty_like(x), n=64, m=0, alpha=1.0, BLOCK=64, SQUARE=False)
+
+
+def test_bound_launches_match_torch_and_specialise_their_leading_arguments():
+    """A bound launch keeps n, m, alpha and BLOCK; each call passes x, y and out, whose alignment and dtypes pick
+    the variant (as Triton's would), and a keyword of the call (SQUARE) keys it too."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    base, y = torch.randn(4096, device="cuda", generator=g), torch.randn(4096, device="cuda", generator=g)
+    n = 1024
+    bound = _axpy_kernel.bind((triton.cdiv(n, 128),), 3, (n, 0, 0.5), BLOCK=128)
+    triton_before = _triton_variants()
+    cases = [(base, {}), (base[1:], {}), (base[8:], {}), (base, {"SQUARE": True}), (base.half(), {})]
+    for rep in range(2):  # the second round finds every variant kept
+        for x, more in cases:
+            out = torch.empty(n, device="cuda", dtype=x.dtype)
+            bound(x, y, out, **{"SQUARE": False, **more})
+            ref = 0.5 * x[:n].float() ** (2 if more.get("SQUARE") else 1) + y[:n]
+            torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+        if rep == 0:
+            variants = _triton_variants()
+    assert _triton_variants() == variants
+    assert len(bound._variants) == 4  # base and base[8:] share one: both 16-byte aligned
+    assert variants - triton_before <= 4  # at most the same variants, compiled by Triton once each
+
+
+def test_bound_launch_replays_in_a_cuda_graph_and_refuses_a_wrong_count():
+    x, y = torch.randn(512, device="cuda"), torch.randn(512, device="cuda")
+    out = torch.empty_like(x)
+    bound = _axpy_kernel.bind((8,), 3, (512, 0, 1.0), BLOCK=64, SQUARE=False)
+    bound(x, y, out)  # compiled and kept outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        bound(x, y, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    x.copy_(torch.randn(512, device="cuda"))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x + y)
+    with pytest.raises(TypeError, match="3 leading arguments"):
+        bound(x, y)
+    with pytest.raises(TypeError, match="runtime parameters"):
+        _axpy_kernel.bind((8,), 3, (512, 0, 1.0, 64))  # BLOCK is a constexpr: a keyword

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...layout import PagedKVCache
 from ...params import DashParams
 from ..common import LOG2E, LOG2E_F, block_page, cdiv, max_or_zero, pow2, raise_max, sm_count, tma_supported
-from ..launcher import cached_launch
+from ..launcher import bind_launch, cached_launch
 from . import gluon
 from .config import PrefillConfig
 from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
@@ -93,11 +93,12 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
 @cached_launch
 @triton.jit(do_not_specialize=["tile0", "n", "nt", "max_tokens", "num_tokens", "G"])
 def _prefill_attn_kernel(
-    q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
+    q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, o_ptr, so_t, so_h, k_desc, v_desc,
+    ublk_page, ublk_step, ublk_head, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, nt, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
-    uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, upos_ptr, spos_w, spos_h, o_ptr, so_t, so_h, qk_scale, G,
-    k_desc, v_desc, info_ptr, sinfo, nu_ptr, counter_ptr, ublk_page, ublk_step, ublk_head,
+    uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, upos_ptr, spos_w, spos_h, qk_scale, G,
+    info_ptr, sinfo, nu_ptr, counter_ptr,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
     UCH: tl.constexpr, ONE_BLOCK: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
@@ -316,14 +317,16 @@ def _kv_descriptors(cache: PagedKVCache, block_u: int, config: PrefillConfig) ->
     return None
 
 
-def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                seq_lens: torch.Tensor, params: DashParams, plan, scratch, out: torch.Tensor, tile0: int,
-                tiles: int) -> None:
-    """Attention of tiles ``tile0 .. tile0 + tiles - 1`` of ``plan`` (a ``PrefillPlan``, with its config) over their
-    selections in ``scratch`` (a ``PrefillScratch``)."""
+ATTN_LEAD = 21  # the attention kernel's leading arguments, a call's own: queries, K/V pages, output, block table
+
+
+def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   seq_lens: torch.Tensor, params: DashParams, plan, scratch, tile0: int, tiles: int):
+    """The attention of tiles ``tile0 .. tile0 + tiles - 1`` of ``plan`` (a ``PrefillPlan``, with its config) over
+    their selections in ``scratch`` (a ``PrefillScratch``), every argument but the layer's bound: the result attends
+    ``(q, cache, block_table, out)`` of any layer of the step (the shapes of those given here)."""
     t, hq, d = q.shape
     cfg = plan.config
-    kp, vp, bt = cache.k_pages, cache.v_pages, block_table
     hkv = cache.num_kv_heads
     g = hq // hkv
     bs = params.block_size
@@ -332,39 +335,53 @@ def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
     g_pad = pow2(g)
     block_u = cfg.attn_keys if d <= 128 else min(bs, 32)
     one_block = block_u < 2 * bs  # a tile within one block: one base address, no gather
-    geo = (gluon.ws_supported(q, cache, params, g_pad, plan.qt)  # where the Gluon launch's TMA finds the blocks
-           if one_block and cfg.gluon.wanted(plan.max_cand, tiles) else None)
-    ws = geo is not None
-    # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
-    kv_desc = _kv_descriptors(cache, block_u, cfg) if one_block and block_u == bs and not ws else None
-    sq, sk, sv, ssel, scnt = q.stride(), kp.stride(), vp.stride(), s.sel_idx.stride(), s.sel_count.stride()
-    spr, sub, spos, so = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride(), out.stride()
-    qk_scale = LOG2E_F / math.sqrt(d)
-    _prefill_attn_kernel[(tiles, hkv)](
-        q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0),
-        cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], plan.num_tiles,
-        bt.shape[1] * cache.page_size,
-        t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1], s.sel_count, scnt[0], 0 if shared else scnt[1],
-        s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1], s.union_pos, spos[0], spos[1],
-        out, so[0], so[1], qk_scale, g,
-        *(kv_desc[:2] if kv_desc is not None else (kp, vp)), s.tile_info, s.tile_info.stride(0), s.union_count,
-        s.ws_counter, *(gluon.union_rows(geo, bs) if ws else (cache.page_size // bs, 1, 0)),
+    gluon_wanted = one_block and cfg.gluon.wanted(plan.max_cand, tiles)
+    ssel, scnt = s.sel_idx.stride(), s.sel_count.stride()
+    spr, sub, spos = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride()
+    kernel = bind_launch(
+        _prefill_attn_kernel, (tiles, hkv), ATTN_LEAD,
+        (cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], plan.num_tiles,
+         block_table.shape[1] * cache.page_size, t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1],
+         s.sel_count, scnt[0], 0 if shared else scnt[1], s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1],
+         s.union_pos, spos[0], spos[1], LOG2E_F / math.sqrt(d), g, s.tile_info, s.tile_info.stride(0),
+         s.union_count, s.ws_counter),
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(pow2(plan.max_cand), cfg.union_tile // plan.qt)),
         TJ=max(16, min(pow2(s.sel_idx.shape[2]), cfg.union_list_tile // plan.qt)),
-        UCH=cfg.union_chunk if one_block else max(cfg.union_chunk_gather, block_u // bs),
-        ONE_BLOCK=one_block, TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]), UNION_ONLY=ws,
-        num_warps=cfg.attn_warps if d <= 128 else 2 * cfg.attn_warps, num_stages=cfg.attn_stages,
-    )
-    if ws:
-        gc = cfg.gluon
-        k_desc, v_desc = gluon.kv_block_descriptors(cache, bs, geo)
-        gluon.prefill_attn_ws[(min(sm_count(q.device), cdiv(tiles * hkv, gc.warpgroups)),)](
-            q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
-            s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
-            spr[1], out, so[0], so[1], qk_scale, g, tiles, t, hkv, s.ws_counter,
-            geo[2], seq_lens, geo[0], geo[1],
-            QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
-            VST=gc.v_slots, REGS=gc.regs, FILL_FIRST=gc.fill_first, LOCAL_RING=gc.local_ring, num_warps=4,
-            maxnreg=gc.regs)
+        UCH=cfg.union_chunk if one_block else max(cfg.union_chunk_gather, block_u // bs), ONE_BLOCK=one_block,
+        num_warps=cfg.attn_warps if d <= 128 else 2 * cfg.attn_warps, num_stages=cfg.attn_stages)
+
+    def attend(q: torch.Tensor, cache: PagedKVCache, bt: torch.Tensor, out: torch.Tensor) -> None:
+        kp, vp = cache.k_pages, cache.v_pages
+        geo = gluon.ws_supported(q, cache, params, g_pad, plan.qt) if gluon_wanted else None  # where its TMA works
+        ws = geo is not None
+        # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
+        kv_desc = _kv_descriptors(cache, block_u, cfg) if one_block and block_u == bs and not ws else None
+        sq, sk, sv, so = q.stride(), kp.stride(), vp.stride(), out.stride()
+        kernel(q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], out, so[0], so[1],
+               *(kv_desc[:2] if kv_desc is not None else (kp, vp)),
+               *(gluon.union_rows(geo, bs) if ws else (cache.page_size // bs, 1, 0)), bt, bt.stride(0),
+               TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]), UNION_ONLY=ws)
+        if ws:
+            gc = cfg.gluon
+            k_desc, v_desc = gluon.kv_block_descriptors(cache, bs, geo)
+            gluon.prefill_attn_ws[(min(sm_count(q.device), cdiv(tiles * hkv, gc.warpgroups)),)](
+                q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
+                s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
+                spr[1], out, so[0], so[1], LOG2E_F / math.sqrt(d), g, tiles, t, hkv, s.ws_counter,
+                geo[2], seq_lens, geo[0], geo[1],
+                QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
+                VST=gc.v_slots, REGS=gc.regs, FILL_FIRST=gc.fill_first, LOCAL_RING=gc.local_ring, num_warps=4,
+                maxnreg=gc.regs)
+
+    return attend
+
+
+def attend_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                seq_lens: torch.Tensor, params: DashParams, plan, scratch, out: torch.Tensor, tile0: int,
+                tiles: int) -> None:
+    """Attention of tiles ``tile0 .. tile0 + tiles - 1`` of ``plan`` into ``out`` (``bind_attention``, called
+    once)."""
+    bind_attention(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)(
+        q, cache, block_table, out)

@@ -1,6 +1,6 @@
-"""The prefill call: plan and scratch (made once per batch through a ``PrefillWorkspace``), then each wave's route
-and attention launches (the attention launch also zeroes the rows of no request). Launches only: nothing reads a
-device value on the host.
+"""The prefill call: plan, scratch and the bound launches of each wave (made once per batch through a
+``PrefillWorkspace``), then each wave's route and attention launches (the attention launch also zeroes the rows of
+no request). Launches only: nothing reads a device value on the host.
 Arguments are validated by the op (``dash_core.ops``) before anything here runs.
 """
 
@@ -14,10 +14,10 @@ from ...layout import PagedKVCache
 from ...params import DashParams
 from ...workspace import PrefillWorkspace
 from ..kv_write import write_prefill
-from .attention import attend_wave
+from .attention import bind_attention
 from .config import PrefillConfig
 from .plan import PrefillPlan, PrefillScratch
-from .route import gather_summaries, route_wave
+from .route import bind_route, gather_summaries
 
 
 def plan_and_scratch(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -55,8 +55,10 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     head_cls : ``[Hkv, D]`` (unused with an indexer).
     iq : ``[T, Hi, D]`` rotated indexer queries: the route launches score them (router ``shared``) against the
         cache's 1-head store of ``ik`` summaries, the attention launches use q; k, v must then be None.
-    workspace : shared by the calls of one batch: the plan (with its tile tables launch) and the routing scratch are
-        made by the first call and reused by the others; its ``config`` tunes the launches.
+    workspace : shared by the calls of one batch: the plan (with its tile tables launch), the routing scratch and the
+        route and attention launches with the step's arguments bound are made by the first call and reused by the
+        others (which pass only their own queries, cache, block table and output); its ``config`` tunes the
+        launches.
     config : the launches' tuning (default: the workspace's, else ``PrefillConfig.for_device``).
 
     Returns
@@ -83,16 +85,20 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
         rq, rcache, hs = iq, cache.indexer_view(), max(hq, route_heads)
 
     def make() -> tuple:
-        return plan_and_scratch(q, cache, block_table, cu_seqlens_q, seq_lens, params, config, route_heads)
+        plan, scratch = plan_and_scratch(q, cache, block_table, cu_seqlens_q, seq_lens, params, config, route_heads)
+        step = (block_table, cu_seqlens_q, seq_lens, params, plan, scratch)
+        waves = [(bind_route(rq, rcache, *step, tile0, tiles), bind_attention(q, cache, *step, tile0, tiles))
+                 for tile0, tiles in plan.waves()]
+        return scratch, waves
 
     if workspace is None:
-        plan, scratch = make()
-    else:  # everything the plan and the scratch are made from, besides the length tensors' values
+        scratch, waves = make()
+    else:  # everything the plan, scratch and launches are made from, besides the length tensors' values
         key = (q.device, t, hq, d, hs, cache.num_kv_heads, cache.page_size, tuple(block_table.shape), params,
                config, route_heads, cache.summaries.dtype)
-        plan, scratch = workspace.take(key, (cu_seqlens_q, seq_lens), make)
+        scratch, waves = workspace.take(key, (cu_seqlens_q, seq_lens), make)
     gather_summaries(cache, block_table, seq_lens, params, scratch)  # this call's summaries (each layer has its own)
-    for tile0, tiles in plan.waves():
-        route_wave(rq, rcache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)
-        attend_wave(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, out, tile0, tiles)
+    for route, attend in waves:
+        route(rq, rcache, block_table)
+        attend(q, cache, block_table, out)
     return out

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...layout import PagedKVCache
 from ...params import DashParams
 from ..common import block_page, cdiv, pow2, scaled_query, summary_index, summary_scores, tma_supported
-from ..launcher import cached_launch
+from ..launcher import bind_launch, cached_launch
 from ..routing import INF_BITS, append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
 from .config import PrefillConfig
 from .tiles import tile_bounds, tile_rows, units_ok
@@ -283,11 +283,11 @@ def _route_recompute(q_ptr, sq_t, sq_h, tok_m, u_m, g_m, row_ok, unit_ok, h, G, 
 @cached_launch
 @triton.jit(do_not_specialize=["tile0", "n", "max_tokens", "num_tokens", "G", "HKV", "topk", "sel_cap"])
 def _prefill_route_kernel(
-    q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n,
+    q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, cs_ptr, cs_desc, bt_ptr, sbt_n,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, max_tokens, num_tokens,
     x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h, ck_ptr,
     sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
-    sf, x_scale, G, HKV, topk, inv_sigma, cs_ptr, cs_desc, cs_req,
+    sf, x_scale, G, HKV, topk, inv_sigma, cs_req,
     QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, TL: tl.constexpr,
@@ -516,22 +516,23 @@ def stages_queries(g: int, q: torch.Tensor, scratch) -> bool:
     return pow2(g) * q.shape[2] * q.element_size() <= scratch.mp.shape[2] * scratch.mp.element_size()
 
 
-def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-               seq_lens: torch.Tensor, params: DashParams, plan, scratch, tile0: int, tiles: int) -> None:
-    """Route tiles ``tile0 .. tile0 + tiles - 1`` of ``plan`` (a ``PrefillPlan``, with its config) into ``scratch``
-    (a ``PrefillScratch``; slot ``w * QT + u``)."""
+ROUTE_LEAD = 10  # the route kernel's leading arguments, a call's own: queries, summaries, block table (and strides)
+
+
+def bind_route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               seq_lens: torch.Tensor, params: DashParams, plan, scratch, tile0: int, tiles: int):
+    """The route launch of tiles ``tile0 .. tile0 + tiles - 1`` of ``plan`` (a ``PrefillPlan``, with its config) into
+    ``scratch`` (a ``PrefillScratch``; slot ``w * QT + u``), every argument but the layer's bound: the result routes
+    ``(q, cache, block_table)`` of any layer of the step (the shapes of those given here)."""
     t, hq, d = q.shape
     cfg = plan.config
     hkv = cache.num_kv_heads
     g = hq // hkv
     shared = params.router == "shared"
-    s, summ, bt = scratch, cache.summaries, block_table
-    sq, ssum, ssc, smp, ssel = q.stride(), summ.stride(), s.scores.stride(), s.mp.stride(), s.sel_idx.stride()
+    s = scratch
+    ssc, smp, ssel = s.scores.stride(), s.mp.stride(), s.sel_idx.stride()
     copy = s.summary_copy
     recompute = copy is not None
-    if recompute and s.copied_from != _copy_source(cache, block_table, seq_lens):
-        raise RuntimeError("the summary copy is not this call's: gather_summaries(cache, block_table, seq_lens, "
-                           "params, scratch) before the route launches")
     if not recompute and s.scores.shape[1] < hq:
         raise RuntimeError(f"this scratch has room for {s.scores.shape[1]} score rows per token, not {hq}: it was "
                            "allocated to route from a summary copy (add_summary_copy), which it does not hold")
@@ -545,18 +546,31 @@ def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
                       **({"maxnreg": cfg.recompute_maxnreg} if cfg.recompute_maxnreg else {}))
     else:
         launch = dict(num_warps=cfg.route_regs_warps if x_regs else cfg.route_warps, num_stages=cfg.route_stages)
-    _prefill_route_kernel[(tiles, 1 if shared else hkv // kvh)](
-        q, sq[0], sq[1], summ, ssum[0], ssum[1], bt, bt.stride(0),
-        cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], bt.shape[1] * cache.page_size,
-        t, s.scores, ssc[0], ssc[1], s.mp, smp[0], smp[1],
-        s.mp_cand,
-        s.sel_idx, s.sel_blk, s.sel_bias, ssel[0], ssel[1], s.sel_idx.shape[2],
-        s.sel_count, s.sel_count.stride(0),
-        params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
-        1.0 / params.sigma, copy if recompute else summ, s.summary_desc if s.summary_desc is not None else summ,
-        copy.shape[1] if recompute else 0, PS=cache.page_size,
-        **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg, x_regs, kvh),
+    kernel = bind_launch(
+        _prefill_route_kernel, (tiles, 1 if shared else hkv // kvh), ROUTE_LEAD,
+        (cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0],
+         block_table.shape[1] * cache.page_size, t, s.scores, ssc[0], ssc[1], s.mp, smp[0], smp[1], s.mp_cand,
+         s.sel_idx, s.sel_blk, s.sel_bias, ssel[0], ssel[1], s.sel_idx.shape[2], s.sel_count, s.sel_count.stride(0),
+         params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
+         1.0 / params.sigma, copy.shape[1] if recompute else 0),
+        PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg, x_regs, kvh),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
-        STAGE_Q=recompute and stages_queries(g, q, s),
-        **launch,
-    )
+        STAGE_Q=recompute and stages_queries(g, q, s), **launch)
+
+    def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor) -> None:
+        summ = cache.summaries
+        if recompute and s.copied_from != _copy_source(cache, block_table, seq_lens):
+            raise RuntimeError("the summary copy is not this call's: gather_summaries(cache, block_table, seq_lens, "
+                               "params, scratch) before the route launches")
+        sq, ssum = q.stride(), summ.stride()
+        kernel(q, sq[0], sq[1], summ, ssum[0], ssum[1], copy if recompute else summ,
+               s.summary_desc if s.summary_desc is not None else summ, block_table, block_table.stride(0))
+
+    return route
+
+
+def route_wave(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               seq_lens: torch.Tensor, params: DashParams, plan, scratch, tile0: int, tiles: int) -> None:
+    """Route tiles ``tile0 .. tile0 + tiles - 1`` of ``plan`` into ``scratch`` (``bind_route``, called once)."""
+    bind_route(q, cache, block_table, cu_seqlens_q, seq_lens, params, plan, scratch, tile0, tiles)(q, cache,
+                                                                                                    block_table)
