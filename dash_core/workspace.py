@@ -64,7 +64,7 @@ def check_workspace(workspace: Any) -> None:
 
 
 class PrefillWorkspace:
-    """The plan and scratch of one batch's prefill calls (see the module docstring).
+    """The plan, scratch and launches of one batch's prefill calls (see the module docstring).
 
     config: the prefill launches' tuning (``dash_core.kernels.prefill.config.PrefillConfig``; None: the defaults
     of the device's architecture). builds: how many times a call had to make them (1 when every call of the batch
@@ -91,5 +91,5 @@ class PrefillWorkspace:
         return self._value
 
     def clear(self) -> None:
-        """Drop the kept plan and scratch (their memory returns to the allocator)."""
+        """Drop the kept plan, scratch and launches (their memory returns to the allocator)."""
         self._key, self._lens, self._value = None, (), None

@@ -16,7 +16,7 @@ kernels' globals are constants) and changes of Triton's debug knobs after a kern
 ``CachedLaunch.bind`` goes one step further for launches that repeat with most of their arguments unchanged (the
 layers of an engine step: the same step tensors, scratch and constexprs, each layer its own queries, cache and
 output): a ``BoundLaunch`` keeps the trailing arguments and the keywords, and each call passes only the leading
-ones, which are all it specialises.
+ones (and any keywords of its own), which are all it specialises.
 """
 
 from __future__ import annotations
@@ -94,30 +94,29 @@ class CachedLaunch:
         the ``lead`` leading runtime arguments (and keywords of their own, constexprs that follow from them)."""
         return BoundLaunch(self, grid, lead, tail, options)
 
-    def _lead_spec(self, backend, args: tuple) -> tuple:
-        """Triton's specialisation of the first ``len(args)`` runtime arguments."""
-        n = len(args)
-        return tuple(map(native_specialize_impl, repeat(backend), args, self._is_const[:n], self._specialize[:n],
-                         self._align[:n]))
-
 
 class BoundLaunch:
     """A launch of a ``CachedLaunch`` kernel whose grid, trailing arguments and keywords are fixed
     (``CachedLaunch.bind``). A call passes the leading arguments, which must be the kernel's first parameters and
-    runtime ones; the kept arguments are specialised once, at the first call of each variant (through
-    ``CachedLaunch.launch``, which compiles where Triton would), so a later call specialises its leading arguments
-    only. The kept tensors must outlive the bound launch unchanged in address (a workspace's scratch and a step's
-    tables)."""
+    runtime ones, and may add keywords (constexprs that follow from them). The kept arguments are specialised once,
+    at the first call of each variant (through ``CachedLaunch.launch``, which compiles where Triton would), so a
+    later call specialises its leading arguments only: the kept tensors' memory must not move in place (no
+    ``set_`` or ``resize_``; a workspace's scratch and a step's tables never do)."""
 
     def __init__(self, kernel: CachedLaunch, grid, lead: int, tail: tuple, options: dict) -> None:
         self.kernel, self.grid, self.lead, self.tail, self.options = kernel, tuple(grid), lead, tuple(tail), options
         self._variants: Dict[Tuple, Tuple[Any, tuple]] = {}  # key -> (compiled kernel, the arguments after lead)
-        if not kernel._interpreted:
-            params = kernel.fn.params
-            if any(p.is_constexpr for p in params[:lead + len(tail)]):
-                raise TypeError(f"{kernel.fn.__name__}: bound arguments must be runtime parameters; pass "
-                                "constexprs as keywords")
         self._dims = (self.grid + (1, 1))[:3]
+        if kernel._interpreted:
+            return
+        if any(p.is_constexpr for p in kernel.fn.params[:lead + len(tail)]):
+            raise TypeError(f"{kernel.fn.__name__}: bound arguments must be runtime parameters; pass constexprs as "
+                            "keywords")
+        # the leading arguments' specialisation flags (Triton's binder's, as CachedLaunch keeps them)
+        self._flags = (kernel._is_const[:lead], kernel._specialize[:lead], kernel._align[:lead])
+
+    def _key(self, device: int, backend, args: tuple, more: dict) -> tuple:
+        return device, tuple(map(native_specialize_impl, repeat(backend), args, *self._flags)), tuple(more.items())
 
     def __call__(self, *args, **more) -> None:
         k = self.kernel
@@ -128,14 +127,15 @@ class BoundLaunch:
             return
         device = torch.cuda.current_device()
         backend = k._backends.get(device)
-        key = None if backend is None else (device, k._lead_spec(backend, args), tuple(more.items()))
+        key = None if backend is None else self._key(device, backend, args, more)
         found = self._variants.get(key)
         if found is None:  # the first call of this variant: the whole launch specialised, kept by the lead's key
             kwargs = {**self.options, **more}
             compiled = k.launch(self.grid, args + self.tail, kwargs)
-            nargs = len(args) + len(self.tail)
-            rest = self.tail + tuple(map(kwargs.get, k._names[nargs:], k._defaults[nargs:]))
-            self._variants[(device, k._lead_spec(k._backends[device], args), tuple(more.items()))] = (compiled, rest)
+            if compiled is not None:  # None: Triton's JIT cache hook skipped the launch
+                nargs = len(args) + len(self.tail)
+                rest = self.tail + tuple(map(kwargs.get, k._names[nargs:], k._defaults[nargs:]))
+                self._variants[key or self._key(device, k._backends[device], args, more)] = (compiled, rest)
             return
         compiled, rest = found
         compiled.run(*self._dims, torch._C._cuda_getCurrentRawStream(device), compiled.function,

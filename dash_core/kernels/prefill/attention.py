@@ -317,7 +317,7 @@ def _kv_descriptors(cache: PagedKVCache, block_u: int, config: PrefillConfig) ->
     return None
 
 
-ATTN_LEAD = 21  # the attention kernel's leading arguments, a call's own: queries, K/V pages, output, block table
+ATTN_LEAD = 21  # the attention kernel's leading arguments, a call's own: queries, K/V, output, descriptors, table
 
 
 def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -16,7 +16,7 @@ scale); the local window comes after the union blocks, so the sums round in anot
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
 bf16 or fp16, pages whose rows one 2-D TMA descriptor describes (``kv_rows``: SGLang's layout and vLLM's), block tables
 of at least ``GluonConfig.min_candidates`` candidates or waves of at least ``GluonConfig.min_tiles`` tiles
-(``attention.attend_wave``); else the Triton kernel.
+(``attention.bind_attention``); else the Triton kernel.
 The interpreter cannot run Gluon: the GPU tests check this kernel against the Triton one and the oracle.
 """
 

@@ -74,7 +74,7 @@ class PrefillScratch:
     tile_info: torch.Tensor
     summary_copy: Optional[torch.Tensor] = None  # [n, max_cand, Hkv, D] (recompute_routing), its TMA descriptor
     summary_desc: Optional[TensorDescriptor] = None
-    copied_from: Optional[tuple] = None  # what gather_summaries last copied (route_wave checks it)
+    copied_from: Optional[tuple] = None  # what gather_summaries last copied (each route launch checks it)
 
     def __post_init__(self) -> None:
         # the Gluon attention launch's work counter: the last column of tile_info's row 0 ([1]; a view made once)

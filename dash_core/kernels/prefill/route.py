@@ -516,7 +516,7 @@ def stages_queries(g: int, q: torch.Tensor, scratch) -> bool:
     return pow2(g) * q.shape[2] * q.element_size() <= scratch.mp.shape[2] * scratch.mp.element_size()
 
 
-ROUTE_LEAD = 10  # the route kernel's leading arguments, a call's own: queries, summaries, block table (and strides)
+ROUTE_LEAD = 10  # the route kernel's leading arguments, what a call passes: queries, summaries (or their copy), table
 
 
 def bind_route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
