@@ -6,7 +6,7 @@
 #   bash ci/gpu.sh prefill  profile [SKIP] [ARGS]  # Nsight Compute on one wave of a prefill call (below)
 #   bash ci/gpu.sh segments [tests|bench] [ARGS]   # tests: ARGS = TRITON (default) | FLASHINFER | FLASH_ATTN;
 #                                                  #   bench: decode.py's segment-backend rows (vLLM layout, topk 64)
-#   bash ci/gpu.sh model    [tests|bench] [ARGS]   # benchmarks/model.py (tests: its smoke run)
+#   bash ci/gpu.sh model    [tests|bench] [ARGS]   # benchmarks/model.py (tests: its GPU tests and smoke run)
 #   bash ci/gpu.sh all      [tests|bench]          # every part's tests (segments: TRITON), or every benchmark
 #   bash ci/gpu.sh stage SUB...                    # keep carried .whl/SUB (e.g. fa4/part1) for the next call
 #
@@ -61,12 +61,13 @@ bench_limit() { echo "${BENCH_TIMEOUT:-$([ "$mode" = bench ] && echo 540 || echo
 
 decode_tests() {
   # shellcheck disable=SC2086
-  gpu_tests decode_tests "${TEST_TIMEOUT:-360}" ${GPU_TEST_PATHS:-tests/kernels --ignore-glob=*prefill*}
+  gpu_tests decode_tests "${TEST_TIMEOUT:-360}" ${GPU_TEST_PATHS:-tests/kernels --ignore-glob=*prefill* \
+    tests/gpu/test_graphs_gpu.py tests/gpu/test_slot_guard_gpu.py tests/gpu/test_launcher_gpu.py}
 }
 
 prefill_tests() {
   gpu_tests prefill_tests "${TEST_TIMEOUT:-240}" tests/kernels/test_kernel_prefill.py \
-    tests/kernels/test_kernel_prefill_gpu.py tests/kernels/test_prefill_ws_layout.py
+    tests/kernels/test_kernel_prefill_gpu.py tests/kernels/test_prefill_ws_layout.py tests/gpu/test_launcher_gpu.py
 }
 
 segments_tests() {
@@ -93,10 +94,13 @@ segments_tests() {
 }
 
 model_tests() {
+  gpu_tests model_gpu_tests "${TEST_TIMEOUT:-540}" tests/gpu/test_model_gpu.py
+  local rc=$?
   echo "== model benchmark smoke run"
   timeout "${TEST_TIMEOUT:-540}" "$py" benchmarks/model.py --smoke > "$out/model_tests.log" 2>&1
-  local rc=$?
+  local rc2=$?
   tail -20 "$out/model_tests.log"
+  [ "$rc" -ne 0 ] || rc=$rc2
   return $rc
 }
 
