@@ -1,0 +1,82 @@
+"""``kernels.launcher.BoundLaunch`` on a machine without a GPU: the launch path it takes is the compiled one (not
+the interpreter's), with the driver's two calls and the compiled kernel replaced by recorders, so that what reaches
+the compiled kernel can be read. The GPU test (``tests/gpu/test_launcher_gpu.py``) runs the same paths for real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from dash_core.kernels import launcher  # noqa: E402
+
+
+def _axpy(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: "tl.constexpr", SQUARE: "tl.constexpr" = False):  # noqa: F821
+    """A kernel's signature only: it is never compiled here."""
+
+
+class _Compiled:
+    """What ``CachedLaunch.launch`` returns: a compiled kernel, whose ``run`` records its arguments."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, runs: list) -> None:
+        self.runs = runs
+
+    def run(self, *args) -> None:
+        self.runs.append(args)
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """A ``CachedLaunch`` of ``_axpy`` as on an sm_90 GPU, whose first launches of a variant are recorded."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    monkeypatch.setattr(launcher, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    k = launcher.CachedLaunch(JITFunction(_axpy))
+    k._backends[0] = CUDABackend(GPUTarget("cuda", 90, 32))
+    k.first, k.runs = [], []
+
+    def first_launch(grid, args, kwargs):  # Triton's path: compiles, or finds the variant in its own cache
+        k.first.append((grid, args, kwargs))
+        return _Compiled(k.runs)
+
+    monkeypatch.setattr(k, "launch", first_launch)
+    return k
+
+
+def test_a_bound_launch_passes_its_kept_arguments_after_the_call_s_own(kernel):
+    x, y, out = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    bound = kernel.bind((4, 2), 3, (64, 0.5), BLOCK=32)
+    bound(x, y, out)
+    assert kernel.first == [((4, 2), (x, y, out, 64, 0.5), {"BLOCK": 32})] and kernel.runs == []
+    x2, y2 = torch.zeros(64), torch.zeros(64)
+    bound(x2, y2, out)  # the same specialisation: the kept variant, with the constexprs' values in their places
+    assert len(kernel.first) == 1
+    assert kernel.runs == [(4, 2, 1, 7, "function", "metadata", None, None, None, x2, y2, out, 64, 0.5, 32, False)]
+
+
+def test_a_bound_launch_keys_its_variants_by_the_call_s_arguments_and_keywords(kernel):
+    base = torch.zeros(128)
+    bound = kernel.bind((1,), 3, (64, 0.5), BLOCK=32)
+    xs = [base, base[8:], base[1:], base.half(), base, base]  # base[8:]: 32 bytes on, aligned as base; base[1:]: not
+    for i, x in enumerate(xs):
+        bound(x, base, base, **({"SQUARE": True} if i >= 4 else {}))
+    firsts = [0, 2, 3, 4]  # the calls that made a variant: the others ran a kept one
+    assert len(kernel.first) == len(firsts) and all(f[1][0] is xs[i] for f, i in zip(kernel.first, firsts))
+    assert [first[2] for first in kernel.first] == [{"BLOCK": 32}] * 3 + [{"BLOCK": 32, "SQUARE": True}]
+    assert [run[9] is x for run, x in zip(kernel.runs, (xs[1], xs[5]))] == [True, True] and len(kernel.runs) == 2
+    assert len(bound._variants) == 4
+
+
+def test_a_bound_launch_refuses_a_kept_constexpr_and_a_wrong_count(kernel):
+    with pytest.raises(TypeError, match="runtime parameters"):
+        kernel.bind((1,), 3, (64, 0.5, 32))  # BLOCK is a constexpr: a keyword
+    bound = kernel.bind((1,), 3, (64, 0.5), BLOCK=32)
+    with pytest.raises(TypeError, match="3 leading arguments"):
+        bound(torch.zeros(4), torch.zeros(4))
