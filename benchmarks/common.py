@@ -83,6 +83,22 @@ def time_calls(fns: list, iters: int, warmup: int, cuda: bool) -> float:
     return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
+def host_ms(fn, iters: int, cuda: bool):
+    """Median milliseconds the host takes to issue one call of ``fn`` to an idle GPU (synchronised before each call,
+    not after it): launches and everything the host does for them, none of the GPU's time. None off CUDA, where a
+    call's time is all host."""
+    if not cuda:
+        return None
+    ts = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(ts)
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy rate in bytes/s, counting read + written bytes (a fixed H200-like figure on the CPU)."""
     if device.type != "cuda":

@@ -5,7 +5,8 @@ several calls. Per case of the one-prompt presets: one request (B 1) of ``contex
 chunks on the paged history the earlier chunks wrote (as engines do chunked prefill), with and without the K/V +
 summary write. ``--preset serving`` measures what an engine step costs a layer instead: ``B`` requests of ``context``
 tokens each (``variant: "serving"``), eight layers back to back sharing one ``PrefillWorkspace``, each with its own
-cache and inputs, K/V + summary write included, the step's time divided by eight; and a mixed step (``variant:
+cache and inputs, K/V + summary write included, the step's time divided by eight (and ``host_ms``: the host's time
+to issue a layer to an idle GPU, which bounds the eager step where it exceeds the GPU's); and a mixed step (``variant:
 "mixed"``): eight decode tokens at 32k and one 2k prompt chunk in one ``paged_dash_prefill`` call, as vLLM's chunked
 prefill and SGLang's mixed chunks batch them. Dense peers run on the same prompts, steps and layers (``prefill_peers``:
 cuDNN SDPA, SDPA's FlashAttention backend, FlashInfer, FlashAttention 4, each where it imports and runs here); the
@@ -48,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import (SDPA_PEERS, add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, graph_ms,
-                    host_launch_us, import_published, log, merge_records, peers_of, run_fields, run_id, shown_command,
-                    time_calls, tune_configs)
+                    host_launch_us, host_ms, import_published, log, merge_records, peers_of, run_fields, run_id,
+                    shown_command, time_calls, tune_configs)
 from decode import calibrate_sf
 from prefill_peers import mixed_peer, prompt_peer
 
@@ -239,6 +240,13 @@ def selection_stats(pr: Prompt, params, config: PrefillConfig = None) -> dict:
                     plan.qt, pr.hq, pr.hkv, plan.max_cand, params, plan.recompute) * plan.wave / 2**20)
 
 
+def layer_host_ms(step, layers: int, cuda: bool):
+    """The host's time to issue one layer of ``step`` (``common.host_ms`` of the step over its layers, rounded),
+    None off CUDA."""
+    host = host_ms(step, 5, cuda)
+    return None if host is None else round(host / layers, 4)
+
+
 def peak_mb(fn, cuda) -> float:
     """Most memory allocated during one call above what was allocated before it (MiB)."""
     if not cuda:
@@ -394,7 +402,8 @@ def adder(records: list, common: dict, dense_floor):
             rec["note"] = note
         records.append(rec)
         log(f"  {method:16s} {variant:14s} topk={str(topk):4s} write={int(write)}  {ms:10.3f} ms"
-            + ("" if floor is None else f"  ({floor / ms:.0%} of floor)") + f"  peak {rec['peak_mb']} MiB")
+            + ("" if floor is None else f"  ({floor / ms:.0%} of floor)") + f"  peak {rec['peak_mb']} MiB"
+            + ("" if rec.get("host_ms") is None else f"  host {rec['host_ms']:.3f} ms"))
     return add
 
 
@@ -451,7 +460,7 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
 
         ms = timed(dash_step, a, cuda) / nl
         add("dash-triton", "serving" + tag, ms, topk=topk, write=True, frac=st["kv_fraction"], floor=floor,
-            mem=peak_mb(dash_step, cuda), extra=stats_fields(st),
+            mem=peak_mb(dash_step, cuda), extra=dict(stats_fields(st), host_ms=layer_host_ms(dash_step, nl, cuda)),
             note=f"per layer of a step of {nl} layers sharing one PrefillWorkspace (the first makes the plan and "
                  "scratch)")
         if a.graph and cuda:
@@ -465,6 +474,7 @@ def run_serving(a, batch, n, hkv, topk, device, bw, records, dense=True, dtype=t
             built = [prompt_peer(peer, q, k, v, batch, None, cuda) for q, k, v, _ in layers.items]
             fn = step_fn([b[0] for b in built])
             add("dense-" + peer, "serving", timed(fn, a, cuda) / nl, mem=peak_mb(fn, cuda),
+                extra=dict(host_ms=layer_host_ms(fn, nl, cuda)),
                 note="; ".join(x for x in (f"per layer of {nl} layers", built[0][2]) if x))
             if a.graph and cuda and peer in SDPA_PEERS:
                 add("dense-" + peer, "serving-graph", graph_ms([fn], a.iters, 2, min_calls=1) / nl, graph=True,
@@ -558,7 +568,8 @@ def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat1
                out=out, workspace=ws)
 
     add("dash-triton", "mixed", timed(dash_step, a, cuda) / nl, topk=topk, write=True, frac=None,
-        mem=peak_mb(dash_step, cuda), note=f"one paged_dash_prefill call per layer, {nl} layers sharing a workspace")
+        mem=peak_mb(dash_step, cuda), extra=dict(host_ms=layer_host_ms(dash_step, nl, cuda)),
+        note=f"one paged_dash_prefill call per layer, {nl} layers sharing a workspace")
     if a.graph and cuda:
         add("dash-triton", "mixed-graph", graph_ms([dash_step], a.iters, 2, min_calls=1) / nl, topk=topk, write=True,
             frac=None, graph=True, note=f"the same step of {nl} layers replayed from one CUDA graph: no host time")
@@ -567,7 +578,7 @@ def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat1
             built = [mixed_peer(peer, m, i, cuda) for i in range(nl)]
             fn = step_fn([b[0] for b in built])
             add("dense-" + peer, "mixed", timed(fn, a, cuda) / nl, frac=None, mem=peak_mb(fn, cuda),
-                note=built[0][1])
+                extra=dict(host_ms=layer_host_ms(fn, nl, cuda)), note=built[0][1])
             if a.graph and cuda and peer in SDPA_PEERS:
                 add("dense-" + peer, "mixed-graph", graph_ms([fn], a.iters, 2, min_calls=1) / nl, frac=None,
                     graph=True, note=f"per layer of {nl} layers replayed from one CUDA graph")

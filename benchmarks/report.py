@@ -239,6 +239,11 @@ def graph_cell(records: list, r: dict, variant: str, match) -> str:
     return f"{num(graph[-1]['ms'])} / {num(best(gpeers))} ({speedup(best(gpeers), graph[-1]['ms'])})"
 
 
+def with_host(r: dict) -> str:
+    """``ms`` of an eager step's record, with the host's time to issue it (``host_ms``) where measured."""
+    return num(r["ms"]) + ("" if r.get("host_ms") is None else f" (host {num(r['host_ms'])})")
+
+
 def serving_table(records: list) -> str:
     """Per layer of an engine step (``variant: "serving"``): ``batch`` prompts of ``context`` tokens."""
     dash = sorted(pick(records, method="dash-triton", variant="serving"),
@@ -246,7 +251,7 @@ def serving_table(records: list) -> str:
     rows = []
     for r in dash:
         peers = dense_peers(records, r, lambda x: x["variant"] == "serving")
-        rows.append([f"{r['batch']} x {tokens(r['context'])}", r["hkv"], topk_of(r), num(r["ms"]),
+        rows.append([f"{r['batch']} x {tokens(r['context'])}", r["hkv"], topk_of(r), with_host(r),
                      "-" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}", peers_cell(peers),
                      speedup(best(peers), r["ms"]), graph_cell(records, r, "serving-graph", lambda x: True)])
     if not rows:
@@ -265,7 +270,7 @@ def mixed_table(records: list) -> str:
                             and x.get("decode_tokens") == r.get("decode_tokens"))
         step = f"{r['decode_tokens']} decode tokens at {tokens(r['context'])} + a {tokens(r['prompt_tokens'])} chunk"
         same_step = lambda x: x.get("prompt_tokens") == r.get("prompt_tokens")
-        rows.append([step, r["hkv"], topk_of(r), num(r["ms"]), peers_cell(peers), speedup(best(peers), r["ms"]),
+        rows.append([step, r["hkv"], topk_of(r), with_host(r), peers_cell(peers), speedup(best(peers), r["ms"]),
                      graph_cell(records, r, "mixed-graph", same_step)])
     if not rows:
         return "_No mixed-step records yet: `bash ci/gpu.sh prefill bench --preset serving`._"

@@ -83,7 +83,7 @@ def test_prefill_rows_serving_and_mixed_rows_each_against_their_own_peers(report
         _pre(131072, "dash-triton", "chunks-8192", 130.0, write=True, chunk=8192),
         _pre(131072, "dense-flashinfer", "one-shot", 250.0, topk=None),
         _pre(131072, "dense-flashinfer", "chunks-8192", 260.0, topk=None, chunk=8192),
-        _pre(2048, "dash-triton", "serving", 0.4, write=True, batch=8),
+        _pre(2048, "dash-triton", "serving", 0.4, write=True, batch=8, host_ms=0.31),
         _pre(2048, "dense-cudnn", "serving", 0.5, topk=None, batch=8),
         _pre(2048, "dense-flashinfer", "one-shot", 0.1, topk=None, batch=8),  # not a step of 8 layers
         _pre(2048, "dash-triton", "serving-graph", 0.2, write=True, batch=8),  # the step replayed from a graph
@@ -103,7 +103,7 @@ def test_prefill_rows_serving_and_mixed_rows_each_against_their_own_peers(report
     assert rows["128k, 8k chunks"][4:6] == ["-", "-"]
 
     serving = _rows(report.serving_table(recs))
-    assert serving == [["8 x 2k", "8", "64", "0.4", "100", "**cudnn 0.5**", "1.25x", "0.2 / 0.3 (1.50x)"]]
+    assert serving == [["8 x 2k", "8", "64", "0.4 (host 0.31)", "100", "**cudnn 0.5**", "1.25x", "0.2 / 0.3 (1.50x)"]]
     mixed = _rows(report.mixed_table(recs))
     assert mixed == [["8 decode tokens at 32k + a 2k chunk", "8", "64", "0.5", "**cudnn 0.4**, flashinfer 0.6",
                       "0.80x", "0.25 / 0.3 (1.20x)"]]
