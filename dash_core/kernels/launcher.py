@@ -63,12 +63,21 @@ class CachedLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
+    def _through_triton(self) -> bool:
+        """Whether a launch goes through ``JITFunction.run``: under the interpreter, or while launch hooks are set."""
+        return self._interpreted or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
+
+    def _full(self, args: tuple, kwargs: dict) -> tuple:
+        """Every parameter's value, as the compiled kernel's ``run`` takes them: ``args``, then each later
+        parameter's keyword value or default."""
+        nargs = len(args)
+        return args + tuple(map(kwargs.get, self._names[nargs:], self._defaults[nargs:]))
+
     def launch(self, grid, args: tuple, kwargs: dict):
         """Launch on the current device and stream; returns the compiled kernel (None under the interpreter)."""
-        if self._interpreted or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+        if self._through_triton():
             return self.fn[grid](*args, **kwargs)
-        nargs = len(args)
-        full = args + tuple(map(kwargs.get, self._names[nargs:], self._defaults[nargs:]))
+        full = self._full(args, kwargs)
         device = torch.cuda.current_device()
         backend = self._backends.get(device)
         if backend is None:  # what Triton's binder specialises with on this device
@@ -83,10 +92,7 @@ class CachedLaunch:
                 raise TypeError(f"{self.fn.__name__}: pass tensors positionally, not as keywords {tensors}")
             kernel = self._compiled[key] = self.fn[grid](*args, **kwargs)
             return kernel
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        kernel.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function,
-                   kernel.packed_metadata, None, None, None, *full)
+        _run(kernel, grid, device, full)
         return kernel
 
     def bind(self, grid, lead: int, tail: tuple, **options) -> "BoundLaunch":
@@ -106,7 +112,6 @@ class BoundLaunch:
     def __init__(self, kernel: CachedLaunch, grid, lead: int, tail: tuple, options: dict) -> None:
         self.kernel, self.grid, self.lead, self.tail, self.options = kernel, tuple(grid), lead, tuple(tail), options
         self._variants: Dict[Tuple, Tuple[Any, tuple]] = {}  # key -> (compiled kernel, the arguments after lead)
-        self._dims = (self.grid + (1, 1))[:3]
         if kernel._interpreted:
             return
         if any(p.is_constexpr for p in kernel.fn.params[:lead + len(tail)]):
@@ -122,7 +127,7 @@ class BoundLaunch:
         k = self.kernel
         if len(args) != self.lead:
             raise TypeError(f"{k.fn.__name__}: a bound launch takes its {self.lead} leading arguments, got {len(args)}")
-        if k._interpreted or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+        if k._through_triton():
             k.launch(self.grid, args + self.tail, {**self.options, **more})
             return
         device = torch.cuda.current_device()
@@ -133,13 +138,20 @@ class BoundLaunch:
             kwargs = {**self.options, **more}
             compiled = k.launch(self.grid, args + self.tail, kwargs)
             if compiled is not None:  # None: Triton's JIT cache hook skipped the launch
-                nargs = len(args) + len(self.tail)
-                rest = self.tail + tuple(map(kwargs.get, k._names[nargs:], k._defaults[nargs:]))
+                rest = k._full(args + self.tail, kwargs)[self.lead:]
                 self._variants[key or self._key(device, k._backends[device], args, more)] = (compiled, rest)
             return
         compiled, rest = found
-        compiled.run(*self._dims, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *rest)
+        _run(compiled, self.grid, device, args + rest)
+
+
+def _run(kernel, grid, device: int, full: tuple) -> None:
+    """Launch the compiled ``kernel`` on ``grid`` (1 to 3 ints) on the current stream of ``device``, with every
+    parameter's value ``full``."""
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    kernel.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
+               None, None, None, *full)
 
 
 def _getter(indices: list):

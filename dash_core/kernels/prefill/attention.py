@@ -338,12 +338,13 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
     gluon_wanted = one_block and cfg.gluon.wanted(plan.max_cand, tiles)
     ssel, scnt = s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, spos = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride()
+    qk_scale = LOG2E_F / math.sqrt(d)
     kernel = bind_launch(
         _prefill_attn_kernel, (tiles, hkv), ATTN_LEAD,
         (cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], plan.num_tiles,
          block_table.shape[1] * cache.page_size, t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1],
          s.sel_count, scnt[0], 0 if shared else scnt[1], s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1],
-         s.union_pos, spos[0], spos[1], LOG2E_F / math.sqrt(d), g, s.tile_info, s.tile_info.stride(0),
+         s.union_pos, spos[0], spos[1], qk_scale, g, s.tile_info, s.tile_info.stride(0),
          s.union_count, s.ws_counter),
         QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
@@ -369,7 +370,7 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
             gluon.prefill_attn_ws[(min(sm_count(q.device), cdiv(tiles * hkv, gc.warpgroups)),)](
                 q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
                 s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
-                spr[1], out, so[0], so[1], LOG2E_F / math.sqrt(d), g, tiles, t, hkv, s.ws_counter,
+                spr[1], out, so[0], so[1], qk_scale, g, tiles, t, hkv, s.ws_counter,
                 geo[2], seq_lens, geo[0], geo[1],
                 QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
                 VST=gc.v_slots, REGS=gc.regs, FILL_FIRST=gc.fill_first, LOCAL_RING=gc.local_ring, num_warps=4,

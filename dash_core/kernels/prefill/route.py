@@ -470,19 +470,21 @@ def scores_in_registers(qt: int, hq: int, hkv: int, d: int, max_cand: int, param
     threads each, and the compiled cap finds the wrong threshold (Triton 3.6, sm_90; the same miscompile as
     ``routing.RADIX_MIN_KEYS`` guards); loaded from the scratch they give the right one."""
     return (config.route_registers and params.router != "shared" and hq // hkv >= 2
-            and qt * pow2(hq // hkv) * registers_block_n(max_cand) <= _regs_budget(d, config))
+            and _regs_tile_fits(1, qt, hq, hkv, d, max_cand, config))
 
 
-def _regs_budget(d: int, config: PrefillConfig) -> int:
-    """Elements of the registers route's score tile at head dim ``d``."""
-    return config.route_regs_budget if d <= 128 else config.route_regs_budget // 4
+def _regs_tile_fits(kvh: int, qt: int, hq: int, hkv: int, d: int, max_cand: int, config: PrefillConfig) -> bool:
+    """Whether the registers route's ``[kvh x QT x G, candidates]`` score tile fits its budget
+    (``config.route_regs_budget``, a quarter of it above head dim 128)."""
+    budget = config.route_regs_budget if d <= 128 else config.route_regs_budget // 4
+    return kvh * qt * pow2(hq // hkv) * registers_block_n(max_cand) <= budget
 
 
 def registers_kv_heads(qt: int, hq: int, hkv: int, d: int, max_cand: int, config: PrefillConfig) -> int:
     """KV heads one program of the registers route routes (``scores_in_registers``): ``config.route_regs_kv_heads``,
-    halved until it divides ``Hkv`` and their ``[KVH x QT x G, candidates]`` tile fits the budget."""
+    halved until it divides ``Hkv`` and their tile fits the budget (``_regs_tile_fits``)."""
     k = config.route_regs_kv_heads
-    while k > 1 and (hkv % k or k * qt * pow2(hq // hkv) * registers_block_n(max_cand) > _regs_budget(d, config)):
+    while k > 1 and (hkv % k or not _regs_tile_fits(k, qt, hq, hkv, d, max_cand, config)):
         k //= 2
     return k
 
