@@ -8,8 +8,8 @@ tokens each (``variant: "serving"``), eight layers back to back sharing one ``Pr
 cache and inputs, K/V + summary write included, the step's time divided by eight (and ``host_ms``: the host's time
 to issue a layer to an idle GPU, which bounds the eager step where it exceeds the GPU's); and a mixed step (``variant:
 "mixed"``): eight decode tokens at 32k and one 2k prompt chunk in one ``paged_dash_prefill`` call, as vLLM's chunked
-prefill and SGLang's mixed chunks batch them (SGLang's form; ``"mixed split"``: vLLM's, a write, a decode and a
-prefill call a layer). Dense peers run on the same prompts, steps and layers (``prefill_peers``:
+prefill and SGLang's mixed chunks batch them (SGLang's form; ``"mixed vllm"``: vLLM's, the K/V write, then the
+same call without it). Dense peers run on the same prompts, steps and layers (``prefill_peers``:
 cuDNN SDPA, SDPA's FlashAttention backend, FlashInfer, FlashAttention 4, each where it imports and runs here); the
 published DashAttention prefill (its three stages, uncapped at the same ``scaling_factor``, if ``$DASH_PUBLISHED_DIR``
 holds the authors' repository) runs in a child process, shortest prompts first, so that a crash of its kernels costs
@@ -57,12 +57,11 @@ from prefill_peers import mixed_peer, prompt_peer
 
 from dash_core import DashParams, ops
 from dash_core.kernels import kv_write
-from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.prefill import launch as pf_launch, plan as pf_plan, route as pf_route
 from dash_core.kernels.prefill.config import PrefillConfig
 from dash_core.layout import PagedKVCache, alloc_summaries
 from dash_core.workspace import PrefillWorkspace
-from tests.kernels._kernel_ops import kernel_decode, kernel_prefill
+from tests.kernels._kernel_ops import kernel_prefill
 
 PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
 WORKSPACE_TAG = " workspace"  # variant suffix of the rows whose calls share a PrefillWorkspace
@@ -542,24 +541,16 @@ class MixedStep:
 
 
 def vllm_mixed_step(m: MixedStep, params: DashParams, out: torch.Tensor, cuda: bool):
-    """The mixed step ``m`` as the vLLM adapter runs it, a call of every layer: the K/V write
-    (``cache_dash_prefill``), the decode rows (``paged_dash_decode``, on the step's persistent buffers) and the chunk
-    (``paged_dash_prefill``, its block table as wide as its pages, the layers sharing a workspace)."""
-    nd, nc = m.nd, m.nc
-    dec_bt, dec_seq = m.block_table[:nd], m.seq[:nd]
-    pre_bt, pre_seq = m.block_table[nd:, : -(-nc // m.page_size)], m.seq[nd:]
-    pre_cu = torch.tensor([0, nc], dtype=torch.int32, device=out.device)
-    buffers = DecodeBuffers.for_step(m.q[0][:nd], m.caches[0], dec_bt, params) if cuda else None
-    decode, prefill = (ops.paged_dash_decode, ops.paged_dash_prefill) if cuda else (kernel_decode, kernel_prefill)
+    """The mixed step ``m`` as the vLLM adapter runs it, two calls a layer: the K/V write (``cache_dash_prefill``,
+    vLLM's ``do_kv_cache_update``), then every row in one ``paged_dash_prefill`` call (the decode rows as one-token
+    extends, the layers sharing a workspace)."""
+    prefill = ops.paged_dash_prefill if cuda else kernel_prefill
 
     def step():
         ws = PrefillWorkspace()
         for q, k, v, cache in zip(m.q, m.k, m.v, m.caches):
             ops.cache_dash_prefill(k, v, cache, m.slot_mapping, params, head_cls=m.head_cls)
-            decode(q[:nd], None, None, cache, dec_bt, dec_seq, None, m.head_cls, params, out=out[:nd],
-                   buffers=buffers)
-            prefill(q[nd:], None, None, cache, pre_bt, pre_cu, pre_seq, None, m.head_cls, params, out=out[nd:],
-                    workspace=ws)
+            prefill(q, None, None, cache, m.block_table, m.cu, m.seq, None, m.head_cls, params, out=out, workspace=ws)
     return step
 
 
@@ -597,11 +588,11 @@ def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat1
     if a.graph and cuda:
         add("dash-triton", "mixed-graph", graph_ms([dash_step], a.iters, 2, min_calls=1) / nl, topk=topk, write=True,
             frac=None, graph=True, note=f"the same step of {nl} layers replayed from one CUDA graph: no host time")
-    split_step = vllm_mixed_step(m, params, out, cuda)
-    add("dash-triton", "mixed split", timed(split_step, a, cuda) / nl, topk=topk, write=True, frac=None,
-        mem=peak_mb(split_step, cuda), extra=dict(host_ms=layer_host_ms(split_step, nl, cuda)),
-        note="vLLM's form of the step, per layer: cache_dash_prefill writes K/V, paged_dash_decode attends the "
-             "decode rows, paged_dash_prefill the chunk (its block table as wide as the chunk's pages)")
+    vllm_step = vllm_mixed_step(m, params, out, cuda)
+    add("dash-triton", "mixed vllm", timed(vllm_step, a, cuda) / nl, topk=topk, write=True, frac=None,
+        mem=peak_mb(vllm_step, cuda), extra=dict(host_ms=layer_host_ms(vllm_step, nl, cuda)),
+        note="vLLM's form of the step, per layer: cache_dash_prefill writes K/V, then one paged_dash_prefill call "
+             "attends every row")
     for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
         try:
             built = [mixed_peer(peer, m, i, cuda) for i in range(nl)]

@@ -4,7 +4,8 @@ Four pieces, in vLLM's order: the metadata dataclass, its builder, the backend c
 flags, KV cache spec), and the impl. All math is in ``dash_core``: ``do_kv_cache_update`` calls
 ``cache_dash_prefill`` (K/V and block summaries), ``forward`` calls ``paged_dash_decode`` for the
 decode rows and ``paged_dash_prefill`` for the rest (fresh prefills, chunked-prefill continuations,
-prefix-cache hits), both on ``PagedKVCache.from_vllm`` views of the layer's cache.
+prefix-cache hits, and a mixed step's decode rows with them), both on ``PagedKVCache.from_vllm``
+views of the layer's cache.
 
 Summary store: extra bytes at the end of every KV page (``page_size_padded``). A page holds exactly
 one DASH block (vLLM block size = ``chunk_size``), so page ``b`` carries the summary of the block in
@@ -117,6 +118,8 @@ class DashAttentionMetadata:
     decode request ``i < num_decodes`` owns query row ``i`` (in a padded decode-only batch the
     padding requests have ``seq_len = 0`` and get zero rows); the remaining requests (prefills,
     chunked-prefill continuations, prefix-cache hits) own tokens from ``num_decode_tokens`` on.
+    With ``decodes_joined`` (a mixed step of a group without the auxiliary head) the decode requests
+    are one-token extends of the prefill call: its ``prefill_*`` fields cover every request from row 0.
     """
 
     num_actual_tokens: int  # tokens with a slot (graph padding excluded)
@@ -137,6 +140,7 @@ class DashAttentionMetadata:
     prefill_positions: Optional[torch.Tensor] = None  # [num_prefill_tokens] int64
     # The plan and routing scratch the step's prefill calls share (made by the first layer's call).
     prefill_workspace: PrefillWorkspace = field(default_factory=PrefillWorkspace)
+    decodes_joined: bool = False  # the decode rows run in the prefill call (the decode_* fields are unused)
 
 
 class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadata]):
@@ -147,6 +151,9 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
     once from ``max_num_seqs`` and ``max_model_len / block_size`` (with the Triton scratch), so a
     captured graph reads stable addresses; padded rows carry ``seq_len = 0`` and produce zeros.
     Mixed and prefill batches run eagerly (vLLM's piecewise mode keeps attention outside the graphs).
+    A mixed step's decode rows join its prefill call (one routing plan and two launches a layer; the
+    decode op's launches beside them would cost the eager step more host time than GPU time), except
+    in groups with the auxiliary head, whose decode rows take page-mode positions of their own.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
@@ -207,17 +214,21 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
             positions = m.positions
             if positions is None:
                 positions = token_positions(m.query_start_loc, m.seq_lens, m.num_actual_tokens, m.seq_lens.device)
-        gb.fill_metadata(m.block_table_tensor[:nd, :width], m.seq_lens[:nd],
-                         None if positions is None else positions[:nd])
-        qsl = m.query_start_loc[nd: nd + npf + 1]
+        joined = bool(nd and npf) and self.aux is None
+        first, first_token = (0, 0) if joined else (nd, ndt)  # the prefill call's first request and token
+        if not joined:
+            gb.fill_metadata(m.block_table_tensor[:nd, :width], m.seq_lens[:nd],
+                             None if positions is None else positions[:nd])
+        qsl = m.query_start_loc[first: nd + npf + 1]
         return DashAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, num_decodes=nd, num_decode_tokens=ndt, num_prefills=npf,
             num_prefill_tokens=npt, max_seq_len=m.max_seq_len, slot_mapping=m.slot_mapping,
             decode_seq_lens=gb.seq_lens[:nd], decode_block_table=gb.block_table[:nd],
-            prefill_query_start_loc=qsl - qsl[:1], prefill_seq_lens=m.seq_lens[nd: nd + npf],
-            prefill_block_table=m.block_table_tensor[nd: nd + npf, :prefill_width], decode_buffers=gb.kernel,
+            prefill_query_start_loc=qsl - qsl[:1], prefill_seq_lens=m.seq_lens[first: nd + npf],
+            prefill_block_table=m.block_table_tensor[first: nd + npf, :prefill_width], decode_buffers=gb.kernel,
             decode_positions=None if positions is None else gb.positions[:nd],
-            prefill_positions=None if positions is None else positions[ndt: ndt + npt])
+            prefill_positions=None if positions is None else positions[first_token: ndt + npt],
+            decodes_joined=joined)
 
 
 
@@ -425,7 +436,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
             bs = dash_params.block_size
             self.max_context = _max_blocks(cfg, bs) * bs
             self.max_requests = cfg.scheduler_config.max_num_seqs
-        # Counters, for logs and tests (they prove which path ran).
+        # Counters, for logs and tests (they prove which path ran): the tokens each op attended.
         self.stats = {"kv_updates": 0, "forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
 
     def _cache(self, kv_cache: torch.Tensor) -> PagedKVCache:
@@ -468,9 +479,10 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
             return self._forward_aux(layer, query, key, value, kv_cache, md, output)
         cache = self._cache(kv_cache)
         head_cls = self._head_cls(layer)
-        nd, start, end = md.num_decodes, md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
+        nd, end = md.num_decodes, md.num_decode_tokens + md.num_prefill_tokens
+        start = 0 if md.decodes_joined else md.num_decode_tokens
         # K/V and summaries of these tokens were written by do_kv_cache_update: k = v = slot_mapping = None.
-        if nd:
+        if nd and not md.decodes_joined:
             paged_dash_decode(query[:nd], None, None, cache, md.decode_block_table, md.decode_seq_lens, None,
                               head_cls, self.params, out=output[:nd], buffers=md.decode_buffers)
         if md.num_prefills:

@@ -112,7 +112,10 @@ def test_mixed_batch_matches_oracle(vllm_config, name, layout):
     wide = torch.cat([table, torch.zeros(len(REQUESTS), 5, dtype=table.dtype)], 1)
     md, out = _run_step(layer, builder, kv, wide, data, step)
     assert (md.num_decodes, md.num_prefills) == (2, 3)
-    assert md.prefill_block_table.shape[1] == table.shape[1] == -(-max(n for n, _ in REQUESTS) // BS)
+    # The decode rows ride in the prefill call as one-token extends; its table only as wide as the longest sequence.
+    assert md.decodes_joined and md.prefill_seq_lens.tolist() == [n for n, _ in REQUESTS]
+    assert md.prefill_block_table.shape == (len(REQUESTS), table.shape[1])
+    assert table.shape[1] == -(-max(n for n, _ in REQUESTS) // BS)
 
     row, far_from_dense = 0, 0.0
     for i, (length, new) in enumerate(REQUESTS):
@@ -218,7 +221,7 @@ def test_padded_decode_batch_uses_persistent_buffers(vllm_config):
         meta = common_metadata([1, 1, 1, 0], lens + [0], bt, sm)
         meta.num_actual_tokens = 4
         md = builder.build(0, meta)
-        assert md.num_decodes == 4 and md.num_prefills == 0
+        assert md.num_decodes == 4 and md.num_prefills == 0 and not md.decodes_joined
         now = (md.decode_seq_lens.data_ptr(), md.decode_block_table.data_ptr())
         assert ptrs is None or now == ptrs
         ptrs = now
@@ -298,7 +301,7 @@ def test_indexer_page_mode_mixed_batch_matches_the_oracle(vllm_config, layout):
     n0 = roles[0].numel()
     step([(0, 0, n0)], roles[0])
     md, out = step([(0, n0, n0 + 1), (1, 0, lengths[1])], torch.cat([torch.zeros(1, dtype=torch.long), roles[1]]))
-    assert (md.num_decodes, md.num_prefills) == (1, 1)
+    assert (md.num_decodes, md.num_prefills) == (1, 1) and not md.decodes_joined  # page mode: two calls
     assert md.decode_positions.tolist() == [n0] and md.prefill_positions.tolist() == list(range(lengths[1]))
     assert md.decode_positions.data_ptr() == builder.graph_buffers.positions.data_ptr()  # persistent
 
