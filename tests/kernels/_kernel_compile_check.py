@@ -31,7 +31,6 @@ from dash_core import DashParams
 from dash_core.kernels import kv_write
 from dash_core.kernels.decode import attention as decode_attention, route as decode_route
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.decode.launch import paged_dash_decode_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels._ptxas import ptxas_usage
@@ -101,15 +100,14 @@ def record_launches() -> dict:
             num_pages = 4
             kb = torch.zeros(num_pages * ps, hkv, d, dtype=dtype)
             cache = PagedKVCache.from_sglang(kb, kb.clone(), ps, alloc_summaries(num_pages * ps, bs, hkv, d, dtype))
-            for n, fuse in ((1, 0), (8, 0), (32, 128)):  # 32 rows of 8 units: the select launch scores
+            for n in (1, 8, 32):  # 32: a wide batch (more (request, KV head) rows than multiprocessors at Hkv 8)
                 q = torch.zeros(n, hq, d, dtype=dtype)
                 k = torch.zeros(n, hkv, d, dtype=dtype)
                 bt = torch.zeros(n, max_pages, dtype=torch.int32)
                 seq = torch.ones(n, dtype=torch.int32)
                 slots = torch.zeros(n, dtype=torch.int64)
                 hc = torch.zeros(hkv, d, dtype=dtype)
-                bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132,
-                                              config=DecodeConfig(route_fuse_min_units=fuse))
+                bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132)
                 paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
             kv_write.write_prefill(k, k, cache, slots, p, hc)
         for hi in (4, 16, 64):  # indexer models: iq [n, Hi, D] routes over the 1-head ik store (router shared)

@@ -12,7 +12,6 @@ Run without ``TRITON_INTERPRET``:
 
 from __future__ import annotations
 
-import itertools
 import sys
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from dash_core import DashParams
 from dash_core.kernels import kv_write
 from dash_core.kernels.prefill import attention as pf_attention, gluon, route as pf_route, tiles as pf_tiles
-from dash_core.kernels.prefill.config import GluonConfig, PrefillConfig
+from dash_core.kernels.prefill.config import PrefillConfig
 from dash_core.kernels.prefill.launch import paged_dash_prefill_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels import _kernel_compile_check as kc
@@ -85,16 +84,8 @@ def record_launches() -> dict:
                 seq = torch.full((n,), t, dtype=torch.int32)
                 hc = None if hi else torch.zeros(hkv, d, dtype=dtype)
                 iq = torch.zeros(t, hi, d, dtype=dtype) if hi else None
-                # the benchmark's shape with the Gluon attention's options too (fill_first, local_ring)
-                first = (dtype, hq, hkv, d, bs, ps, max_pages, pk, hi) == configs[0]
-                for fill, ring in itertools.product((False, True), repeat=2) if first else ((False, False),):
-                    gc = GluonConfig(fill_first=fill, local_ring=ring)
-                    paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
-                                              config=PrefillConfig(scratch_bytes=1 << 24, gluon=gc))
-                # the short tables' registers route with several KV heads a program, too
-                for kvh in (2, 4) if max_pages <= 64 and hkv == 8 and hi is None else ():
-                    paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p,
-                                              config=PrefillConfig(scratch_bytes=1 << 24, route_regs_kv_heads=kvh))
+                paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
+                                          config=PrefillConfig(scratch_bytes=1 << 24))
                 if not hi:  # cache_dash_prefill's write and summary launches, the prefill op's one launch
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
                     for consecutive in (False, True):

@@ -247,36 +247,6 @@ def test_routing_scores_in_registers(topk, est):
     check_routing(case, plan, scratch)
 
 
-@pytest.mark.parametrize("kvh", [2, 4])
-def test_registers_route_of_several_kv_heads(kvh):
-    """The registers route with ``kvh`` KV heads a program (``PrefillConfig.route_regs_kv_heads``: one tile of their
-    units, KV head-major): the same selections and priors as one KV head a program, bit for bit, and the oracle's
-    blocks; a padded request and a mid-block extend; the op's output matches the oracle. Where the heads do not
-    divide Hkv or their tile would pass the budget, fewer go to a program."""
-    p = DashParams(block_size=16, topk=4, scaling_factor=3.0, estimate_diagonal=True, sigma=1.0)
-    case = make_prefill_case(31, [(16 * 9 + 5, 40), (0, 0), (70, 21)], hq=8, hkv=4, params=p, q_scale=1.5).to(DEV)
-    config = PrefillConfig(scratch_bytes=1 << 40, route_regs_kv_heads=kvh)
-    got = {}
-    for heads, cfg in ((1, PrefillConfig(scratch_bytes=1 << 40)), (kvh, config)):
-        plan, scratch = plan_and_scratch(case, cfg, recompute=False)
-        assert pf_route.scores_in_registers(plan.qt, 8, 4, case.q.shape[2], plan.max_cand, p, cfg)
-        assert pf_route.registers_kv_heads(plan.qt, 8, 4, case.q.shape[2], plan.max_cand, cfg) == heads
-        for x in (scratch.sel_count, scratch.sel_idx, scratch.sel_bias):
-            x.fill_(-7)  # slots of no token are left as they are
-        pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, 0,
-                            plan.num_tiles)
-        check_routing(case, plan, scratch)
-        got[heads] = [x.cpu().clone() for x in (scratch.sel_count, scratch.sel_idx, scratch.sel_bias)]
-    for a, b in zip(got[1], got[kvh]):
-        assert torch.equal(a, b)
-    checked, bad = count_differing_rows(case, prefill(case, config))
-    assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
-    assert pf_route.registers_kv_heads(plan.qt, 8, 6, case.q.shape[2], plan.max_cand, config) == 2  # 6 KV heads
-    assert pf_route.registers_kv_heads(plan.qt, 8, 4, case.q.shape[2], 16 * plan.max_cand, config) == 1  # budget
-    with pytest.raises(ValueError, match="route_regs_kv_heads"):
-        PrefillConfig(route_regs_kv_heads=3)
-
-
 # G 1 (rows are units), G 2 (two rows a unit), G 3 (a padded row per token); the first two stage the scaled
 # queries through the units' mp rows (``stages_queries``: 64 candidates and more hold two rows of D 64), G 3 keeps
 # them in registers

@@ -221,15 +221,13 @@ WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, rou
 
 
 @cuda_only
-@pytest.mark.parametrize("options", [{}, {"fill_first": True}, {"local_ring": True}])
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
-def test_gluon_attention_matches_triton(case, options, monkeypatch):
+def test_gluon_attention_matches_triton(case, monkeypatch):
     """On Hopper, the warp-specialized Gluon attention (``gluon.py``: G 3 padded to 4, G 8 with router
     ``shared``, G 1; extends starting and ending mid-block, a one-token extend; one wave, or many, whose launches
-    share the work counter's memory; SGLang's pages and vLLM's; with its ``GluonConfig`` options: the rings filled
-    before a tile's queries load, the complete local blocks through the rings) against the Triton kernel on the same
-    routing, with NaN in every cache row no token wrote (the local window must not read them), and against the oracle
-    on sampled rows."""
+    share the work counter's memory; SGLang's pages and vLLM's) against the Triton kernel on the same routing, with
+    NaN in every cache row no token wrote (the local window must not read them), and against the oracle on sampled
+    rows."""
     dtype, hq, hkv, ps, totals, news, pk, scratch, layout = WS_CASES[case]
     p = DashParams(block_size=64, **pk)
     pr = Prompt(70 + case, totals, news, hq=hq, hkv=hkv, d=128, bs=64, ps=ps, dtype=dtype, params=p, q_corr=0.8,
@@ -238,7 +236,7 @@ def test_gluon_attention_matches_triton(case, options, monkeypatch):
     if not gluon.ws_supported(pr.q_new, pr.cache, p, pow2(hq // hkv), pf_tiles.tile_tokens(hq, hkv, 64,
                                                                                         config.attn_rows)):
         pytest.skip("the Gluon attention runs on sm_90 only")
-    config = PrefillConfig(gluon=GluonConfig(min_candidates=0, **options),  # on these short tables too
+    config = PrefillConfig(gluon=GluonConfig(min_candidates=0),  # on these short tables too
                            **({"scratch_bytes": scratch} if scratch else {}))
     launches = []
     descriptors = gluon.kv_block_descriptors

@@ -62,25 +62,21 @@ class DecodeBuffers:
     config: DecodeConfig = DecodeConfig()
 
     @staticmethod
-    def _splits(n: int, hkv: int, hsel: int, max_cand: int, cap: int, local_blocks: int, num_sms: int,
+    def _splits(n: int, hkv: int, max_cand: int, cap: int, local_blocks: int, num_sms: int,
                 fixed: Optional[tuple], config: DecodeConfig) -> tuple:
         if fixed is not None:
             return fixed
         rows = max(1, n * hkv)
-        if 0 < config.route_fuse_min_units <= n * hsel:  # no score launch
-            nsr = 0
-        else:
-            per_sm = config.score_programs_per_sm_wide if _wide(n, hkv, num_sms) else config.score_programs_per_sm
-            nsr = max(1, min(cdiv(per_sm * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
+        per_sm = config.score_programs_per_sm_wide if _wide(n, hkv, num_sms) else config.score_programs_per_sm
+        nsr = max(1, min(cdiv(per_sm * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
         nsa = max(1, min(cdiv(config.attn_programs_per_sm * num_sms, rows), config.attn_split_max,
                          cdiv(local_blocks + cap, config.attn_split_min_blocks)))
         return nsr, nsa
 
     def splits(self, n: int) -> tuple:
-        """``(score_splits, attn_splits)`` for a batch of ``n`` rows; ``score_splits`` 0: no score launch, the
-        select launch scores (``DecodeConfig.route_fuse_min_units``)."""
-        return self._splits(n, self.num_kv_heads, self.sel_idx.shape[1], self.max_cand, self.sel_idx.shape[2],
-                            self.params.local_blocks, self.num_sms, self.fixed_splits, self.config)
+        """``(score_splits, attn_splits)`` for a batch of ``n`` rows."""
+        return self._splits(n, self.num_kv_heads, self.max_cand, self.sel_idx.shape[2], self.params.local_blocks,
+                            self.num_sms, self.fixed_splits, self.config)
 
     def attn_stages(self, n: int) -> int:
         """``num_stages`` of the split attention for a batch of ``n`` rows: ``config.attn_stages_wide`` where its
@@ -100,8 +96,7 @@ class DecodeBuffers:
                  config: Optional[DecodeConfig] = None) -> "DecodeBuffers":
         """Allocate for batches up to ``max_batch`` rows and page tables up to ``max_pages`` wide.
 
-        splits: optional fixed ``(score_splits, attn_splits)`` (tests; ``score_splits`` 0: the select launch
-        scores); by default they follow the
+        splits: optional fixed ``(score_splits, attn_splits)`` (tests); by default they follow the
         batch and the device's SM count. indexer_heads: ``Hi`` for a model with an indexer.
         config: the decode launches' tuning (default ``DecodeConfig()``).
         """
@@ -115,7 +110,7 @@ class DecodeBuffers:
         hsel = params.selection_units(num_kv_heads)
         nsr_max, parts = 1, 1
         for n in range(1, max_batch + 1):
-            nsr, nsa = cls._splits(n, num_kv_heads, hsel, max_cand, cap, params.local_blocks, num_sms, splits, config)
+            nsr, nsa = cls._splits(n, num_kv_heads, max_cand, cap, params.local_blocks, num_sms, splits, config)
             nsr_max, parts = max(nsr_max, nsr), max(parts, n * nsa)
         f32, i32 = torch.float32, torch.int32
         mp_row = cdiv(max_cand, 4) * 4  # a unit's list is read in whole groups of 4

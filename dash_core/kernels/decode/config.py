@@ -17,11 +17,6 @@ class DecodeConfig:
         over a request's candidates for occupancy). score_programs_per_sm: score programs a multiprocessor gets before
         a (request, KV head) is split no further, where a batch has at most as many (request, KV head) rows as the
         GPU has multiprocessors; score_programs_per_sm_wide: the same beyond that.
-    route_fuse_min_units: batches of at least this many (request, unit) selection programs skip the score launch:
-        each select program scores its own unit first, ``fused_score_tile`` candidates a step (one launch fewer,
-        and the summaries' reads of one program overlap the selections of others; from about one unit a
-        multiprocessor, splitting the candidates gains no occupancy). 0: never (the default until the GPU runs
-        have chosen a threshold; ``benchmarks/decode.py --tune route_fuse_min_units=N`` measures one).
     attn_split_max: the most splits of one request's attention.
     attn_programs_per_sm: attention programs a multiprocessor gets before a (request, KV head) is split no further.
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
@@ -49,8 +44,6 @@ class DecodeConfig:
     score_split_min_candidates: int = 64
     score_programs_per_sm: int = 4
     score_programs_per_sm_wide: int = 2
-    route_fuse_min_units: int = 0
-    fused_score_tile: int = 128
     attn_split_max: int = 64
     attn_programs_per_sm: int = 4
     attn_split_min_blocks: int = 2

@@ -2,8 +2,7 @@
 
 Nothing here reads a device tensor: every size comes from shapes (batch rows, ``max_pages`` of the page table,
 ``topk``), every sequence-dependent decision is taken by the kernels from ``seq_lens``, so one captured CUDA graph
-serves every step. A step is four launches (three where the select programs score their own units:
-``DecodeConfig.route_fuse_min_units``), each after the first the programmatic dependent of the one before it
+serves every step. A step is four launches, each after the first the programmatic dependent of the one before it
 (``DecodeConfig.pdl``, sm_90+: it starts while that one ends and waits for its results on the device):
 
     scores against every candidate summary (split over candidates)         route.py

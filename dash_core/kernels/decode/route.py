@@ -1,4 +1,4 @@
-"""Decode routing: two launches a step (or one, ``SCORE`` below), no host synchronisation.
+"""Decode routing: two launches a step, no host synchronisation.
 
 - ``_decode_scores_kernel``, grid ``(n, Hkv, splits)``: each program scores a contiguous share of one request's
   candidates for the G query heads of one KV head (summaries read through the page table) into the score scratch,
@@ -8,11 +8,6 @@
   the write fused, Hkv more programs a request write the step's new K/V (``kv_write.write_token``) beside the
   selection, off the chain of scores -> selection that bounds a small batch's step: this step's routing never reads
   them (the block the new token completes is in the local window), and the attention launch that does comes after.
-
-Where ``DecodeConfig.route_fuse_min_units`` asks for it (wide batches; off by default), the select launch runs
-alone: each program scores its own unit's candidates first (``SCORE``), the same code and arithmetic as the score
-launch with one share (wider score steps, more warps), so its selections equal the split route's (bit for bit in the
-tests).
 """
 
 from __future__ import annotations
@@ -40,7 +35,13 @@ def _decode_scores_kernel(
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates (``_score_share``)."""
+    """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates.
+
+    Loads ``sf * q`` rounded to the query dtype for the G heads of KV head h (``[G_PAD, D]``),
+    summaries ``[BLOCK_N, D]`` per step through the page table, writes
+    ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
+    maximum of its share per head to ``pmax [n, Hq, NSPLIT]`` (-inf for an empty share).
+    """
     if PDL:  # the select launch may start now: it waits for this one's results
         gdc_launch_dependents()
     i = tl.program_id(0)
@@ -49,23 +50,7 @@ def _decode_scores_kernel(
     _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
     per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
     c_start = s * per
-    _score_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h,
-                 sf, x_scale, G, i, h, s, c_start, tl.minimum(ncand, c_start + per),
-                 G_PAD=G_PAD, D=D, BS=BS, PS=PS, BLOCK_N=BLOCK_N)
-
-
-@triton.jit
-def _score_share(
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h,
-    sf, x_scale, G, i, h, s, c_start, c_end,
-    G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Scores of request i's candidates ``c_start .. c_end - 1`` for the G query heads of KV head h.
-
-    Loads ``sf * q`` rounded to the query dtype (``[G_PAD, D]``), summaries ``[BLOCK_N, D]`` per step through the
-    page table, writes ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
-    maximum of the share per head to column s of ``pmax [n, Hq, splits]`` (-inf for an empty share).
-    """
+    c_end = tl.minimum(ncand, c_start + per)
     offs_n = tl.arange(0, BLOCK_N)
     q, heads, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
     qs = scaled_query(q, sf)
@@ -84,8 +69,7 @@ def _score_share(
 @cached_launch
 @triton.jit
 def _decode_select_kernel(
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, sf, x_scale, G, HPU,
+    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
     count_ptr, scnt_n, NROWS, topk, inv_sigma, HSEL,
     w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
@@ -95,7 +79,6 @@ def _decode_select_kernel(
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
     RK: tl.constexpr, RCH: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
-    SCORE: tl.constexpr, G_PAD: tl.constexpr, SBN: tl.constexpr,
 ):
     """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
@@ -103,10 +86,6 @@ def _decode_select_kernel(
     positive mp go to a list: ``mp_ptr`` and ``ck_ptr``, rows ``smp_n, smp_h``; the full mp otherwise).
     PDL: launched while the score launch ends, it waits for that launch's results first, and lets the attention
     launch start.
-    SCORE: no score launch ran: the program first scores its unit's ``HPU`` KV heads over all their candidates
-    (``_score_share`` in ``SBN`` wide steps, its one share of ``pmax``; ``NSPLIT`` 1), then selects from those
-    scores: meant for batches of about a (request, unit) a multiprocessor or more, where splitting the candidates
-    adds no occupancy.
     FUSE_WRITE: program (i, HSEL + h) writes the new K/V of request i, KV head h instead (and the summary of the
     block it completes), without waiting for the score launch: nothing in this step's routing reads them.
     """
@@ -121,13 +100,6 @@ def _decode_select_kernel(
                     w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
                     D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
     else:
-        if SCORE:
-            _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
-            for hh in range(HPU):
-                _score_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, pmax_ptr,
-                             spm_n, spm_h, sf, x_scale, G, i, u * HPU + hh, 0, 0, ncand,
-                             G_PAD=G_PAD, D=D, BS=BS, PS=PS, BLOCK_N=SBN)
-            tl.debug_barrier()  # every thread's scores are written before any is read
         _select_unit(x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
                      mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
                      count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
@@ -182,16 +154,13 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
                  sel_count: torch.Tensor,
                  *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
                  write_summarize: bool = False, only: Optional[str] = None) -> None:
-    """Route one decode token per request (two launches, or one where ``num_splits`` is 0; no host
-    synchronisation).
+    """Route one decode token per request (two launches, no host synchronisation).
 
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
     ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token, 0 = padded row).
-    num_splits: programs of the score launch a (request, KV head); 0: no score launch, each select program scores
-    its own unit first (``DecodeBuffers.splits``).
     Scratch (rows ``>= n`` untouched): scores ``[>= n, Hq, max_cand]`` fp32, pmax
-    ``[>= n, Hq, >= max(1, num_splits)]`` fp32, mp ``[>= n, Hsel, max_cand4]`` fp32 and mp_cand (same shape and
-    strides, int32) with ``max_cand = max_pages * page_size // bs`` and ``max_cand4`` that rounded up to 4.
+    ``[>= n, Hq, >= num_splits]`` fp32, mp ``[>= n, Hsel, max_cand4]`` fp32 and mp_cand (same shape and strides,
+    int32) with ``max_cand = max_pages * page_size // bs`` and ``max_cand4`` that rounded up to 4.
     Outputs: ``sel_idx, sel_blk`` int32 and ``sel_bias`` fp32 ``[>= n, Hsel, cap]``, ``sel_count [>= n, Hsel]``
     int32: per unit, the kept candidate blocks (logical index, physical block, log prior) in increasing order.
     ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
@@ -199,57 +168,48 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
     the summaries they complete when ``write_summarize``) in the select launch.
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
-    writes nothing; neither applies where ``num_splits`` is 0).
+    writes nothing).
     """
-    n = q.shape[0]
+    n, hq, _ = q.shape
+    hkv = summaries.shape[1]
+    max_cand = block_table.shape[1] * page_size // params.block_size
+    hsel = params.selection_units(hkv)
     if n == 0:
         return
-    if only is not None and num_splits == 0:
-        raise ValueError("route_decode: only= times the score and select launches apart; num_splits 0 has one")
     pdl = config.pdl and pdl_supported(q.device)
-    if only != "select" and num_splits:  # alone, the score launch has no dependent to let start
-        _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits,
+    if only != "select":  # alone, the score launch has no dependent to let start
+        _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
                       pdl and only is None)
     if only == "scores":
         return
-    _select_launch(q, summaries, scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand,
-                   sel_idx, sel_blk, sel_bias, sel_count, config, pdl, write, write_summarize)
+    _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
+                   sel_bias, sel_count, hq // hsel, hsel, max_cand, n, config, pdl, q, hkv, q.shape[2], write,
+                   write_summarize)
 
 
-def _score_args(q, summaries, block_table, seq_lens, page_size, scores, pmax) -> tuple:
-    """The score arguments both launches take: queries, summaries, page table, lengths, scratch."""
-    return (q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
-            block_table, block_table.stride(0), seq_lens, block_table.shape[1] * page_size,
-            scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1))
-
-
-def _score_tile(max_cand: int, d: int, widest: int) -> int:
-    """Candidates of one score step: up to ``widest`` (half that above D 128), at least 16."""
-    return max(16, min(widest if d <= 128 else widest // 2, pow2(max_cand)))
-
-
-def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits,
+def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
                   pdl: bool) -> None:
     n, hq, d = q.shape
     hkv = summaries.shape[1]
-    max_cand = block_table.shape[1] * page_size // params.block_size
+    g = hq // hkv
+    bs = params.block_size
+    max_pages = block_table.shape[1]
+    block_n = max(16, min(64 if d <= 128 else 32, pow2(max_cand)))
     _decode_scores_kernel[(n, hkv, num_splits)](
-        *_score_args(q, summaries, block_table, seq_lens, page_size, scores, pmax),
-        params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, num_splits,
-        G_PAD=max(16, pow2(hq // hkv)), D=d, BS=params.block_size, PS=page_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_N=_score_tile(max_cand, d, 64), PDL=pdl, num_warps=4, num_stages=3,
+        q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
+        block_table, block_table.stride(0), seq_lens, max_pages * page_size,
+        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
+        params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
+        G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
+        PDL=pdl, num_warps=4, num_stages=3,
     )
 
 
-def _select_launch(q, summaries, scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand,
-                   sel_idx, sel_blk, sel_bias, sel_count, config: DecodeConfig, pdl: bool, write,
+def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
+                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, hkv, d, write,
                    write_summarize) -> None:
-    n, hq, d = q.shape
-    hkv = summaries.shape[1]
-    hsel = params.selection_units(hkv)
-    nrows = hq // hsel
     bs = params.block_size
-    max_cand = block_table.shape[1] * page_size // bs
+    max_pages = block_table.shape[1]
     nh_pad = pow2(nrows)
     # wide 3-D tiles spill otherwise
     budget = config.select_tile_budget if nh_pad < 16 else config.select_tile_budget // 2
@@ -263,18 +223,16 @@ def _select_launch(q, summaries, scores, pmax, num_splits, block_table, seq_lens
         npiv = config.select_pivots
     topk = params.topk if params.topk is not None else 0
     x_in_regs = one_tile and tc == ts  # then each unit's positive mp go to a list, read in tiles of list_tile
-    score = num_splits == 0  # no score launch ran: each select program scores its unit first
     _decode_select_kernel[(n, hsel + (hkv if write is not None else 0))](
-        *_score_args(q, summaries, block_table, seq_lens, page_size, scores, pmax), max(1, num_splits),
-        params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, hkv // hsel,
+        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
+        block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         mp, mp_cand, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
         *(write if write is not None else _NO_WRITE(q, seq_lens)),
-        NH_PAD=nh_pad, NS_PAD=pow2(max(1, num_splits)), TC=tc, TS=ts, NPIV=npiv,
+        NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
         TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
-        SCORE=score, G_PAD=max(16, pow2(hq // hkv)), SBN=_score_tile(max_cand, d, config.fused_score_tile),
-        num_warps=SELECT_WARPS, **pdl_launch(pdl and not score),
+        num_warps=SELECT_WARPS, **pdl_launch(pdl),
     )

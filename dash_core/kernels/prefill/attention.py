@@ -371,10 +371,9 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
                 q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
                 s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
                 spr[1], out, so[0], so[1], qk_scale, g, tiles, t, hkv, s.ws_counter,
-                geo[2], seq_lens, geo[0], geo[1],
+                geo[2],
                 QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
-                VST=gc.v_slots, REGS=gc.regs, FILL_FIRST=gc.fill_first, LOCAL_RING=gc.local_ring, num_warps=4,
-                maxnreg=gc.regs)
+                VST=gc.v_slots, REGS=gc.regs, num_warps=4, maxnreg=gc.regs)
 
     return attend
 

@@ -23,12 +23,6 @@ class GluonConfig:
     min_candidates, min_tiles: the Gluon launch runs on block tables of at least ``min_candidates`` candidates, and
     on shorter ones in waves of at least ``min_tiles`` tiles (many short prompts in one call). Smaller waves keep the
     Triton attention: they are short, and the Gluon launch costs the host more a wave than it saves there.
-    fill_first: a warpgroup issues a tile's first union blocks (its rings' slots) before loading the tile's
-    queries, so that their latencies overlap; else after storing them (off until a GPU run measures it: short
-    prompts, of few blocks a tile, are where it would count).
-    local_ring: a tile's local blocks whose rows are all written (below its request's length) go through the K and
-    V rings by TMA after its union blocks, prefetched like them and masked causally; else every local block is
-    loaded by pointers after the union, one at a time (off until a GPU run measures it, as ``fill_first``).
     """
 
     enabled: bool = True
@@ -38,8 +32,6 @@ class GluonConfig:
     regs: int = 168
     min_candidates: int = 256
     min_tiles: int = 512
-    fill_first: bool = False
-    local_ring: bool = False
 
     def wanted(self, max_cand: int, tiles: int) -> bool:
         """Whether a wave of ``tiles`` tiles over block tables of ``max_cand`` candidates takes the Gluon launch
@@ -65,10 +57,7 @@ class PrefillConfig:
             quarter of it above D 128) route from the scores in registers, storing none
             (``route.scores_in_registers``); else through the score scratch. route_warps, route_stages: warps and
             pipeline stages of the route kernel with stored scores; route_regs_warps: its warps with the scores in
-            registers (one tile a program: fewer warps, more programs a multiprocessor). route_regs_kv_heads: KV heads
-            one such program routes (1, 2 or 4: more units a program for the same chain of latencies, fewer
-            programs; fewer where ``Hkv`` is not a multiple or the tile would pass ``route_regs_budget``;
-            ``route.registers_kv_heads``). route_score_tile:
+            registers (one tile a program: fewer warps, more programs a multiprocessor). route_score_tile:
             candidates of one stored-scores tile (half that above D 128). route_pivots, route_pivot_budget,
             route_list_budget: the top-k cap's pivot search (pivots per pass; elements of its ``[QT, pivots,
             entries]`` tile; of the ``[QT, entries]`` tiles of its ties and compaction passes).
@@ -96,7 +85,6 @@ class PrefillConfig:
     route_regs_budget: int = 8192
     route_warps: int = 8
     route_regs_warps: int = 4
-    route_regs_kv_heads: int = 1
     route_stages: int = 3
     route_score_tile: int = 64
     route_pivots: int = 4
@@ -124,8 +112,6 @@ class PrefillConfig:
             raise ValueError(f"PrefillConfig.attn_keys = {self.attn_keys}: expected a power of two >= 16")
         if self.scratch_bytes <= 0:
             raise ValueError(f"PrefillConfig.scratch_bytes = {self.scratch_bytes}: expected > 0")
-        if self.route_regs_kv_heads not in (1, 2, 4):
-            raise ValueError(f"PrefillConfig.route_regs_kv_heads = {self.route_regs_kv_heads}: expected 1, 2 or 4")
 
     @staticmethod
     def for_device(device) -> "PrefillConfig":

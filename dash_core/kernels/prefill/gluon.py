@@ -8,10 +8,9 @@ warpgroup's softmax runs while another's MMAs do.
 A wave is then two launches. The Triton kernel builds each tile's union tables as before and stops there
 (``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
 ``prefill_attn_ws`` runs the union blocks by TMA, then the local window (causal, pointer loads: the request's last
-block may hold rows never written; with ``GluonConfig.local_ring`` the local blocks below the request's length go
-through the rings by TMA after the union, and pointers load only the rest) and writes the output. The same
-arithmetic as the Triton loop (log2 domain, each row's log prior for a block added to its raw products times the
-scale); the local window comes after the union blocks, so the sums round in another order.
+block may hold rows never written) and writes the output. The same arithmetic as the Triton loop (log2 domain, each
+row's log prior for a block added to its raw products times the scale); the local window comes after the union
+blocks, so the sums round in another order.
 
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
 bf16 or fp16, pages whose rows one 2-D TMA descriptor describes (``kv_rows``: SGLang's layout and vLLM's), block tables
@@ -131,31 +130,6 @@ if HAVE_GLUON:
         return gl.load(ublk + j, mask=j < nu, other=0)
 
     @gluon.jit
-    def _ring_row(ring, j, BS: gl.constexpr, PPB: gl.constexpr, LOCAL_RING: gl.constexpr):
-        """The first row of a tile's ring block j (``ring``: ``_tile``'s): union block j (``_row_of``), or with
-        LOCAL_RING, from ``nu`` on, local block ``first_local + j - nu`` (through the page table); past ``nt`` a
-        row no TMA is issued for."""
-        ublk, nu, nt, bt_row, first_local, rows_pp, head_row = ring
-        if LOCAL_RING:
-            lb = first_local + (j - nu)
-            page = gl.load(bt_row + lb // PPB, mask=(j >= nu) & (j < nt), other=0)
-            return gl.where(j < nu, _row_of(ublk, j, nu), page * rows_pp + (lb % PPB) * BS + head_row)
-        else:
-            return _row_of(ublk, j, nu)
-
-    @gluon.jit
-    def _causal_if_local(s_cur, j, nu, first_local, a0, BS: gl.constexpr, G_PAD: gl.constexpr):
-        """Block j's products ``[R, BS]``, ``-inf`` past each row's position (token ``r // G_PAD`` of a tile from
-        position ``a0``) where j is a local block of the ring (positions made here: nothing more lives across the
-        loop)."""
-        if j >= nu:
-            R: gl.constexpr = s_cur.shape[0]
-            pos = a0 + gl.arange(0, R, layout=gl.SliceLayout(1, s_cur.type.layout)) // G_PAD
-            key = (first_local + j - nu) * BS + gl.arange(0, BS, layout=gl.SliceLayout(0, s_cur.type.layout))
-            s_cur = gl.where(key[None, :] <= pos[:, None], s_cur, float("-inf"))
-        return s_cur
-
-    @gluon.jit
     def _issue_row_at(desc, ring, bars, row, j, n0, nu, col, c: gl.constexpr, ST: gl.constexpr):
         """``issue_row`` of the tile's block j (first row ``row``) into warpgroup c's ring of ``ST`` slots, after
         ``n0`` blocks; nothing when ``j >= nu``."""
@@ -169,28 +143,13 @@ if HAVE_GLUON:
         return gl.load(ptr + row_off[:, None] + cols[None, :], mask=row_ok[:, None], other=0.0)
 
     @gluon.jit
-    def _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ring, n0, col, c: gl.constexpr, KST: gl.constexpr,
-                    VST: gl.constexpr, BS: gl.constexpr, PPB: gl.constexpr, LOCAL_RING: gl.constexpr):
-        """Issue the TMAs of a tile's first ring blocks (``_ring_row``) into warpgroup c's ``KST`` K and ``VST`` V
-        slots (after ``n0`` blocks; none past ``nt``)."""
-        nt = ring[2]
-        for s in gl.static_range(KST):
-            _issue_row_at(k_desc, k_all, kbar, _ring_row(ring, s, BS, PPB, LOCAL_RING), s, n0, nt, col, c, KST)
-        for s in gl.static_range(VST):
-            _issue_row_at(v_desc, v_all, vbar, _ring_row(ring, s, BS, PPB, LOCAL_RING), s, n0, nt, col, c, VST)
-
-    @gluon.jit
-    def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ring, prow, a0, col, qk_scale, n0,
-                    c: gl.constexpr, R: gl.constexpr, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
-                    BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, FILLED: gl.constexpr,
-                    LOCAL_RING: gl.constexpr):
-        """The online softmax state ``(m, l, acc)`` of a tile's rows over its ring blocks ``0 .. nt - 1``
-        (``ring``: ``_tile``'s): its union blocks ``0 .. nu - 1`` (the first blocks it attends), then with
-        LOCAL_RING its complete local blocks (log prior 0, causal: the tile's tokens from position ``a0``), through
-        warpgroup c's own K and V rings (their first slots issued by ``_fill_rings`` here, or before where
-        ``FILLED``), a slot refilled as soon as its MMA is done; ``n0`` blocks went through the rings before (the
-        slots' phases). FlashAttention 3's order: block j's QK and block j - 1's PV issued together, then block
-        j's softmax."""
+    def _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu, col, qk_scale, n0,
+                    c: gl.constexpr, R: gl.constexpr, QT: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                    KST: gl.constexpr, VST: gl.constexpr):
+        """The online softmax state ``(m, l, acc)`` of a tile's rows over its union blocks ``0 .. nu - 1`` (the first
+        blocks it attends), through warpgroup c's own K and V rings, a slot refilled as soon as its MMA is done;
+        ``n0`` blocks went through the rings before (the slots' phases). FlashAttention 3's order: block j's QK and
+        block j - 1's PV issued together, then block j's softmax."""
         o_layout: gl.constexpr = wgmma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         s_layout: gl.constexpr = wgmma_layout(BS)
@@ -200,35 +159,31 @@ if HAVE_GLUON:
         l_i = gl.full([R], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([R, D], gl.float32, o_layout)
         dt: gl.constexpr = q_s.dtype
-        ublk, nu, nt, bt_row, first_local, rows_pp, head_row = ring
-        if not FILLED:
-            _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ring, n0, col, c, KST, VST, BS, PPB, LOCAL_RING)
-        if nt > 0:  # block 0's QK (acc is still zero: no rescale)
+        for s in gl.static_range(KST):
+            _issue_row_at(k_desc, k_all, kbar, _row_of(ublk, s, nu), s, n0, nu, col, c, KST)
+        for s in gl.static_range(VST):
+            _issue_row_at(v_desc, v_all, vbar, _row_of(ublk, s, nu), s, n0, nu, col, c, VST)
+        if nu > 0:  # block 0's QK (acc is still zero: no rescale)
             ks = c * KST + n0 % KST
-            if LOCAL_RING:  # a ring of local blocks only has no prior to load
-                prior = gl.load(prow, mask=nu > 0, other=0.0)
-            else:
-                prior = gl.load(prow)
-            row_k = _ring_row(ring, KST, BS, PPB, LOCAL_RING)
+            prior = gl.load(prow)
+            row_k = _row_of(ublk, KST, nu)
             # what the next block takes (its prior, the rows its refills load) is loaded a block ahead: loaded in
             # the block that uses it, it stalls the refills and the softmax behind them
             prior_next = gl.load(prow + QT, mask=nu > 1, other=0.0)
-            row_k_next = _ring_row(ring, 1 + KST, BS, PPB, LOCAL_RING)
-            row_v_next = _ring_row(ring, VST, BS, PPB, LOCAL_RING)
+            row_k_next = _row_of(ublk, 1 + KST, nu)
+            row_v_next = _row_of(ublk, VST, nu)
             mbarrier.wait(kbar.index(ks), (n0 // KST) & 1)
             s_cur = warpgroup_mma(q_s, k_all.index(ks).permute((1, 0)), s_zero, use_acc=False)
             gl.thread_barrier()
-            _issue_row_at(k_desc, k_all, kbar, row_k, KST, n0, nt, col, c, KST)
-            if LOCAL_RING:
-                s_cur = _causal_if_local(s_cur, 0, nu, first_local, a0, BS, G_PAD)
+            _issue_row_at(k_desc, k_all, kbar, row_k, KST, n0, nu, col, c, KST)
             p, alpha, m_i, l_i = softmax_scaled(s_cur, qk_scale, prior, m_i, l_i)
-            for j in range(1, nt):
+            for j in range(1, nu):
                 ks = c * KST + (n0 + j) % KST
                 vs = c * VST + (n0 + j - 1) % VST
                 prior, row_k, row_v = prior_next, row_k_next, row_v_next
                 prior_next = gl.load(prow + (j + 1) * QT, mask=j + 1 < nu, other=0.0)
-                row_k_next = _ring_row(ring, j + 1 + KST, BS, PPB, LOCAL_RING)
-                row_v_next = _ring_row(ring, j + VST, BS, PPB, LOCAL_RING)
+                row_k_next = _row_of(ublk, j + 1 + KST, nu)
+                row_v_next = _row_of(ublk, j + VST, nu)
                 p_op = gl.convert_layout(p.to(dt), p_layout)
                 mbarrier.wait(kbar.index(ks), ((n0 + j) // KST) & 1)
                 mbarrier.wait(vbar.index(vs), ((n0 + j - 1) // VST) & 1)
@@ -236,16 +191,14 @@ if HAVE_GLUON:
                 acc = warpgroup_mma(p_op, v_all.index(vs), acc, is_async=True)
                 s_cur = warpgroup_mma_wait(1, deps=[s_cur])
                 gl.thread_barrier()  # every warp's QK is done with the K slot before it is refilled
-                _issue_row_at(k_desc, k_all, kbar, row_k, j + KST, n0, nt, col, c, KST)
-                if LOCAL_RING:
-                    s_cur = _causal_if_local(s_cur, j, nu, first_local, a0, BS, G_PAD)
+                _issue_row_at(k_desc, k_all, kbar, row_k, j + KST, n0, nu, col, c, KST)
                 p, alpha, m_i, l_i = softmax_scaled(s_cur, qk_scale, prior, m_i, l_i)
                 acc = warpgroup_mma_wait(0, deps=[acc])
                 gl.thread_barrier()  # and every warp's PV with the V slot
-                _issue_row_at(v_desc, v_all, vbar, row_v, j - 1 + VST, n0, nt, col, c, VST)
+                _issue_row_at(v_desc, v_all, vbar, row_v, j - 1 + VST, n0, nu, col, c, VST)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            vs = c * VST + (n0 + nt - 1) % VST  # the last block's PV
-            mbarrier.wait(vbar.index(vs), ((n0 + nt - 1) // VST) & 1)
+            vs = c * VST + (n0 + nu - 1) % VST  # the last block's PV
+            mbarrier.wait(vbar.index(vs), ((n0 + nu - 1) // VST) & 1)
             acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_layout), v_all.index(vs), acc)
         return m_i, l_i, acc
 
@@ -296,38 +249,18 @@ if HAVE_GLUON:
         return tok, g, (pos >= p_lo) & (pos < p_hi) & (tok < num_tokens) & (g < G)
 
     @gluon.jit
-    def _tile_ring(ublk_ptr, sub_w, sub_h, bt_ptr, sbt_n, seq_lens_ptr, rows_pp, rows_ph, w, h, nu, req, first_local,
-                   last_local, BS: gl.constexpr, LOCAL_RING: gl.constexpr):
-        """``(ring, first local block loaded by pointers)`` of tile w, KV head h: ``ring = (union blocks' rows, nu,
-        nt, the request's page-table row, first_local, rows a page, KV head h's first row)``, ``nt`` the blocks
-        through the rings (``_ring_row``). With LOCAL_RING the local blocks below the request's length (every row
-        written) go through them after the union; the rest of the local window (``_local_window``) starts after."""
-        bt_row = bt_ptr + req.to(gl.int64) * sbt_n
-        lw_first = first_local
-        if LOCAL_RING:
-            complete = gl.load(seq_lens_ptr + req).to(gl.int32) // BS  # blocks 0 .. complete - 1
-            lw_first = gl.maximum(first_local, gl.minimum(last_local + 1, complete))
-        ring = (ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h, nu, nu + (lw_first - first_local), bt_row,
-                first_local, rows_pp, h * rows_ph)
-        return ring, lw_first
-
-    @gluon.jit
     def _tile(c: gl.constexpr, w, h, n0, rt, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
-              BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, FILL_FIRST: gl.constexpr,
-              LOCAL_RING: gl.constexpr):
-        """Warpgroup c runs tile w of the wave for KV head h; ``n0`` blocks went through its rings before.
-        Returns the blocks this tile put through them. FILL_FIRST, LOCAL_RING: ``GluonConfig.fill_first``,
-        ``local_ring``."""
+              BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr):
+        """Warpgroup c runs tile w of the wave for KV head h; ``n0`` union blocks went through its rings before.
+        Returns the blocks this tile put through them."""
         (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
          q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
-         spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph, seq_lens_ptr, rows_pp, rows_ph) = rt
+         spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph) = rt
         R: gl.constexpr = QT * G_PAD
         info = info_ptr + w * sinfo
         p_lo = gl.load(info + INFO_P_LO)
         p_hi = gl.load(info + INFO_P_HI)
         nu = gl.where(p_lo < p_hi, gl.load(nu_ptr + w * HKV + h), 0)
-        if LOCAL_RING:
-            nt = nu
         if p_lo < p_hi:  # tiles past the last one do nothing
             ok = gl.load(info + INFO_OK)
             tok_base = gl.load(info + INFO_TOK_BASE)
@@ -338,37 +271,25 @@ if HAVE_GLUON:
             ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             o_layout: gl.constexpr = wgmma_layout(D)
             s_layout: gl.constexpr = wgmma_layout(BS)
-            if FILL_FIRST:  # the first ring blocks load while the queries do
-                gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the slots
-                # (the ring is made again below, where the default makes it, so that the default's code stays as it
-                # was; the compiler keeps one copy)
-                ring, _ = _tile_ring(ublk_ptr, sub_w, sub_h, bt_ptr, sbt_n, seq_lens_ptr, rows_pp, rows_ph, w, h, nu,
-                                     req, first_local, last_local, BS, LOCAL_RING)
-                _fill_rings(k_desc, v_desc, k_all, v_all, kbar, vbar, ring, n0, h * cols_ph, c, KST, VST, BS, PPB,
-                            LOCAL_RING)
             # the queries, zero where not a live row of an ok request
             tok_ld, g_ld, in_ld = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, G, R, G_PAD,
                                              gl.SliceLayout(1, ld_layout))
             q = _load_rows(q_ptr, tok_ld.to(gl.int64) * sq_t + (h * G + g_ld) * sq_h, in_ld & (ok != 0), D, R,
                            ld_layout)
             q_s = q_all.index(c)
-            if not FILL_FIRST:
-                gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the queries
+            gl.thread_barrier()  # every warp's MMAs of the previous tile are done with the queries
             q_s.store(q)
             fence_async_shared()
             gl.thread_barrier()
             r_s = gl.arange(0, R, layout=gl.SliceLayout(1, s_layout))
             prow = uprior_ptr + w.to(gl.int64) * spr_w + h * spr_h + r_s // G_PAD
-            ring, lw_first = _tile_ring(ublk_ptr, sub_w, sub_h, bt_ptr, sbt_n, seq_lens_ptr, rows_pp, rows_ph, w, h,
-                                        nu, req, first_local, last_local, BS, LOCAL_RING)
-            if LOCAL_RING:
-                nt = ring[2]
-            m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ring, prow, a0, h * cols_ph,
-                                        qk_scale, n0, c, R, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST, LOCAL_RING)
-            # every TMA this warpgroup issued has been waited for: its first slots take the rest of the local window
+            ublk = ublk_ptr + w.to(gl.int64) * sub_w + h * sub_h
+            m_i, l_i, acc = _union_loop(q_s, k_all, v_all, kbar, vbar, k_desc, v_desc, ublk, prow, nu,
+                                        h * cols_ph, qk_scale, n0, c, R, QT, D, BS, KST, VST)
+            # every TMA this warpgroup issued has been waited for: its first slots take the local window
             bt_row = bt_ptr + req.to(gl.int64) * sbt_n
             m_i, l_i, acc = _local_window(q_s, k_all.index(c * KST), v_all.index(c * VST), k_ptr, v_ptr, sk_p, sk_r,
-                                          sv_p, sv_r, bt_row, h * sk_h, h * sv_h, lw_first, last_local,
+                                          sv_p, sv_r, bt_row, h * sk_h, h * sv_h, first_local, last_local,
                                           p_hi - 1, a0 + r_s // G_PAD, qk_scale, m_i, l_i, acc, R, D, BS, PPB,
                                           ld_layout)
             # the output: acc / l, zero where no key was attended (l = 0)
@@ -379,23 +300,18 @@ if HAVE_GLUON:
             cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
             gl.store(o_ptr + (tok_o.to(gl.int64) * so_t + (h * G + g_o) * so_h)[:, None] + cols[None, :],
                      o.to(o_ptr.dtype.element_ty), mask=in_o[:, None])
-        if LOCAL_RING:
-            return nt
-        else:
-            return nu
+        return nu
 
     @gluon.jit
     def _worker(c: gl.constexpr, rt, tiles, items, counter, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
-                BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, FILL_FIRST: gl.constexpr,
-                LOCAL_RING: gl.constexpr):
+                BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr):
         """Warpgroup c: (tile, KV head) items taken from the wave's counter until none is left, by KV head then
         tile (the launch order of the Triton kernel: neighbouring tiles of a head, which share most of their
         blocks, run at the same time)."""
         n0 = 0
         item = gl.atomic_add(counter, 1)
         while item < items:
-            n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST,
-                        LOCAL_RING)
+            n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST)
             item = gl.atomic_add(counter, 1)
 
     @cached_launch
@@ -403,10 +319,9 @@ if HAVE_GLUON:
     def prefill_attn_ws(q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
                         k_desc, v_desc, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
                         o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr, cols_ph,
-                        seq_lens_ptr, rows_pp, rows_ph,
                         QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                         PPB: gl.constexpr, NC: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
-                        REGS: gl.constexpr, FILL_FIRST: gl.constexpr, LOCAL_RING: gl.constexpr):
+                        REGS: gl.constexpr):
         """Persistent grid (one program a multiprocessor): ``NC`` (3) warpgroups, each taking (tile, KV head) items
         of the wave from ``counter_ptr`` (zeroed by the union launch) and running the tile over its union
         (``union_blk``: each block's first row, ``union_prior`` and ``union_count`` of the Triton union launch) and
@@ -426,14 +341,11 @@ if HAVE_GLUON:
         gl.static_assert(NC == 3, "three warpgroups")
         rt = (q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n, k_desc, v_desc,
               q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
-              spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph, seq_lens_ptr, rows_pp, rows_ph)
+              spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph)
         gl.warp_specialize([
-            (_worker, (0, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST,
-                         LOCAL_RING)),
-            (_worker, (1, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST,
-                         LOCAL_RING)),
-            (_worker, (2, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, FILL_FIRST,
-                         LOCAL_RING)),
+            (_worker, (0, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
+            (_worker, (1, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
+            (_worker, (2, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
         ], [4, 4], [REGS, REGS])
 
 

@@ -28,7 +28,7 @@ from ..common import block_page, cdiv, pow2, scaled_query, summary_index, summar
 from ..launcher import bind_launch, cached_launch
 from ..routing import INF_BITS, append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
 from .config import PrefillConfig
-from .tiles import tile_bounds, tile_rows, units_ok
+from .tiles import tile_bounds, tile_rows
 
 # The Halley passes count the entries above tau as a sum of min(x - tau, COUNT_UNIT): exactly COUNT_UNIT (the
 # smallest normal fp32) each, times 2^126 at the end; two instructions an entry instead of about three for a compare,
@@ -86,32 +86,6 @@ def _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d):
     q = tl.load(q_ptr + tok_m[:, None] * sq_t + heads[:, None] * sq_h + offs_d[None, :], mask=row_ok[:, None],
                 other=0.0)
     return scaled_query(q, sf)
-
-
-@triton.jit
-def _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h, G, bt_row, summ_ptr, ss_b, ss_h, offs_n, cm,
-                 x_scale, PS: tl.constexpr, BS: tl.constexpr):
-    """``[M, BLOCK_N]`` scores of a tile's rows (token ``tok_m``, query head ``h G + g_m`` of KV head h) against the
-    summaries of KV head h of candidates ``offs_n`` (``cm``: those below ``ncand``)."""
-    qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, h * G + g_m, row_ok, sf, offs_d)
-    return summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, offs_n, cm, x_scale, offs_d, PS, BS)
-
-
-@triton.jit
-def _head_pair_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h, G, bt_row, summ_ptr, ss_b, ss_h, offs_n,
-                      cm, x_scale, PS: tl.constexpr, BS: tl.constexpr):
-    """``[2M, BLOCK_N]``: ``_head_scores`` of KV head h, then of KV head h + 1."""
-    return _stack_rows(
-        _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h, G, bt_row, summ_ptr, ss_b, ss_h, offs_n,
-                     cm, x_scale, PS, BS),
-        _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h + 1, G, bt_row, summ_ptr, ss_b, ss_h,
-                     offs_n, cm, x_scale, PS, BS))
-
-
-@triton.jit
-def _stack_rows(a, b):
-    """``[2M, N]``: the rows of ``a [M, N]``, then those of ``b``."""
-    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), [2 * a.shape[0], a.shape[1]])
 
 
 @triton.jit
@@ -292,7 +266,7 @@ def _prefill_route_kernel(
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, TL: tl.constexpr,
     RECOMPUTE: tl.constexpr = False, CS_TMA: tl.constexpr = False, HKV_C: tl.constexpr = 1,
-    STAGE_Q: tl.constexpr = False, X_REGS: tl.constexpr = False, KVH: tl.constexpr = 1,
+    STAGE_Q: tl.constexpr = False, X_REGS: tl.constexpr = False,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -310,8 +284,7 @@ def _prefill_route_kernel(
     arguments are unused placeholders.
     X_REGS (``kv_head``, every candidate in one score tile: ``scores_in_registers``): no score is stored; the
     entmax runs on the tile's scores in registers, mp is stored by candidate (no lists) and the cap's keys stay in
-    registers (``route_tile``'s ONE_TILE with X_GIVEN). There a program may route ``KVH`` KV heads (grid
-    ``(W, Hkv / KVH)``, ``registers_kv_heads``): ``KVH QT`` units (token, KV head), KV head-major, in one tile.
+    registers (``route_tile``'s ONE_TILE with X_GIVEN).
     """
     w = tl.program_id(0)
     hp = tl.program_id(1)
@@ -338,21 +311,11 @@ def _prefill_route_kernel(
             if X_REGS:  # router kv_head: every candidate in one [M, BLOCK_N] tile (rows u G_PAD + g)
                 tl.static_assert(not SHARED and NH_PAD == G_PAD and TC == BLOCK_N,
                                  "X_REGS: router kv_head, one score tile of TC candidates")
-                tl.static_assert(KVH == 1 or KVH == 2 or KVH == 4, "X_REGS: 1, 2 or 4 KV heads a program")
                 cm = offs_n < ncand
-                h0 = hp * KVH
-                if KVH == 1:
-                    x = _head_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0, G, bt_row, summ_ptr,
-                                     ss_b, ss_h, offs_n, cm, x_scale, PS, BS)
-                else:  # KV heads h0, h0 + 1 (then h0 + 2, h0 + 3), their rows one after the other
-                    x = _head_pair_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0, G, bt_row, summ_ptr,
-                                          ss_b, ss_h, offs_n, cm, x_scale, PS, BS)
-                    if KVH == 4:
-                        x = _stack_rows(x, _head_pair_scores(q_ptr, sq_t, sq_h, tok_m, g_m, row_ok, sf, offs_d, h0 + 2,
-                                                             G, bt_row, summ_ptr, ss_b, ss_h, offs_n, cm, x_scale, PS,
-                                                             BS))
+                qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, hp * G + g_m, row_ok, sf, offs_d)
+                x = summary_scores(qs, bt_row, summ_ptr, ss_b, hp, ss_h, offs_n, cm, x_scale, offs_d, PS, BS)
                 mx = tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1)
-                x_regs = tl.reshape(x, [KVH * QT, G_PAD, BLOCK_N])
+                x_regs = tl.reshape(x, [QT, G_PAD, BLOCK_N])
             else:
                 x_tok = x_ptr + (slot0 + u_m) * sx_n
                 mx = tl.full([M], float("-inf"), tl.float32)
@@ -376,19 +339,10 @@ def _prefill_route_kernel(
                 x_regs = mx  # (unused)
                 tl.debug_barrier()  # the scores are read back by other threads of this program
 
-            U: tl.constexpr = KVH * QT  # units: (token, KV head), KV head-major
-            if KVH == 1:
-                slot_u = slot0 + tl.arange(0, QT)
-                hs = hp
-            else:
-                offs_u = tl.arange(0, U)
-                slot_u = slot0 + offs_u % QT
-                hs = hp * KVH + offs_u // QT
-                unit_ok = units_ok(a0 + offs_u % QT, p_lo, p_hi, tok_base, num_tokens, ok)
             ncand_u = tl.where(unit_ok, ncand, 0)
+            slot_u = slot0 + tl.arange(0, QT)
             nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
             if SHARED:
-                tl.static_assert(KVH == 1, "router shared: one program scores every KV head")
                 nrows = nrows * HKV
                 # row maxima over all Hq heads: one pass over the stored scores
                 offs_r = tl.arange(0, NH_PAD)
@@ -402,8 +356,9 @@ def _prefill_route_kernel(
                 x_unit = slot_u * sx_n
                 hs = 0
             else:
-                m = tl.reshape(mx, [U, G_PAD])
-                x_unit = slot_u * sx_n + hs * G * sx_h
+                m = tl.reshape(mx, [QT, G_PAD])
+                x_unit = slot_u * sx_n + hp * G * sx_h
+                hs = hp
             r_ok = tl.arange(0, NH_PAD) < nrows
             m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
             route_tile(
@@ -411,7 +366,7 @@ def _prefill_route_kernel(
                 mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
                 sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
                 count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
-                QT=U, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+                QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
                 ONE_TILE=X_REGS,  # else QT units' mp of every candidate would not fit in registers
                 X_IN_REGS=X_REGS, LIST=not X_REGS, TL=TL, X_GIVEN=X_REGS, x_regs=x_regs,
             )
@@ -469,36 +424,19 @@ def scores_in_registers(qt: int, hq: int, hkv: int, d: int, max_cand: int, param
     With one query head a KV head the keys, made in registers from a ``[QT, 1, TC]`` tile, are held by several
     threads each, and the compiled cap finds the wrong threshold (Triton 3.6, sm_90; the same miscompile as
     ``routing.RADIX_MIN_KEYS`` guards); loaded from the scratch they give the right one."""
-    return (config.route_registers and params.router != "shared" and hq // hkv >= 2
-            and _regs_tile_fits(1, qt, hq, hkv, d, max_cand, config))
-
-
-def _regs_tile_fits(kvh: int, qt: int, hq: int, hkv: int, d: int, max_cand: int, config: PrefillConfig) -> bool:
-    """Whether the registers route's ``[kvh x QT x G, candidates]`` score tile fits its budget
-    (``config.route_regs_budget``, a quarter of it above head dim 128)."""
     budget = config.route_regs_budget if d <= 128 else config.route_regs_budget // 4
-    return kvh * qt * pow2(hq // hkv) * registers_block_n(max_cand) <= budget
-
-
-def registers_kv_heads(qt: int, hq: int, hkv: int, d: int, max_cand: int, config: PrefillConfig) -> int:
-    """KV heads one program of the registers route routes (``scores_in_registers``): ``config.route_regs_kv_heads``,
-    halved until it divides ``Hkv`` and their tile fits the budget (``_regs_tile_fits``)."""
-    k = config.route_regs_kv_heads
-    while k > 1 and (hkv % k or not _regs_tile_fits(k, qt, hq, hkv, d, max_cand, config)):
-        k //= 2
-    return k
+    return (config.route_registers and params.router != "shared" and hq // hkv >= 2
+            and qt * pow2(hq // hkv) * registers_block_n(max_cand) <= budget)
 
 
 def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params: DashParams,
-                      config: PrefillConfig, x_regs: bool, kvh: int = 1) -> dict:
-    """kvh: KV heads a program of the registers route routes (``registers_kv_heads``)."""
+                      config: PrefillConfig, x_regs: bool) -> dict:
     g = hq // hkv
     shared = params.router == "shared"
     nh_pad = pow2(hq) if shared else pow2(g)
-    units = qt * kvh
-    if x_regs:  # one score tile; the cap's keys in one [U, TC] tile: fewer pivots keep [U, NPIV, TC] in its budget
+    if x_regs:  # one score tile; the cap's keys in one [QT, TC] tile: fewer pivots keep [QT, NPIV, TC] in its budget
         block_n = tc = ts = registers_block_n(max_cand)
-        npiv = max(1, min(config.route_pivots, config.route_pivot_budget // (units * tc)))
+        npiv = max(1, min(config.route_pivots, config.route_pivot_budget // (qt * tc)))
     else:
         block_n = route_block_n(d, max_cand, config)
         tc = max(16, min(pow2(max_cand), config.route_tile_budget // (qt * nh_pad)))
@@ -506,9 +444,8 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
         npiv = config.route_pivots
     return dict(
         QT=qt, G_PAD=pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_N=block_n, TC=tc, TS=ts, TL=max(1, min(pow2(max_cand), config.route_list_budget // units)),
+        BLOCK_N=block_n, TC=tc, TS=ts, TL=max(1, min(pow2(max_cand), config.route_list_budget // qt)),
         NPIV=npiv, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared, X_REGS=x_regs,
-        KVH=kvh,
     )
 
 
@@ -542,20 +479,19 @@ def bind_route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
         raise RuntimeError(f"this scratch's score storage is {tuple(s.scores.shape[1:])} a slot: routing from the "
                            f"summary copy keeps group sums there, {hkv} rows of at least {plan.max_cand}")
     x_regs = not recompute and scores_in_registers(plan.qt, hq, hkv, d, plan.max_cand, params, cfg)
-    kvh = registers_kv_heads(plan.qt, hq, hkv, d, plan.max_cand, cfg) if x_regs else 1
     if recompute:
         launch = dict(num_warps=cfg.recompute_warps, num_stages=cfg.recompute_stages,
                       **({"maxnreg": cfg.recompute_maxnreg} if cfg.recompute_maxnreg else {}))
     else:
         launch = dict(num_warps=cfg.route_regs_warps if x_regs else cfg.route_warps, num_stages=cfg.route_stages)
     kernel = bind_launch(
-        _prefill_route_kernel, (tiles, 1 if shared else hkv // kvh), ROUTE_LEAD,
+        _prefill_route_kernel, (tiles, 1 if shared else hkv), ROUTE_LEAD,
         (cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0],
          block_table.shape[1] * cache.page_size, t, s.scores, ssc[0], ssc[1], s.mp, smp[0], smp[1], s.mp_cand,
          s.sel_idx, s.sel_blk, s.sel_bias, ssel[0], ssel[1], s.sel_idx.shape[2], s.sel_count, s.sel_count.stride(0),
          params.scaling_factor, 0.5 / math.sqrt(d), g, hkv, params.topk if params.topk is not None else 0,
          1.0 / params.sigma, copy.shape[1] if recompute else 0),
-        PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg, x_regs, kvh),
+        PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg, x_regs),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
         STAGE_Q=recompute and stages_queries(g, q, s), **launch)
 

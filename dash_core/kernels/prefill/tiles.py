@@ -82,13 +82,9 @@ def tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT: tl.constexpr, G_P
     pos_m = a0 + u_m
     tok_m = (tok_base + pos_m).to(tl.int64)
     in_m = (pos_m >= p_lo) & (pos_m < p_hi) & (tok_m < num_tokens) & (g_m < G)
-    return u_m, g_m, pos_m, tok_m, in_m, units_ok(a0 + tl.arange(0, QT), p_lo, p_hi, tok_base, num_tokens, ok)
-
-
-@triton.jit
-def units_ok(pos_u, p_lo, p_hi, tok_base, num_tokens, ok):
-    """Whether the units at positions ``pos_u`` are new tokens of the tile (of an ``ok`` request)."""
-    return (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
+    pos_u = a0 + tl.arange(0, QT)
+    unit_ok = (pos_u >= p_lo) & (pos_u < p_hi) & (tok_base + pos_u < num_tokens) & ok
+    return u_m, g_m, pos_m, tok_m, in_m, unit_ok
 
 
 @cached_launch
