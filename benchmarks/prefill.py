@@ -544,7 +544,7 @@ def vllm_mixed_step(m: MixedStep, params: DashParams, out: torch.Tensor, cuda: b
     """The mixed step ``m`` as the vLLM adapter runs it, two calls a layer: the K/V write (``cache_dash_prefill``,
     vLLM's ``do_kv_cache_update``), then every row in one ``paged_dash_prefill`` call (the decode rows as one-token
     extends, the layers sharing a workspace)."""
-    prefill = ops.paged_dash_prefill if cuda else kernel_prefill
+    prefill = prefill_op(cuda)
 
     def step():
         ws = PrefillWorkspace()

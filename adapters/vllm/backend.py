@@ -151,9 +151,9 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
     once from ``max_num_seqs`` and ``max_model_len / block_size`` (with the Triton scratch), so a
     captured graph reads stable addresses; padded rows carry ``seq_len = 0`` and produce zeros.
     Mixed and prefill batches run eagerly (vLLM's piecewise mode keeps attention outside the graphs).
-    A mixed step's decode rows join its prefill call (one routing plan and two launches a layer; the
-    decode op's launches beside them would cost the eager step more host time than GPU time), except
-    in groups with the auxiliary head, whose decode rows take page-mode positions of their own.
+    A mixed step's decode rows join its prefill call (one routing plan a step and no decode launches
+    beside it: those would cost the eager step more host time than GPU time), except in groups with
+    the auxiliary head, whose decode rows take page-mode positions of their own.
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
