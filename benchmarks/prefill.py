@@ -7,13 +7,13 @@ summary write. ``--preset serving`` measures what an engine step costs a layer i
 tokens each (``variant: "serving"``), eight layers back to back sharing one ``PrefillWorkspace``, each with its own
 cache and inputs, K/V + summary write included, the step's time divided by eight (and ``host_ms``: the host's time
 to issue a layer to an idle GPU, which bounds the eager step where it exceeds the GPU's); and a mixed step (``variant:
-"mixed"``): eight decode tokens at 32k and one 2k prompt chunk in one ``paged_dash_prefill`` call, as vLLM's chunked
-prefill and SGLang's mixed chunks batch them (SGLang's form; ``"mixed vllm"``: vLLM's, the K/V write, then the
-same call without it). Dense peers run on the same prompts, steps and layers (``prefill_peers``:
-cuDNN SDPA, SDPA's FlashAttention backend, FlashInfer, FlashAttention 4, each where it imports and runs here); the
-published DashAttention prefill (its three stages, uncapped at the same ``scaling_factor``, if ``$DASH_PUBLISHED_DIR``
-holds the authors' repository) runs in a child process, shortest prompts first, so that a crash of its kernels costs
-only the lengths not yet measured, which are recorded with the reason.
+"mixed"``): eight decode tokens at 32k and one 2k prompt chunk in one ``paged_dash_prefill`` call that writes their
+K/V too, as vLLM's chunked prefill and SGLang's mixed chunks batch them and both adapters run them. Dense peers run on
+the same prompts, steps and layers (``prefill_peers``: cuDNN SDPA, SDPA's FlashAttention backend, FlashInfer,
+FlashAttention 4, each where it imports and runs here); the published DashAttention prefill (its three stages,
+uncapped at the same ``scaling_factor``, if ``$DASH_PUBLISHED_DIR`` holds the authors' repository) runs in a child
+process, shortest prompts first, so that a crash of its kernels costs only the lengths not yet measured, which are
+recorded with the reason.
 
 Queries follow an AR(1) walk over positions (``--query-correlation``, default 0.95): neighbouring queries of trained
 models are alike, which is what lets a tile of query tokens share the K/V loads of their routed blocks; the records
@@ -540,20 +540,6 @@ class MixedStep:
         return self._contiguous[layer]
 
 
-def vllm_mixed_step(m: MixedStep, params: DashParams, out: torch.Tensor, cuda: bool):
-    """The mixed step ``m`` as the vLLM adapter runs it, two calls a layer: the K/V write (``cache_dash_prefill``,
-    vLLM's ``do_kv_cache_update``), then every row in one ``paged_dash_prefill`` call (the decode rows as one-token
-    extends, the layers sharing a workspace)."""
-    prefill = prefill_op(cuda)
-
-    def step():
-        ws = PrefillWorkspace()
-        for q, k, v, cache in zip(m.q, m.k, m.v, m.caches):
-            ops.cache_dash_prefill(k, v, cache, m.slot_mapping, params, head_cls=m.head_cls)
-            prefill(q, None, None, cache, m.block_table, m.cu, m.seq, None, m.head_cls, params, out=out, workspace=ws)
-    return step
-
-
 def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat16) -> None:
     """The mixed step (``a.mixed``: decode tokens, their context, the chunk's tokens) in one ``paged_dash_prefill``
     call per layer, the layers sharing a workspace; with ``dense``, the dense peers on the same step. Records the
@@ -588,11 +574,6 @@ def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat1
     if a.graph and cuda:
         add("dash-triton", "mixed-graph", graph_ms([dash_step], a.iters, 2, min_calls=1) / nl, topk=topk, write=True,
             frac=None, graph=True, note=f"the same step of {nl} layers replayed from one CUDA graph: no host time")
-    vllm_step = vllm_mixed_step(m, params, out, cuda)
-    add("dash-triton", "mixed vllm", timed(vllm_step, a, cuda) / nl, topk=topk, write=True, frac=None,
-        mem=peak_mb(vllm_step, cuda), extra=dict(host_ms=layer_host_ms(vllm_step, nl, cuda)),
-        note="vLLM's form of the step, per layer: cache_dash_prefill writes K/V, then one paged_dash_prefill call "
-             "attends every row")
     for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
         try:
             built = [mixed_peer(peer, m, i, cuda) for i in range(nl)]

@@ -264,17 +264,14 @@ def serving_table(records: list) -> str:
 def mixed_table(records: list) -> str:
     """The mixed step: decode tokens and a prompt chunk in one call, per layer."""
     rows = []
-    for r in pick(records, method="dash-triton", variant="mixed") + pick(records, method="dash-triton",
-                                                                         variant="mixed vllm"):
+    for r in pick(records, method="dash-triton", variant="mixed"):
         peers = dense_peers(records, r, lambda x: x["variant"] == "mixed"
                             and x.get("prompt_tokens") == r.get("prompt_tokens")
                             and x.get("decode_tokens") == r.get("decode_tokens"))
         step = f"{r['decode_tokens']} decode tokens at {tokens(r['context'])} + a {tokens(r['prompt_tokens'])} chunk"
         same_step = lambda x: x.get("prompt_tokens") == r.get("prompt_tokens")
-        vllm = r["variant"] == "mixed vllm"
-        rows.append([step + (" (vLLM: the K/V write, then one call)" if vllm else ""), r["hkv"], topk_of(r),
-                     with_host(r), peers_cell(peers), speedup(best(peers), r["ms"]),
-                     "-" if vllm else graph_cell(records, r, "mixed-graph", same_step)])
+        rows.append([step, r["hkv"], topk_of(r), with_host(r), peers_cell(peers), speedup(best(peers), r["ms"]),
+                     graph_cell(records, r, "mixed-graph", same_step)])
     if not rows:
         return "_No mixed-step records yet: `bash ci/gpu.sh prefill bench --preset serving`._"
     return md_table(["step", "Hkv", "topk", "DASH per layer (ms)", "dense peers (ms)", "vs best dense",

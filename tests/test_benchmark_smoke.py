@@ -43,7 +43,7 @@ def test_prefill_serving_smoke_writes_the_step_rows(tmp_path):
     recs = _smoke("prefill.py", tmp_path, "--preset", "serving")
     by = {(r["method"], r["variant"]): r for r in recs}
     assert set(by) == {(m, v) for m in ("dash-triton", "dense-cudnn", "dense-sdpa")
-                       for v in ("serving", "mixed")} | {("dash-triton", "mixed vllm")}
+                       for v in ("serving", "mixed")}
     serving, mixed = by[("dash-triton", "serving")], by[("dash-triton", "mixed")]
     assert (serving["batch"], serving["context"], serving["layers"], serving["includes_write"]) == (2, 96, 2, True)
     assert (mixed["batch"], mixed["context"], mixed["decode_tokens"], mixed["prompt_tokens"]) == (3, 300, 2, 96)

@@ -1,11 +1,12 @@
 """DASH as a vLLM v1 attention backend (registered as ``AttentionBackendEnum.CUSTOM``).
 
 Four pieces, in vLLM's order: the metadata dataclass, its builder, the backend class (capability
-flags, KV cache spec), and the impl. All math is in ``dash_core``: ``do_kv_cache_update`` calls
-``cache_dash_prefill`` (K/V and block summaries), ``forward`` calls ``paged_dash_decode`` for the
-decode rows and ``paged_dash_prefill`` for the rest (fresh prefills, chunked-prefill continuations,
-prefix-cache hits, and a mixed step's decode rows with them), both on ``PagedKVCache.from_vllm``
-views of the layer's cache.
+flags, KV cache spec), and the impl. All math is in ``dash_core``: ``forward`` writes the step's K/V
+(and the block summaries they complete) and attends in the same op calls
+(``forward_includes_kv_cache_update``): ``paged_dash_decode`` for the decode rows and
+``paged_dash_prefill`` for the rest (fresh prefills, chunked-prefill continuations, prefix-cache
+hits, and a mixed step's decode rows with them), both on ``PagedKVCache.from_vllm`` views of the
+layer's cache.
 
 Summary store: extra bytes at the end of every KV page (``page_size_padded``). A page holds exactly
 one DASH block (vLLM block size = ``chunk_size``), so page ``b`` carries the summary of the block in
@@ -30,7 +31,7 @@ import torch
 
 from dash_core.layout import PagedKVCache
 from dash_core.limits import uses_kernels
-from dash_core.ops import cache_dash_prefill, paged_dash_decode, paged_dash_prefill, prefill_scratch_bytes
+from dash_core.ops import paged_dash_decode, paged_dash_prefill, prefill_scratch_bytes
 from dash_core.model_config import AuxConfig, check_attention_choice, serving_params
 from dash_core.paged import token_positions
 from dash_core.params import DashParams
@@ -276,9 +277,14 @@ def _group_params(vllm_config: "VllmConfig", layer_names: list[str]) -> DashPara
 
 
 class DashAttentionBackend(AttentionBackend):
-    """Capability flags and KV cache spec of the DASH backend (selected as ``CUSTOM``)."""
+    """Capability flags and KV cache spec of the DASH backend (selected as ``CUSTOM``).
 
-    forward_includes_kv_cache_update: bool = False
+    ``forward_includes_kv_cache_update``: the impl's ``forward`` writes K/V and summaries in its attention op
+    calls, so vLLM runs no separate cache-update op: a decode step's write rides in the select launch of the
+    decode op (no launch of its own in the decode graph), a prefill call writes before it routes.
+    """
+
+    forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32"]
 
@@ -330,12 +336,10 @@ class DashAuxAttentionBackend(DashAttentionBackend):
     head (``dash_core.layout``: the rotated indexer key, the role and the page state), so vLLM's
     spec, memory accounting, prefix sharing and preemption treat it like K/V. Its query carries
     the ``Hi`` indexer queries after the ``Hq`` attention heads (padded to a multiple of
-    ``Hkv + 1``), its key the indexer key in head ``Hkv``. The K/V write happens inside ``forward``
-    (``forward_includes_kv_cache_update``): in page mode the ops rotate k and ik by page RoPE before
-    writing them, which needs the step's positions and roles.
+    ``Hkv + 1``), its key the indexer key in head ``Hkv``. As for every DASH layer, the K/V write happens
+    inside ``forward``; in page mode the ops rotate k and ik by page RoPE before writing them, which needs the
+    step's positions and roles.
     """
-
-    forward_includes_kv_cache_update: bool = True
 
     @staticmethod
     def summary_heads(spec: "AttentionSpec") -> int:
@@ -437,7 +441,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
             self.max_context = _max_blocks(cfg, bs) * bs
             self.max_requests = cfg.scheduler_config.max_num_seqs
         # Counters, for logs and tests (they prove which path ran): the tokens each op attended.
-        self.stats = {"kv_updates": 0, "forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
+        self.stats = {"forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
 
     def _cache(self, kv_cache: torch.Tensor) -> PagedKVCache:
         if kv_cache.shape[2] != self.params.block_size:
@@ -455,19 +459,12 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
                              f"model (architectures ['DashLlamaForCausalLM']) whose checkpoint carries indexer_q")
         return head_cls
 
-    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor) -> None:
-        """Write ``key, value [>= n, Hkv, D]`` at ``slot_mapping [n]`` and summarise completed blocks."""
-        n = slot_mapping.shape[0]
-        cache_dash_prefill(key[:n], value[:n], self._cache(kv_cache), slot_mapping, self.params,
-                           head_cls=self._head_cls(layer))
-        self.stats["kv_updates"] += 1
-
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Optional[DashAttentionMetadata], output: torch.Tensor,
                 output_scale: Optional[torch.Tensor] = None,
                 output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """DASH for ``query [T, Hq, D]`` (K/V already written); fills ``output [T, Hq, D]`` in place."""
+        """Write ``key, value [>= T, Hkv, D]`` at the step's slots, then DASH for ``query [T, Hq, D]``; fills
+        ``output [T, Hq, D]`` in place."""
         if output_scale is not None or output_block_scale is not None:
             raise ValueError("DASH attention does not support fused output quantization (output_scale)")
         if attn_metadata is None:  # memory profiling and dummy runs
@@ -475,20 +472,23 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
             return output
         release_prefill_scratch()  # a step with metadata: its workspace allocates what it needs
         md = attn_metadata
+        if key is None or value is None:
+            raise ValueError(f"DASH layer {getattr(layer, 'layer_name', '?')} needs the step's key and value "
+                             f"(it writes them itself)")
         if self.aux is not None:
             return self._forward_aux(layer, query, key, value, kv_cache, md, output)
         cache = self._cache(kv_cache)
         head_cls = self._head_cls(layer)
         nd, end = md.num_decodes, md.num_decode_tokens + md.num_prefill_tokens
         start = 0 if md.decodes_joined else md.num_decode_tokens
-        # K/V and summaries of these tokens were written by do_kv_cache_update: k = v = slot_mapping = None.
+        sm = md.slot_mapping
         if nd and not md.decodes_joined:
-            paged_dash_decode(query[:nd], None, None, cache, md.decode_block_table, md.decode_seq_lens, None,
-                              head_cls, self.params, out=output[:nd], buffers=md.decode_buffers)
+            paged_dash_decode(query[:nd], key[:nd], value[:nd], cache, md.decode_block_table, md.decode_seq_lens,
+                              sm[:nd], head_cls, self.params, out=output[:nd], buffers=md.decode_buffers)
         if md.num_prefills:
-            paged_dash_prefill(query[start:end], None, None, cache, md.prefill_block_table,
-                               md.prefill_query_start_loc, md.prefill_seq_lens, None, head_cls, self.params,
-                               out=output[start:end], workspace=md.prefill_workspace)
+            paged_dash_prefill(query[start:end], key[start:end], value[start:end], cache, md.prefill_block_table,
+                               md.prefill_query_start_loc, md.prefill_seq_lens, sm[start:end], head_cls,
+                               self.params, out=output[start:end], workspace=md.prefill_workspace)
         self._count(start, end)
         return output
 
@@ -517,9 +517,6 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         rows) and attend in one op call per kind of row, with roles (prefill) and positions (page mode)."""
         aux, hkv = self.aux, self.num_kv_heads
         hq, hi = aux.num_q_heads, aux.indexer_heads
-        if key is None or value is None:
-            raise ValueError(f"DASH layer {getattr(layer, 'layer_name', '?')} with an auxiliary head needs the "
-                             f"step's key and value (it writes them itself)")
         cache = self._cache(kv_cache)
         q, k, v, out = query[:, :hq], key[:, :hkv], value[:, :hkv], output[:, :hq]
         iq = query[:, hq: hq + hi] if hi else None

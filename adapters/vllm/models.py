@@ -291,7 +291,7 @@ class DashLlamaForCausalLM(LlamaForCausalLM):
         return loaded
 
     def dash_stats(self) -> dict:
-        """Summed DASH impl counters of this rank's layers (kv_updates, forwards, decode/prefill tokens)."""
+        """Summed DASH impl counters of this rank's layers (forwards, decode/prefill tokens)."""
         total: dict = {}
         for module in self.modules():
             if isinstance(module, Attention) and hasattr(module.impl, "stats"):

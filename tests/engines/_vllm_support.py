@@ -97,7 +97,7 @@ def dash_stats(model) -> dict:
     """Summed counters of the DASH impls of this worker's layers (zeros when none is DASH)."""
     from vllm.model_executor.layers.attention import Attention
 
-    total = {"kv_updates": 0, "forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
+    total = {"forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
     for module in model.modules():
         if isinstance(module, Attention) and hasattr(module.impl, "stats"):
             for key, value in module.impl.stats.items():

@@ -152,7 +152,8 @@ def test_recorded_batches_are_consistent(sparse_engine, record_dir):
     """The batches vLLM handed to the attention ops during the sparse generation: decodes, chunked
     prefills and prefix-cache hits (extends over paged history), each row's pages real blocks (never
     vLLM's null block 0) and the pages of one step's requests distinct except for shared prefixes.
-    Their K/V were written by ``do_kv_cache_update``, so ``slot_mapping`` is None.
+    The ops write their K/V (``forward_includes_kv_cache_update``): each query token's slot is on its row's page
+    at its position.
     ``DASH_VLLM_SAVE_BATCHES=DIR`` copies them (one per engine step: both layers see the same
     batch) for GPU replay (tests/fixtures/engine_batches/vllm, see its README)."""
     import glob
@@ -166,12 +167,16 @@ def test_recorded_batches_are_consistent(sparse_engine, record_dir):
     extends = 0
     for b in batches:
         ps, cu, lens, bt = b["page_size"], b["cu_seqlens_q"], b["seq_lens"], b["block_table"]
-        assert ps == BS and b["params"]["block_size"] == BS and b["has_summaries"] and b["slot_mapping"] is None
+        assert ps == BS and b["params"]["block_size"] == BS and b["has_summaries"]
+        sm = b["slot_mapping"]
+        assert sm is not None and sm.shape[0] >= int(cu[-1])
         owners = {}
         for i in range(lens.numel()):
             q_len, n = int(cu[i + 1] - cu[i]), int(lens[i])
             assert 0 < q_len <= n and (b["op"] == "prefill" or q_len == 1)
             pages = bt[i, : -(-n // ps)].tolist()
+            want = [pages[pos // ps] * ps + pos % ps for pos in range(n - q_len, n)]
+            assert sm[int(cu[i]): int(cu[i + 1])].tolist() == want
             assert 0 not in pages and max(pages) < b["num_pages"] and len(set(pages)) == len(pages)
             for j, page in enumerate(pages):  # a page shared by two rows holds the same prefix block in both
                 assert owners.setdefault(page, j) == j

@@ -80,7 +80,6 @@ def _run_step(layer, builder, kv, table, data, requests):
     meta = common_metadata([hi - lo for _, lo, hi in requests], [hi for _, _, hi in requests],
                            torch.stack(rows), sm)
     md = builder.build(0, meta)
-    layer.impl.do_kv_cache_update(layer, k, v, kv, sm)
     out = torch.full_like(q, float("nan"))
     layer.impl.forward(layer, q, k, v, kv, md, output=out)
     return md, out
@@ -163,8 +162,8 @@ def test_the_layers_of_a_step_share_its_prefill_workspace(vllm_config, monkeypat
     data, table = _requests(3), _block_tables(4)
     md, out = _run_step(layer, builder, kv, table, data, [(0, 0, 36), (2, 0, 24)])
     again = torch.empty_like(out)
-    q = torch.cat([data[0][0][:36], data[2][0][:24]])
-    layer.impl.forward(layer, q, None, None, kv, md, output=again)  # a second layer of the same step
+    q, k, v = (torch.cat([data[0][j][:36], data[2][j][:24]]) for j in range(3))
+    layer.impl.forward(layer, q, k, v, kv, md, output=again)  # a second layer of the same step (writes the same)
     torch.testing.assert_close(again, out, atol=0, rtol=0)
     _run_step(layer, builder, kv, table, data, [(2, 24, 40)])
     assert len(seen) == 3 and all(isinstance(w, PrefillWorkspace) for w in seen)
@@ -200,6 +199,27 @@ def test_a_forward_without_metadata_reserves_the_prefill_scratch(tmp_path, monke
     assert calls[1:] == ["release"]
 
 
+def test_forward_writes_the_cache_and_needs_key_and_value(vllm_config):
+    """vLLM runs no cache-update op for the DASH backend (``forward_includes_kv_cache_update``): ``forward``
+    writes K/V and summaries itself, so a call without key and value is refused before anything is written."""
+    from adapters.vllm.backend import DashAttentionBackend
+
+    assert DashAttentionBackend.forward_includes_kv_cache_update
+    params = PARAMS["sparse-kv_head"]
+    layer, spec, builder = dash_layer(vllm_config, params, torch.randn(HKV, D))
+    _, kv = allocate_kv_cache(spec, NUM_BLOCKS)
+    data, table = _requests(3), _block_tables(4)
+    q = data[0][0][:20]
+    meta = common_metadata([20], [20], table[:1], slots(table[0], range(20), BS))
+    md = builder.build(0, meta)
+    before = kv.clone()
+    with pytest.raises(ValueError, match="needs the step's key and value"):
+        layer.impl.forward(layer, q, None, None, kv, md, output=torch.empty_like(q))
+    assert torch.equal(kv, before)
+    _run_step(layer, builder, kv, table, data, [(0, 0, 20)])
+    assert not torch.equal(kv, before)
+
+
 def test_padded_decode_batch_uses_persistent_buffers(vllm_config):
     """The CUDA-graph contract on the CPU: decode metadata lives at fixed addresses, and a
     padding request (query length 0, seq_len 0) gets a zero row, not NaN."""
@@ -225,7 +245,6 @@ def test_padded_decode_batch_uses_persistent_buffers(vllm_config):
         now = (md.decode_seq_lens.data_ptr(), md.decode_block_table.data_ptr())
         assert ptrs is None or now == ptrs
         ptrs = now
-        layer.impl.do_kv_cache_update(layer, k, v, kv, sm)
         out = torch.full_like(q, float("nan"))
         layer.impl.forward(layer, q, k, v, kv, md, output=out)
         assert torch.equal(out[3], torch.zeros_like(out[3]))
