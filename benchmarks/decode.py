@@ -15,7 +15,7 @@ capped ``topk`` where the library imports, gathered and, on a head-major cache (
 
 Writes JSON records to ``docs/perf/decode.json`` (merged by case); ``benchmarks/report.py`` makes the tables.
 
-    python benchmarks/decode.py --preset serving           # B 1-64 at 32k and B 1-32 at 128k, topk 64 (one GPU call)
+    python benchmarks/decode.py --preset serving           # B 1, 8 at 4k, B 1-64 at 32k, B 1-32 at 128k, topk 64
     python benchmarks/decode.py --preset required          # B 1 and 8 at 128k, topk 64 and uncapped
     python benchmarks/decode.py --preset required --layout vllm --topk 64 --peers flashinfer  # + zero-copy rows
     python benchmarks/decode.py --batch 1,8,32 --context 8192,32768 --hkv 8,2 --topk 16,64,256,none
@@ -51,7 +51,8 @@ from dash_core.layout import PagedKVCache, alloc_summaries
 from tests.kernels._kernel_ops import kernel_decode
 
 # --preset serving: (B, context) of the serving table, topk 64, graph-captured with the K/V write
-SERVING_CASES = ((1, 32768), (8, 32768), (32, 32768), (64, 32768), (1, 131072), (8, 131072), (32, 131072))
+SERVING_CASES = ((1, 4096), (8, 4096), (1, 32768), (8, 32768), (32, 32768), (64, 32768), (1, 131072), (8, 131072),
+                 (32, 131072))
 
 
 # ---------------------------------------------------------------------------- the case
@@ -423,8 +424,9 @@ def cases(a) -> list:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=["serving", "required", "matrix"],
-                    help="serving: B 1, 8, 32, 64 at 32k and B 1, 8, 32 at 128k, topk 64; required: B 1 and 8 at "
-                         "128k, topk 64 and none; matrix: B 1-64, 8k-128k, Hkv 8 and 2, topk 16-256 and none")
+                    help="serving: B 1 and 8 at 4k, B 1, 8, 32, 64 at 32k and B 1, 8, 32 at 128k, topk 64; required: "
+                         "B 1 and 8 at 128k, topk 64 and none; matrix: B 1-64, 8k-128k, Hkv 8 and 2, topk 16-256 and "
+                         "none")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--context", default="131072")
     add_shape_args(ap, "scaling_factor (default: calibrated per case)")

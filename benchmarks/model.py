@@ -46,7 +46,7 @@ from dash_core.model_timing import DashSettings, measure_point, speedup_sentence
 
 TTFT_POINTS = [(1, 2048), (1, 4096), (8, 2048), (4, 4096), (1, 8192), (1, 16384), (1, 32768), (1, 65536),
                (1, 131072)]
-TPOT_POINTS = [(64, 8192), (1, 32768), (16, 32768), (1, 131072), (4, 131072)]
+TPOT_POINTS = [(1, 4096), (8, 4096), (64, 8192), (1, 32768), (16, 32768), (1, 131072), (4, 131072)]
 OUTPUT_OPTIONS = ("--out", "--json", "--svg", "--commit")  # machine-specific: left out of the recorded command
 SMOKE_TTFT = [(1, 128), (2, 64)]
 SMOKE_TPOT = [(1, 256), (2, 128)]
