@@ -17,7 +17,7 @@ holds whole, aligned blocks) and makes summaries of shared prefix pages shareabl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -53,12 +53,16 @@ class PagedKVCache:
     for a model with an indexer ``[num_slots // block_size, 1, D]`` (summaries of ``ik``).
     aux: ``[num_pages, page_size, 2D]`` strided view of the auxiliary rows (layout table below), in
     the KV dtype; needed by models with an indexer or page mode, None otherwise.
+
+    What the kernels derive from the K/V views alone (their TMA descriptors) is built once per cache object
+    (``kept``): an engine adapter that keeps a layer's ``PagedKVCache`` from step to step builds it once.
     """
 
     k_pages: torch.Tensor
     v_pages: torch.Tensor
     summaries: Optional[torch.Tensor] = None
     aux: Optional[torch.Tensor] = None
+    _kept: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.k_pages.dim() != 4 or self.k_pages.shape != self.v_pages.shape:
@@ -74,6 +78,16 @@ class PagedKVCache:
             if tuple(self.aux.shape) != want or self.aux.dtype != self.dtype:
                 raise ValueError(f"aux must be [num_pages, page_size, 2D] = {want} in the KV dtype {self.dtype}; "
                                  f"got {tuple(self.aux.shape)} {self.aux.dtype}")
+
+    def kept(self, key: tuple, build):
+        """``build()``, a value that depends only on ``k_pages`` and ``v_pages`` (and ``key``), built at the first
+        call for ``key`` and returned again while those are the same tensor objects."""
+        hit = self._kept.get(key)
+        if hit is not None and hit[0] is self.k_pages and hit[1] is self.v_pages:
+            return hit[2]
+        value = build()
+        self._kept[key] = (self.k_pages, self.v_pages, value)
+        return value
 
     @classmethod
     def from_vllm(cls, kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int,

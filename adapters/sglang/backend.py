@@ -145,6 +145,7 @@ class DashAttnBackend(AttentionBackend):
         self._validate_runner(model_runner)
         self.summaries = summary_store(self.token_to_kv_pool, self.params.block_size, self.aux.summary_heads)
         self.aux_rows = aux_store(self.token_to_kv_pool) if self.aux.needs_aux else None
+        self._views: dict = {}  # layer index -> (K buffer, V buffer, their PagedKVCache): _cache
         self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
         self.max_pages = -(-self.max_context_len // self.page_size)
         self.forward_metadata: Optional[DashForwardMetadata] = None
@@ -303,11 +304,18 @@ class DashAttnBackend(AttentionBackend):
     # ---- forward ---------------------------------------------------------------------------
 
     def _cache(self, layer) -> PagedKVCache:
+        """The ``PagedKVCache`` views of ``layer``'s buffers, kept while the pool hands out the same K and V tensors
+        (so what the kernels derive from the views, their TMA descriptors, is built once)."""
         pool = self.token_to_kv_pool
         i = layer.layer_id - pool.start_layer
-        return PagedKVCache.from_sglang(pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-                                        self.page_size, self.summaries[i],
-                                        aux=None if self.aux_rows is None else self.aux_rows[i])
+        k, v = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        kept = self._views.get(i)
+        if kept is not None and kept[0] is k and kept[1] is v:
+            return kept[2]
+        cache = PagedKVCache.from_sglang(k, v, self.page_size, self.summaries[i],
+                                         aux=None if self.aux_rows is None else self.aux_rows[i])
+        self._views[i] = (k, v, cache)
+        return cache
 
     def _aux_args(self, op, layer, md: DashForwardMetadata, iq, ik, head_cls_i, d: int) -> dict:
         """The ops' indexer and page-mode keywords for this layer (empty for a plain model)."""

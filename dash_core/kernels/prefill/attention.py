@@ -304,10 +304,15 @@ def _kv_descriptors(cache: PagedKVCache, block_u: int, config: PrefillConfig) ->
     or the cache does not fit them. The pages ``[pages, page_size, Hkv, D]`` are described as they are (SGLang's
     layout: ``[1, block_u, 1, D]`` boxes) or, where the head stride exceeds the row stride (vLLM's ``[pages,
     Hkv, page_size, C]``), head-major as ``[pages, Hkv, page_size, D]`` with ``[1, 1, block_u, D]`` boxes
-    (``head_major``). These checks precede ``TensorDescriptor``'s own asserts so as to fall back instead."""
-    kp, vp = cache.k_pages, cache.v_pages
-    if not (config.attn_tma and tma_supported(kp.device)):
+    (``head_major``). These checks precede ``TensorDescriptor``'s own asserts so as to fall back instead. Built
+    once per cache object (``PagedKVCache.kept``)."""
+    if not (config.attn_tma and tma_supported(cache.k_pages.device)):
         return None
+    return cache.kept(("kv_descriptors", block_u), lambda: _build_kv_descriptors(cache, block_u))
+
+
+def _build_kv_descriptors(cache: PagedKVCache, block_u: int) -> Optional[tuple]:
+    kp, vp = cache.k_pages, cache.v_pages
     for head_major in (False, True):
         views = [x.permute(0, 2, 1, 3) if head_major else x for x in (kp, vp)]
         if all(_tma_fits(x) for x in views):

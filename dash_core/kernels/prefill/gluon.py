@@ -360,7 +360,11 @@ def kv_row_views(cache, geo: tuple) -> tuple:
 def kv_block_descriptors(cache, bs: int, geo: tuple) -> tuple:
     """Gluon TMA descriptors of ``kv_row_views`` with ``[bs, D]`` boxes: block ``b`` (``PPB`` a page) of KV head h
     at row ``(b // PPB) rows_a_page + (b % PPB) bs + h rows_a_head`` (what the union launch writes to
-    ``union_blk`` for this kernel: ``union_rows``), column ``h columns_a_head`` (``ws_supported`` layouts only)."""
-    kp = cache.k_pages
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=kp.element_size() * 8, rank=2)
-    return tuple(GluonDescriptor.from_tensor(x, [bs, kp.shape[3]], layout) for x in kv_row_views(cache, geo))
+    ``union_blk`` for this kernel: ``union_rows``), column ``h columns_a_head`` (``ws_supported`` layouts only).
+    Built once per cache object (``PagedKVCache.kept``)."""
+    def build() -> tuple:
+        kp = cache.k_pages
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=kp.element_size() * 8, rank=2)
+        return tuple(GluonDescriptor.from_tensor(x, [bs, kp.shape[3]], layout) for x in kv_row_views(cache, geo))
+
+    return cache.kept(("gluon_kv_block_descriptors", bs, geo), build)
