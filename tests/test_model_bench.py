@@ -171,7 +171,7 @@ def test_records_merge_by_point_and_method(bench, tmp_path):
 
 def test_points_parse_in_run_order(bench):
     assert bench.parse_points("tpot:4x131072,ttft:1x2048,ttft:1x2048") == [("tpot", 4, 131072), ("ttft", 1, 2048)]
-    assert len(bench.parse_points("all")) == 14 and bench.parse_points("ttft")[-1] == ("ttft", 1, 131072)
+    assert len(bench.parse_points("all")) == 16 and bench.parse_points("ttft")[-1] == ("ttft", 1, 131072)
     with pytest.raises(ValueError):
         bench.parse_points("decode:1x2")
 
