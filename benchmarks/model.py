@@ -9,7 +9,8 @@ decode captured as one CUDA graph of the whole step with ``graphs.DecodeGraphBuf
 and the step without attention, whose difference gives the attention's share. Points:
 
 - TTFT (one eager prefill step): B 1 at 2k, 4k, 8k, 16k, 32k, 64k and 128k tokens; 8 x 2k and 4 x 4k.
-- TPOT (one decode step, CUDA graph): (B 1, 128k), (B 4, 128k), (B 1, 32k), (B 16, 32k), (B 64, 8k).
+- TPOT (one decode step, CUDA graph): (B 1, 4k), (B 8, 4k), (B 64, 8k), (B 1, 32k), (B 16, 32k), (B 1, 128k),
+  (B 4, 128k).
 
 DASH: block 64, topk 64, local 64, ``scaling_factor`` calibrated per point (about 5% of the candidate blocks
 routed uncapped on layer 0). ``--layers`` is lowered at a point only where the KV cache does not fit, and

@@ -107,7 +107,7 @@ def new_cache(num_pages, ps, hkv, d, bs, dtype, device, layout="sglang") -> Page
 
 
 def write_kv(cuda, k, v, cache, slot_mapping, params, head_cls) -> None:
-    """K/V + summaries (the op the engine calls before attention; the Triton write itself under the interpreter,
+    """K/V + summaries of a step's history (``cache_dash_prefill``; the Triton write itself under the interpreter,
     where ``ops`` would take the PyTorch path)."""
     if cuda:
         ops.cache_dash_prefill(k, v, cache, slot_mapping, params, head_cls=head_cls)

@@ -187,8 +187,8 @@ def test_page_mode_chunked_extend_on_history(split):
 
 
 def test_engine_writes_first_then_attends():
-    """vLLM's order: cache_dash_prefill writes (page RoPE, rows, indexer summaries) for a mixed batch of
-    a prefill and a decode token, then the ops run with k = None and read the coordinates back."""
+    """An engine that writes first: cache_dash_prefill writes (page RoPE, rows, indexer summaries) for a mixed
+    batch of a prefill and a decode token, then the ops run with k = None and read the coordinates back."""
     p = DashParams(block_size=16, scaling_factor=3.0)
     roles = page_prompt()
     n = len(roles)

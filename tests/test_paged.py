@@ -247,3 +247,23 @@ def test_two_requests_sharing_prefix_pages_in_one_batch():
     out = r.extend(cache, p, [48, 48], [80, 72])  # both extend from the shared prefix
     assert torch.allclose(out[:32], r.oracle(0, p, 48, 80), atol=1e-5)
     assert torch.allclose(out[32:], r.oracle(1, p, 48, 72), atol=1e-5)
+
+
+def test_a_cache_keeps_what_it_derives_from_its_kv_views():
+    """``PagedKVCache.kept``: a value is built once per key while ``k_pages`` and ``v_pages`` are the same tensors,
+    and built again when either view is replaced or the key differs; another cache object builds its own."""
+    kb, vb = torch.zeros(64, 2, 8), torch.zeros(64, 2, 8)
+    cache = PagedKVCache.from_sglang(kb, vb, 16)
+    built = []
+
+    def build():
+        built.append((cache.k_pages, cache.v_pages))
+        return len(built)
+
+    assert cache.kept(("x", 1), build) == 1 and cache.kept(("x", 1), build) == 1
+    assert cache.kept(("x", 2), build) == 2
+    cache.v_pages = cache.v_pages.clone()
+    assert cache.kept(("x", 1), build) == 3 and built[-1][1] is cache.v_pages
+    other = PagedKVCache.from_sglang(kb, vb, 16)
+    assert other.kept(("x", 1), lambda: "other") == "other" and cache.kept(("x", 1), build) == 3
+    assert other == PagedKVCache(other.k_pages, other.v_pages)  # what is kept is no part of the cache's value

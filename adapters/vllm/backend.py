@@ -281,7 +281,8 @@ class DashAttentionBackend(AttentionBackend):
 
     ``forward_includes_kv_cache_update``: the impl's ``forward`` writes K/V and summaries in its attention op
     calls, so vLLM runs no separate cache-update op: a decode step's write rides in the select launch of the
-    decode op (no launch of its own in the decode graph), a prefill call writes before it routes.
+    decode op where a block's keys fit it (``DecodeConfig.fuse_write_max``), a prefill call writes before it
+    routes.
     """
 
     forward_includes_kv_cache_update: bool = True

@@ -280,6 +280,12 @@ def test_summary_store_lives_on_the_pool_and_is_shared(dash_kit):
     assert len(pool.dash_summaries) == pool.layer_num
     assert pool.dash_summaries[0].shape == ((pool.size + pool.page_size) // BS, 2, 16)
     assert pool.dash_summaries[0].dtype == pool.dtype
+    # each layer's PagedKVCache views (with what the kernels derive from them) are kept while the pool hands out
+    # the same K and V buffers
+    layer = fx.actual_module.attn
+    cache = fx.backend._cache(layer)
+    assert fx.backend._cache(layer) is cache and cache.summaries is pool.dash_summaries[layer.layer_id]
+    assert other._cache(layer) is not cache
 
 
 def test_a_model_without_dash_layers_is_refused(dash_kit):

@@ -201,7 +201,8 @@ def test_a_forward_without_metadata_reserves_the_prefill_scratch(tmp_path, monke
 
 def test_forward_writes_the_cache_and_needs_key_and_value(vllm_config):
     """vLLM runs no cache-update op for the DASH backend (``forward_includes_kv_cache_update``): ``forward``
-    writes K/V and summaries itself, so a call without key and value is refused before anything is written."""
+    writes K/V and summaries itself, so a call without key and value is refused before anything is written. The
+    layer keeps its ``PagedKVCache`` views while vLLM passes the same cache tensor."""
     from adapters.vllm.backend import DashAttentionBackend
 
     assert DashAttentionBackend.forward_includes_kv_cache_update
@@ -218,6 +219,10 @@ def test_forward_writes_the_cache_and_needs_key_and_value(vllm_config):
     assert torch.equal(kv, before)
     _run_step(layer, builder, kv, table, data, [(0, 0, 20)])
     assert not torch.equal(kv, before)
+    # the layer's PagedKVCache (with what the kernels derive from it) is kept while vLLM passes the same tensor
+    assert layer.impl._cache(kv) is layer.impl._cache(kv)
+    _, other = allocate_kv_cache(spec, NUM_BLOCKS)
+    assert layer.impl._cache(other) is not layer.impl._cache(kv)
 
 
 def test_padded_decode_batch_uses_persistent_buffers(vllm_config):

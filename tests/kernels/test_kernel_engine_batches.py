@@ -35,21 +35,17 @@ MAX_FILES_INTERPRETED = 10
 def _compact(rec, ps):
     """Block table and slot mapping relabelled onto pages 0..P-1 (sorted, so the order is kept)."""
     bt, lens, sm = rec["block_table"].long(), rec["seq_lens"].long(), rec["slot_mapping"]
-    used = set()
+    used = set((sm[sm >= 0] // ps).tolist())
     for i, L in enumerate(lens.tolist()):
         used |= set(bt[i, : -(-L // ps)].tolist())
-    if sm is not None:
-        used |= set((sm[sm >= 0] // ps).tolist())
     remap = {p: j for j, p in enumerate(sorted(used))}
     nbt = torch.zeros_like(bt)
     for i, L in enumerate(lens.tolist()):
         for j in range(-(-L // ps)):
             nbt[i, j] = remap[int(bt[i, j])]
-    nsm = None
-    if sm is not None:
-        nsm = sm.clone()
-        ok = sm >= 0
-        nsm[ok] = torch.tensor([remap[int(s) // ps] * ps + int(s) % ps for s in sm[ok].tolist()], dtype=sm.dtype)
+    nsm = sm.clone()
+    ok = sm >= 0
+    nsm[ok] = torch.tensor([remap[int(s) // ps] * ps + int(s) % ps for s in sm[ok].tolist()], dtype=sm.dtype)
     return nbt.to(torch.int32), lens.to(torch.int32), nsm, len(used) + 1
 
 
@@ -78,23 +74,17 @@ def replay(rec, seed):
     if rec["op"] == "decode":
         n = lens.shape[0]
         q = torch.randn(n, hq, d, generator=g).to(dtype)
-        k = v = None
-        if sm is not None:
-            k = torch.randn(n, hkv, d, generator=g).to(dtype)
-            v = torch.randn(n, hkv, d, generator=g).to(dtype)
-        to = (lambda t: None if t is None else t.to(DEV))
-        args = (to(q), to(k), to(v), cache, to(bt), to(lens), to(sm), hc.to(DEV), p)
+        k = torch.randn(n, hkv, d, generator=g).to(dtype)
+        v = torch.randn(n, hkv, d, generator=g).to(dtype)
+        args = tuple(t.to(DEV) for t in (q, k, v)) + (cache,) + tuple(t.to(DEV) for t in (bt, lens, sm, hc)) + (p,)
         out = (ops.paged_dash_decode(*args) if cuda else kernel_decode(*args)).cpu()
-        if k is not None:
-            paged.write_kv(mirror, k, v, sm)
-            paged.write_summaries(mirror, sm, hc, p)
+        paged.write_kv(mirror, k, v, sm)
+        paged.write_summaries(mirror, sm, hc, p)
         ref = torch.empty_like(q)
         paged.paged_dash_torch(q, mirror, bt, torch.arange(n + 1, dtype=torch.int32), lens, hc, p, ref)
         # both outputs are rounded to bf16/fp16: up to one ulp apart (2^-7 relative for bf16)
         err = ((out.double() - ref.double()).abs() - 1e-2 * ref.double().abs()).amax(-1)
         return err.numel(), int((err > 1e-2).sum())
-    if sm is None:
-        return None  # the engine wrote K/V itself: nothing of ours to replay
     t = sm.shape[0]
     k = torch.randn(t, hkv, d, generator=g).to(dtype)
     v = torch.randn(t, hkv, d, generator=g).to(dtype)
