@@ -43,6 +43,17 @@ def summary_bytes_per_token(block_size: int, num_kv_heads: int, head_dim: int, d
     return num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size() / block_size
 
 
+def kept_while_same(store: dict, key, sources: tuple, build):
+    """``build()``, kept in ``store`` under ``key`` and returned again while ``sources`` (what it is built from)
+    are the same objects; a replaced source gets a new value. The entry holds the sources it was built from."""
+    hit = store.get(key)
+    if hit is not None and len(hit[0]) == len(sources) and all(a is b for a, b in zip(hit[0], sources)):
+        return hit[1]
+    value = build()
+    store[key] = (tuple(sources), value)
+    return value
+
+
 @dataclass
 class PagedKVCache:
     """K/V pages of one layer plus its summary store and auxiliary head.
@@ -82,12 +93,7 @@ class PagedKVCache:
     def kept(self, key: tuple, build):
         """``build()``, a value that depends only on ``k_pages`` and ``v_pages`` (and ``key``), built at the first
         call for ``key`` and returned again while those are the same tensor objects."""
-        hit = self._kept.get(key)
-        if hit is not None and hit[0] is self.k_pages and hit[1] is self.v_pages:
-            return hit[2]
-        value = build()
-        self._kept[key] = (self.k_pages, self.v_pages, value)
-        return value
+        return kept_while_same(self._kept, key, (self.k_pages, self.v_pages), build)
 
     @classmethod
     def from_vllm(cls, kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int,

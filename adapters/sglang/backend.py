@@ -51,6 +51,7 @@ from dash_core.layout import (
     alloc_summaries,
     block_table_from_req_to_token,
     check_page_size,
+    kept_while_same,
 )
 from dash_core.limits import OP_DTYPES, uses_kernels
 from dash_core.ops import paged_dash_decode, paged_dash_prefill
@@ -145,7 +146,7 @@ class DashAttnBackend(AttentionBackend):
         self._validate_runner(model_runner)
         self.summaries = summary_store(self.token_to_kv_pool, self.params.block_size, self.aux.summary_heads)
         self.aux_rows = aux_store(self.token_to_kv_pool) if self.aux.needs_aux else None
-        self._views: dict = {}  # layer index -> (K buffer, V buffer, their PagedKVCache): _cache
+        self._views: dict = {}  # layer index -> its K and V buffers and their PagedKVCache (_cache)
         self.max_context_len = self.req_to_token_pool.req_to_token.shape[1]
         self.max_pages = -(-self.max_context_len // self.page_size)
         self.forward_metadata: Optional[DashForwardMetadata] = None
@@ -309,13 +310,8 @@ class DashAttnBackend(AttentionBackend):
         pool = self.token_to_kv_pool
         i = layer.layer_id - pool.start_layer
         k, v = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        kept = self._views.get(i)
-        if kept is not None and kept[0] is k and kept[1] is v:
-            return kept[2]
-        cache = PagedKVCache.from_sglang(k, v, self.page_size, self.summaries[i],
-                                         aux=None if self.aux_rows is None else self.aux_rows[i])
-        self._views[i] = (k, v, cache)
-        return cache
+        return kept_while_same(self._views, i, (k, v), lambda: PagedKVCache.from_sglang(
+            k, v, self.page_size, self.summaries[i], aux=None if self.aux_rows is None else self.aux_rows[i]))
 
     def _aux_args(self, op, layer, md: DashForwardMetadata, iq, ik, head_cls_i, d: int) -> dict:
         """The ops' indexer and page-mode keywords for this layer (empty for a plain model)."""

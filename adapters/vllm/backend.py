@@ -29,7 +29,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from dash_core.layout import PagedKVCache
+from dash_core.layout import PagedKVCache, kept_while_same
 from dash_core.limits import uses_kernels
 from dash_core.ops import paged_dash_decode, paged_dash_prefill, prefill_scratch_bytes
 from dash_core.model_config import AuxConfig, check_attention_choice, serving_params
@@ -441,24 +441,23 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
             bs = dash_params.block_size
             self.max_context = _max_blocks(cfg, bs) * bs
             self.max_requests = cfg.scheduler_config.max_num_seqs
-        self._views: Optional[tuple] = None  # (vLLM's kv_cache tensor, its PagedKVCache): _cache
+        self._views: dict = {}  # vLLM's kv_cache tensor and its PagedKVCache (_cache)
         # Counters, for logs and tests (they prove which path ran): the tokens each op attended.
         self.stats = {"forwards": 0, "decode_tokens": 0, "prefill_tokens": 0}
 
     def _cache(self, kv_cache: torch.Tensor) -> PagedKVCache:
         """The ``PagedKVCache`` views of this layer's ``kv_cache``, kept while vLLM passes the same tensor (so what
         the kernels derive from the views, their TMA descriptors, is built once)."""
-        if self._views is not None and self._views[0] is kv_cache:
-            return self._views[1]
+        return kept_while_same(self._views, "kv_cache", (kv_cache,), lambda: self._view(kv_cache))
+
+    def _view(self, kv_cache: torch.Tensor) -> PagedKVCache:
         if kv_cache.shape[2] != self.params.block_size:
             raise block_size_error(kv_cache.shape[2], self.params)
         # An indexer model summarises its one indexer key per token (a one-head store).
         heads = 1 if self.aux is not None and self.aux.indexer_heads else self.num_kv_heads
         summaries = summary_view(kv_cache, heads, self.head_size)
-        cache = PagedKVCache.from_vllm(kv_cache, self.num_kv_heads, self.head_size, summaries,
-                                       aux=self.aux is not None)
-        self._views = (kv_cache, cache)
-        return cache
+        return PagedKVCache.from_vllm(kv_cache, self.num_kv_heads, self.head_size, summaries,
+                                      aux=self.aux is not None)
 
     def _head_cls(self, layer) -> torch.Tensor:
         head_cls = self.head_cls if self.head_cls is not None else getattr(layer, "head_cls", None)
