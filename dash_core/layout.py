@@ -54,7 +54,7 @@ def kept_while_same(store: dict, key, sources: tuple, build):
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class PagedKVCache:
     """K/V pages of one layer plus its summary store and auxiliary head.
 
@@ -65,20 +65,31 @@ class PagedKVCache:
     aux: ``[num_pages, page_size, 2D]`` strided view of the auxiliary rows (layout table below), in
     the KV dtype; needed by models with an indexer or page mode, None otherwise.
 
-    What the kernels derive from the K/V views alone (their TMA descriptors) is built once per cache object
-    (``kept``): an engine adapter that keeps a layer's ``PagedKVCache`` from step to step builds it once.
+    The views are fixed (a frozen dataclass: a new view is a new cache), so their geometry (``page_size``,
+    ``num_kv_heads``, ``head_dim``, ``num_slots``, ``dtype``) is read once, and what the kernels derive from a
+    cache alone (its validation, its TMA descriptors) is built once per cache object (``kept``): an engine
+    adapter that keeps a layer's ``PagedKVCache`` from step to step builds it once.
     """
 
     k_pages: torch.Tensor
     v_pages: torch.Tensor
     summaries: Optional[torch.Tensor] = None
     aux: Optional[torch.Tensor] = None
+    page_size: int = field(init=False, repr=False, compare=False)
+    num_kv_heads: int = field(init=False, repr=False, compare=False)
+    head_dim: int = field(init=False, repr=False, compare=False)
+    num_slots: int = field(init=False, repr=False, compare=False)
+    dtype: torch.dtype = field(init=False, repr=False, compare=False)
     _kept: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.k_pages.dim() != 4 or self.k_pages.shape != self.v_pages.shape:
             raise ValueError(f"k_pages and v_pages must be equal [pages, page_size, Hkv, D]; got "
                              f"{tuple(self.k_pages.shape)} and {tuple(self.v_pages.shape)}")
+        pages, page_size, hkv, d = self.k_pages.shape
+        for name, value in (("page_size", page_size), ("num_kv_heads", hkv), ("head_dim", d),
+                            ("num_slots", pages * page_size), ("dtype", self.k_pages.dtype)):
+            object.__setattr__(self, name, value)
         if self.summaries is not None:
             s = self.summaries
             if s.dim() != 3 or s.shape[1] not in (1, self.num_kv_heads) or s.shape[2] != self.head_dim:
@@ -90,10 +101,13 @@ class PagedKVCache:
                 raise ValueError(f"aux must be [num_pages, page_size, 2D] = {want} in the KV dtype {self.dtype}; "
                                  f"got {tuple(self.aux.shape)} {self.aux.dtype}")
 
-    def kept(self, key: tuple, build):
-        """``build()``, a value that depends only on ``k_pages`` and ``v_pages`` (and ``key``), built at the first
-        call for ``key`` and returned again while those are the same tensor objects."""
-        return kept_while_same(self._kept, key, (self.k_pages, self.v_pages), build)
+    def kept(self, key, build):
+        """``build()``, a value that depends only on this cache (and ``key``, hashable), built at the first call
+        for ``key`` and returned again after."""
+        hit = self._kept.get(key)
+        if hit is None:
+            hit = self._kept[key] = build()
+        return hit
 
     @classmethod
     def from_vllm(cls, kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int,
@@ -128,26 +142,6 @@ class PagedKVCache:
             rows = aux.view(slots // page_size, page_size, aux.shape[1])
         return cls(k_buffer.view(slots // page_size, page_size, hkv, d),
                    v_buffer.view(slots // page_size, page_size, hkv, d), summaries, rows)
-
-    @property
-    def page_size(self) -> int:
-        return self.k_pages.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.k_pages.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.k_pages.shape[3]
-
-    @property
-    def num_slots(self) -> int:
-        return self.k_pages.shape[0] * self.k_pages.shape[1]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k_pages.dtype
 
     def keys(self, slots: torch.Tensor) -> torch.Tensor:
         """K at ``slots [n]`` -> ``[n, Hkv, D]`` (a gather copy)."""

@@ -82,3 +82,38 @@ def test_params_rules():
     assert (p.cap(5), p.cap(100), DashParams().cap(100)) == (5, 8, 100)
     assert (p.selection_units(4), DashParams(router="shared").selection_units(4)) == (4, 1)
     assert p.routed_by(True).router == "shared" and p.routed_by(False) is p
+
+
+def test_kernel_cache_checks_run_once_per_cache(monkeypatch):
+    """The kernel path's checks of what depends on the cache alone (its dtype, head dim, page size, summary
+    store and device) run at a cache object's first step for a query dtype, head count and ``DashParams``; a cache
+    they refuse is refused again at every step, and another cache object is checked anew."""
+    from dash_core.kernels import checks as kchecks
+
+    ran = []
+    check = kchecks._check_kernel_cache
+    monkeypatch.setattr(kchecks, "_check_kernel_cache", lambda *a: ran.append(a[1]) or check(*a))
+    d, dt, p = 64, torch.bfloat16, DashParams(block_size=BS)
+
+    def step(cache, hq=HQ):
+        q = torch.zeros(3, hq, d, dtype=dt)
+        bt, seq = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+        kchecks.check_kernel_step(q, None, None, cache, bt, seq, None, torch.zeros(HKV, d, dtype=dt), p, None, None)
+
+    def cache_of(summaries=True):
+        kv = [torch.zeros(4 * PS, HKV, d, dtype=dt) for _ in range(2)]
+        return PagedKVCache.from_sglang(*kv, PS, alloc_summaries(4 * PS, BS, HKV, d, dt) if summaries else None)
+
+    cache = cache_of()
+    step(cache)
+    step(cache)
+    assert ran == [cache]
+    step(cache, hq=2 * HQ)  # another head count is another configuration
+    other = cache_of()
+    step(other)
+    assert ran == [cache, cache, other]
+    bare = cache_of(summaries=False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="the Triton kernels need a summary store"):
+            step(bare)
+    assert ran[3:] == [bare, bare]

@@ -306,7 +306,8 @@ class DashAttnBackend(AttentionBackend):
 
     def _cache(self, layer) -> PagedKVCache:
         """The ``PagedKVCache`` views of ``layer``'s buffers, kept while the pool hands out the same K and V tensors
-        (so what the kernels derive from the views, their TMA descriptors, is built once)."""
+        (so what the kernels derive from a cache alone, its checks, write arguments and TMA descriptors, is made
+        once)."""
         pool = self.token_to_kv_pool
         i = layer.layer_id - pool.start_layer
         k, v = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)

@@ -447,7 +447,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
 
     def _cache(self, kv_cache: torch.Tensor) -> PagedKVCache:
         """The ``PagedKVCache`` views of this layer's ``kv_cache``, kept while vLLM passes the same tensor (so what
-        the kernels derive from the views, their TMA descriptors, is built once)."""
+        the kernels derive from a cache alone, its checks, write arguments and TMA descriptors, is made once)."""
         return kept_while_same(self._views, "kv_cache", (kv_cache,), lambda: self._view(kv_cache))
 
     def _view(self, kv_cache: torch.Tensor) -> PagedKVCache:

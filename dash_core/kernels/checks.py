@@ -64,15 +64,14 @@ def check_kernel_step(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[to
                       iq: Optional[torch.Tensor]) -> None:
     """What a Triton step needs beyond the op's checks: a supported configuration, ``q``, ``k``, ``v``, ``iq`` and
     ``out`` contiguous in D, an int32 page table contiguous in its last dim, everything on q's device.
-    ``cu_seqlens_q`` is None for decode."""
+    ``cu_seqlens_q`` is None for decode. What depends on the cache alone is checked once per cache object."""
     rows = "n" if cu_seqlens_q is None else "T"
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [{rows}, Hq, D] contiguous in D; got {tuple(q.shape)}")
-    check_kernel_config(q.dtype, q.shape[1], cache, params)
     dev = q.device
-    for name, x in (("k_pages", cache.k_pages), ("summaries", cache.summaries), ("block_table", block_table),
-                    ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q), ("head_cls", head_cls), ("k", k),
-                    ("v", v), ("iq", iq), ("out", out)):
+    cache.kept(("kernel config", q.dtype, q.shape[1], dev, params), lambda: _check_kernel_cache(q, cache, params))
+    for name, x in (("block_table", block_table), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q),
+                    ("head_cls", head_cls), ("k", k), ("v", v), ("iq", iq), ("out", out)):
         check_on(name, x, dev)
     if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
         raise ValueError(f"block_table must be [n, max_pages] int32 contiguous in its last dim; got "
@@ -88,3 +87,11 @@ def check_kernel_step(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[to
                              f"1..{KERNEL_MAX_INDEXER_HEADS}")
     if out is not None and out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} contiguous in D")
+
+
+def _check_kernel_cache(q: torch.Tensor, cache: PagedKVCache, params: DashParams) -> bool:
+    """The cache's part of ``check_kernel_step``: the configuration, and its pages and summaries on q's device."""
+    check_kernel_config(q.dtype, q.shape[1], cache, params)
+    check_on("k_pages", cache.k_pages, q.device)
+    check_on("summaries", cache.summaries, q.device)
+    return True

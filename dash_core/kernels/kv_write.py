@@ -176,18 +176,21 @@ def write_args(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: Page
                slot_mapping: torch.Tensor, head_cls: Optional[torch.Tensor]) -> tuple:
     """The runtime arguments of ``write_token`` after ``(t, h)``, and of ``_kv_rows_kernel`` before ``num_tokens``
     (placeholders where absent)."""
-    kc, vc = cache.k_pages, cache.v_pages
+    kc, vc, *cache_args = cache.kept("write args", lambda: _cache_args(cache))
     summarize = cache.summaries is not None
-    summ = cache.summaries if summarize else kc  # placeholder pointer, never dereferenced
-    hc = head_cls if summarize else kc
-    kk = k if k is not None else kc
-    vv = v if v is not None else vc
-    return (kk, vv, k.stride(0) if k is not None else 0, k.stride(1) if k is not None else 0,
-            v.stride(0) if v is not None else 0, v.stride(1) if v is not None else 0,
-            kc, vc, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-            summ, summ.stride(0) if summarize else 0, summ.stride(1) if summarize else 0,
-            hc, head_cls.stride(0) if summarize else 0,
-            slot_mapping, cache.num_slots, 1.0 / math.sqrt(cache.head_dim))
+    sk = k.stride() if k is not None else (0, 0)
+    sv = v.stride() if v is not None else (0, 0)
+    hc, shc = (head_cls, head_cls.stride(0)) if summarize else (kc, 0)  # placeholder pointer, never dereferenced
+    return (k if k is not None else kc, v if v is not None else vc, sk[0], sk[1], sv[0], sv[1], kc, vc,
+            *cache_args, hc, shc, slot_mapping, cache.num_slots, 1.0 / math.sqrt(cache.head_dim))
+
+
+def _cache_args(cache: PagedKVCache) -> tuple:
+    """``write_args``' part that depends on the cache alone: the pages and their strides, the summary store (the K
+    pages as a placeholder without one) and its strides."""
+    kc, vc, summ = cache.k_pages, cache.v_pages, cache.summaries
+    ss = summ.stride()[:2] if summ is not None else (0, 0)
+    return (kc, vc, *kc.stride()[:3], *vc.stride()[:3], summ if summ is not None else kc, *ss)
 
 
 def summary_warps(block_size: int, head_dim: int) -> int:

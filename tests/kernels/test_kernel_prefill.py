@@ -399,9 +399,8 @@ def test_tma_loads_follow_the_cache_layout(layout):
 
 
 def test_kv_descriptors_are_built_once_per_cache():
-    """The attention's K/V TMA descriptors are built at a cache object's first call and returned again while its
-    K/V views are the same tensors (``PagedKVCache.kept``): a layer's later steps reuse them, a new view object or
-    a replaced K view gets its own."""
+    """The attention's K/V TMA descriptors are built at a cache object's first call and returned again after
+    (``PagedKVCache.kept``): a layer's later steps reuse them, a new cache object gets its own."""
     if not common.tma_supported(torch.device(DEV)):
         pytest.skip("no TMA on this device")
     case = make_prefill_case(3, [(3 * 64, 64)], hq=8, hkv=2, d=128, bs=64, pages_per_block=1,
@@ -412,9 +411,9 @@ def test_kv_descriptors_are_built_once_per_cache():
     assert pf_attention._kv_descriptors(cache, 64, cfg) is first
     other = type(cache)(cache.k_pages, cache.v_pages, cache.summaries)
     assert pf_attention._kv_descriptors(other, 64, cfg) is not first
-    cache.k_pages = cache.k_pages.clone()
-    again = pf_attention._kv_descriptors(cache, 64, cfg)
-    assert again is not first and again[0].base is cache.k_pages and again[1].base is cache.v_pages
+    moved = type(cache)(cache.k_pages.clone(), cache.v_pages, cache.summaries)
+    again = pf_attention._kv_descriptors(moved, 64, cfg)
+    assert again is not first and again[0].base is moved.k_pages and again[1].base is moved.v_pages
 
 
 # --- prefill row p == decode step at p -------------------------------------------------------------
