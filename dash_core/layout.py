@@ -104,10 +104,9 @@ class PagedKVCache:
     def kept(self, key, build):
         """``build()``, a value that depends only on this cache (and ``key``, hashable), built at the first call
         for ``key`` and returned again after."""
-        hit = self._kept.get(key)
-        if hit is None:
-            hit = self._kept[key] = build()
-        return hit
+        if key not in self._kept:
+            self._kept[key] = build()
+        return self._kept[key]
 
     @classmethod
     def from_vllm(cls, kv_cache: torch.Tensor, num_kv_heads: int, head_dim: int,

@@ -267,6 +267,7 @@ def test_a_cache_keeps_what_it_derives_from_itself():
 
     assert cache.kept(("x", 1), build) == 1 and cache.kept(("x", 1), build) == 1
     assert cache.kept(("x", 2), build) == 2
+    assert cache.kept("none", lambda: built.append(None)) is None and cache.kept("none", build) is None  # kept too
     other = PagedKVCache.from_sglang(kb, vb, 16)
     assert other.kept(("x", 1), lambda: "other") == "other" and cache.kept(("x", 1), build) == 1
     assert other == PagedKVCache(other.k_pages, other.v_pages)  # what is kept is no part of the cache's value
