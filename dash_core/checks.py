@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .kernels.checks import check_kernel_step, check_write_config
+from .kernels.checks import check_kernel_step, check_kernel_tables, check_write_config
 from .layout import PagedKVCache, check_page_size
 from .limits import OP_DTYPES, uses_kernels
 from .params import DashParams
@@ -57,10 +57,9 @@ def check_head_cls(head_cls: Optional[torch.Tensor], cache: PagedKVCache) -> Non
         raise ValueError(f"head_cls must be [Hkv, D] = {want}, got {tuple(head_cls.shape)}")
 
 
-def check_slot_mapping(slot_mapping: Optional[torch.Tensor], t: int, device: torch.device,
-                       cache: PagedKVCache) -> None:
-    """``slot_mapping [T]`` int64 (or int32) on ``device``; its values below ``cache.num_slots`` where they can be
-    read for free (a CPU tensor; on CUDA, ``SlotGuard``). Negative slots are padding."""
+def check_slot_mapping(slot_mapping: Optional[torch.Tensor], t: int, device: torch.device, num_slots: int) -> None:
+    """``slot_mapping [T]`` int64 (or int32) on ``device``; its values below the cache's ``num_slots`` where they
+    can be read for free (a CPU tensor; on CUDA, ``SlotGuard``). Negative slots are padding."""
     if (slot_mapping is None or tuple(slot_mapping.shape) != (t,) or slot_mapping.dtype not in INT_DTYPES
             or slot_mapping.device != device):
         got = (None if slot_mapping is None
@@ -68,8 +67,8 @@ def check_slot_mapping(slot_mapping: Optional[torch.Tensor], t: int, device: tor
         raise ValueError(f"slot_mapping must be [T] = [{t}] int64 on {device} with k and v, got {got}")
     if not slot_mapping.is_cuda and t:
         top = int(slot_mapping.max())
-        if top >= cache.num_slots:
-            raise ValueError(f"slot_mapping holds slot {top}, outside the cache's {cache.num_slots} slots "
+        if top >= num_slots:
+            raise ValueError(f"slot_mapping holds slot {top}, outside the cache's {num_slots} slots "
                              f"(num_pages x page_size); negative slots mark padding")
 
 
@@ -87,17 +86,40 @@ def check_kv_store(cache: PagedKVCache) -> None:
                          f"head_cls_i)")
 
 
-def check_query(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def check_query(q: torch.Tensor, cache: PagedKVCache) -> None:
     if q.dim() != 3 or q.shape[2] != cache.head_dim or q.shape[1] % cache.num_kv_heads:
         raise ValueError(f"q must be [T, Hq, D] with D the cache's head_dim {cache.head_dim} and Hq a multiple of "
                          f"Hkv = {cache.num_kv_heads}; got {tuple(q.shape)}")
     if q.dtype not in OP_DTYPES:
         raise ValueError(f"q dtype {q.dtype} is not supported; use one of {OP_DTYPES}")
+
+
+def check_tables(tables: tuple, t: int, device: torch.device, num_slots: int, params: DashParams, backend: str,
+                 kernels: bool) -> None:
+    """What the layers of a step share: its settings and ``tables = (block_table [n, max_pages], cu_seqlens_q [n +
+    1] (None: decode, ``seq_lens [n = T]``), seq_lens [n], slot_mapping [T] (or None))`` for ``t`` new tokens on
+    ``device``, into a cache of ``num_slots`` slots; on the kernels' path, the tables' device and layout too."""
+    block_table, cu_seqlens_q, seq_lens, slot_mapping = tables
+    decode = cu_seqlens_q is None
+    if decode:
+        check_decode_backend(backend, params)
+    if kernels:  # the settings first: a block size the kernels do not run fails whatever the cache
+        params.check_kernel_support()
     if seq_lens.dim() != 1 or seq_lens.dtype not in INT_DTYPES:
         raise ValueError(f"seq_lens must be [n] int32; got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != seq_lens.shape[0] or block_table.dtype not in INT_DTYPES:
-        raise ValueError(f"block_table must be [n, max_pages] int32 with n = len(seq_lens) = {seq_lens.shape[0]}; "
+    n = seq_lens.shape[0]
+    if block_table.dim() != 2 or block_table.shape[0] != n or block_table.dtype not in INT_DTYPES:
+        raise ValueError(f"block_table must be [n, max_pages] int32 with n = len(seq_lens) = {n}; "
                          f"got {tuple(block_table.shape)} {block_table.dtype}")
+    if not decode and (tuple(cu_seqlens_q.shape) != (n + 1,) or cu_seqlens_q.dtype not in INT_DTYPES):
+        raise ValueError(f"cu_seqlens_q must be [n + 1] = [{n + 1}] int32, got {tuple(cu_seqlens_q.shape)} "
+                         f"{cu_seqlens_q.dtype}")
+    if decode and n != t:
+        raise ValueError(f"seq_lens must be [n = {t}] int32 (one new token per request); got {tuple(seq_lens.shape)}")
+    if slot_mapping is not None:
+        check_slot_mapping(slot_mapping, t, device, num_slots)
+    if kernels:
+        check_kernel_tables(device, block_table, seq_lens, cu_seqlens_q)
 
 
 def check_aux(cache: PagedKVCache, t: int, iq, ik, head_cls_i, roles, positions, page_rope, *, decode: bool,
@@ -160,16 +182,15 @@ def check_aux(cache: PagedKVCache, t: int, iq, ik, head_cls_i, roles, positions,
     return True
 
 
-def check_writes(k, v, slot_mapping, cache: PagedKVCache, params: DashParams, head_cls, t: int,
-                 device: torch.device, *, summarise_k: bool) -> None:
-    """``k, v [T, Hkv, D]`` and ``slot_mapping [T]`` (all three or none), and ``head_cls`` where K is summarised."""
+def check_writes(k, v, slot_mapping, cache: PagedKVCache, head_cls, t: int, *, summarise_k: bool) -> None:
+    """``k, v [T, Hkv, D]`` with ``slot_mapping`` (all three or none; the slots are checked with the step's tables,
+    ``check_tables`` or ``check_slot_mapping``), and ``head_cls`` where K is summarised."""
     if (k is None) != (v is None) or (k is None) != (slot_mapping is None):
         raise ValueError("pass k, v and slot_mapping together, or none of them (K/V already written)")
     if k is None:
         return
     check_tokens("k", k, t, cache)
     check_tokens("v", v, t, cache)
-    check_slot_mapping(slot_mapping, t, device, cache)
     if summarise_k and cache.summaries is not None:
         check_head_cls(head_cls, cache)
 
@@ -183,35 +204,30 @@ def check_step(q: torch.Tensor, k, v, cache: PagedKVCache, block_table: torch.Te
 
     backend and buffers: decode's attention stage and ``DecodeBuffers``. kernels: the path to check for (None: by
     the device and dtype of q, as the ops choose; True: the Triton kernels, which the CPU tests run under the
-    interpreter). Returns the ``Step`` the op runs.
+    interpreter). workspace: the step's tables (``check_tables``) are checked at the first call that passes them
+    with it, the layer's own inputs at every call. Returns the ``Step`` the op runs.
     """
-    decode = cu_seqlens_q is None
     check_workspace(workspace)
-    if decode:
-        check_decode_backend(backend, params)
     kernels = uses_kernels(q.device, q.dtype) if kernels is None else kernels
-    if kernels:  # the settings first: a block size the kernels do not run fails whatever the cache
-        params.check_kernel_support()
     t = q.shape[0]
-    aux = check_aux(cache, t, iq, ik, head_cls_i, roles, positions, page_rope, decode=decode, query=q,
+    tables = (block_table, cu_seqlens_q, seq_lens, slot_mapping)
+    settings = (t, q.device, cache.num_slots, params, backend, kernels)
+    if workspace is None:
+        check_tables(tables, *settings)
+    else:  # the layers of a step pass the same tables
+        workspace.checked(settings, tables, lambda: check_tables(tables, *settings))
+    aux = check_aux(cache, t, iq, ik, head_cls_i, roles, positions, page_rope, decode=cu_seqlens_q is None, query=q,
                     writes=k is not None)
     indexer = iq is not None
-    check_query(q, cache, block_table, seq_lens)
-    n = seq_lens.shape[0]
-    if not decode and (tuple(cu_seqlens_q.shape) != (n + 1,) or cu_seqlens_q.dtype not in INT_DTYPES):
-        raise ValueError(f"cu_seqlens_q must be [n + 1] = [{n + 1}] int32, got {tuple(cu_seqlens_q.shape)} "
-                         f"{cu_seqlens_q.dtype}")
-    if decode and tuple(seq_lens.shape) != (t,):
-        raise ValueError(f"seq_lens must be [n = {t}] int32 (one new token per request); got {tuple(seq_lens.shape)}")
+    check_query(q, cache)
     check_cache(cache, params)
     if not indexer:
         check_head_cls(head_cls, cache)
-    check_writes(k, v, slot_mapping, cache, params, head_cls, t, q.device, summarise_k=not indexer)
+    check_writes(k, v, slot_mapping, cache, head_cls, t, summarise_k=False)  # head_cls checked just above
     check_out(out, q)
     if kernels:
         routed = params.routed_by(indexer)
-        check_kernel_step(q, None if aux else k, None if aux else v, cache, block_table, seq_lens, cu_seqlens_q,
-                          head_cls, routed, out, iq)
+        check_kernel_step(q, None if aux else k, None if aux else v, cache, head_cls, routed, out, iq)
         if indexer and cache.summaries is not None:
             check_write_config(cache.indexer_view(), params)
         if buffers is not None:

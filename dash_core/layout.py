@@ -67,8 +67,8 @@ class PagedKVCache:
 
     The views are fixed (a frozen dataclass: a new view is a new cache), so their geometry (``page_size``,
     ``num_kv_heads``, ``head_dim``, ``num_slots``, ``dtype``) is read once, and what the kernels derive from a
-    cache alone (its validation, its TMA descriptors) is built once per cache object (``kept``): an engine
-    adapter that keeps a layer's ``PagedKVCache`` from step to step builds it once.
+    cache alone (its validation, the K/V write's cache arguments, its TMA descriptors) is built once per cache
+    object (``kept``): an engine adapter that keeps a layer's ``PagedKVCache`` from step to step builds it once.
     """
 
     k_pages: torch.Tensor

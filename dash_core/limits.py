@@ -6,7 +6,6 @@ below. Nothing here imports triton.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -32,18 +31,24 @@ def uses_kernels(device, dtype: torch.dtype) -> bool:
     return HAVE_TRITON and torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES
 
 
+_CAPABILITY: dict = {}  # device (as given) -> (major, minor)
+
+
 def nvidia_capability(device) -> tuple:
     """``(major, minor)`` of an NVIDIA CUDA ``device``, read once per device (the launches ask on every call);
     ``(0, 0)`` for any other device."""
-    device = torch.device(device)
-    if device.type != "cuda" or torch.version.hip is not None:
-        return (0, 0)
-    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
+    cap = _CAPABILITY.get(device)
+    if cap is not None:
+        return cap
+    d = torch.device(device)
+    if d.type != "cuda" or torch.version.hip is not None:
+        cap = (0, 0)
+    elif d.index is None:  # the current device, which may change: not kept
+        return torch.cuda.get_device_capability(torch.cuda.current_device())
+    else:
+        cap = torch.cuda.get_device_capability(d.index)
+    _CAPABILITY[device] = cap
+    return cap
 
 
 def kernel_block_size_error(block_size: int) -> str:

@@ -36,7 +36,8 @@ from typing import Optional
 import torch
 
 from . import paged, recorder
-from .checks import SLOT_GUARD, Step, check_aux, check_cache, check_step, check_tokens, check_writes
+from .checks import (SLOT_GUARD, Step, check_aux, check_cache, check_slot_mapping, check_step, check_tokens,
+                     check_writes)
 from .kernels.checks import check_write_config
 from .layout import PagedKVCache
 from .limits import HAVE_TRITON, uses_kernels
@@ -99,7 +100,8 @@ def cache_dash_prefill(k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, sl
     indexer = ik is not None or head_cls_i is not None
     aux = check_aux(cache, t, None, ik, head_cls_i, roles, positions, page_rope, decode=False, indexer=indexer,
                     roles_optional=True)
-    check_writes(k, v, slot_mapping, cache, params, head_cls, t, k.device, summarise_k=not indexer)
+    check_writes(k, v, slot_mapping, cache, head_cls, t, summarise_k=not indexer)
+    check_slot_mapping(slot_mapping, t, k.device, cache.num_slots)
     kernels = uses_kernels(k.device, k.dtype) and cache.dtype == k.dtype
     if kernels:
         check_write_config(cache, params)

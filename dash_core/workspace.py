@@ -4,7 +4,9 @@ Every layer of an engine step prefills the same batch: the same ``cu_seqlens_q``
 the same shapes. Without a workspace each call builds its plan (shape arithmetic and the launch that
 writes the tile tables), allocates its routing scratch and prepares its launches' arguments again. Pass
 one ``PrefillWorkspace`` to all of a batch's ``ops.paged_dash_prefill`` calls (FlashInfer's plan/run
-split, made implicit): the first call builds and keeps them, the calls after it reuse them.
+split, made implicit): the first call builds and keeps them, the calls after it reuse them. The op's
+validation of the step's tables (block table, lengths, slot mapping) is kept alike: the first call
+checks them, the others check only their own inputs (queries, keys, values, cache, output).
 
 A workspace serves one batch. It rebuilds when a call differs from the one that built it in shapes,
 parameters, device or the length tensors themselves (compared by identity; the workspace holds them,
@@ -78,6 +80,7 @@ class PrefillWorkspace:
         self._key: Optional[Hashable] = None
         self._lens: Tuple[Any, ...] = ()
         self._value: Any = None
+        self._checked: Optional[tuple] = None  # (key, the step's tables) that passed their checks (checked)
         self.builds = 0
 
     def take(self, key: Hashable, lens: Tuple[Any, ...], make: Callable[[], Any]) -> Any:
@@ -90,6 +93,16 @@ class PrefillWorkspace:
             self.builds += 1
         return self._value
 
+    def checked(self, key: Hashable, tables: Tuple[Any, ...], check: Callable[[], None]) -> None:
+        """Run ``check()`` (the validation of a step's tables, which raises on bad ones) unless it passed for
+        ``key`` with these very ``tables`` at the last call that ran it (the objects, held until the next)."""
+        last = self._checked
+        if last is None or last[0] != key or len(last[1]) != len(tables) or \
+                any(a is not b for a, b in zip(last[1], tables)):
+            self._checked = None
+            check()
+            self._checked = (key, tuple(tables))
+
     def clear(self) -> None:
         """Drop the kept plan, scratch and launches (their memory returns to the allocator)."""
-        self._key, self._lens, self._value = None, (), None
+        self._key, self._lens, self._value, self._checked = None, (), None, None

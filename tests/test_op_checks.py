@@ -86,8 +86,8 @@ def test_params_rules():
 
 def test_kernel_cache_checks_run_once_per_cache(monkeypatch):
     """The kernel path's checks of what depends on the cache alone (its dtype, head dim, page size, summary
-    store and device) run at a cache object's first step for a query dtype, head count and ``DashParams``; a cache
-    they refuse is refused again at every step, and another cache object is checked anew."""
+    store and device) run at a cache object's first step for a query dtype, head count, device and ``DashParams``;
+    a cache they refuse is refused again at every step, and another cache object is checked anew."""
     from dash_core.kernels import checks as kchecks
 
     ran = []
@@ -97,8 +97,7 @@ def test_kernel_cache_checks_run_once_per_cache(monkeypatch):
 
     def step(cache, hq=HQ):
         q = torch.zeros(3, hq, d, dtype=dt)
-        bt, seq = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
-        kchecks.check_kernel_step(q, None, None, cache, bt, seq, None, torch.zeros(HKV, d, dtype=dt), p, None, None)
+        kchecks.check_kernel_step(q, None, None, cache, torch.zeros(HKV, d, dtype=dt), p, None, None)
 
     def cache_of(summaries=True):
         kv = [torch.zeros(4 * PS, HKV, d, dtype=dt) for _ in range(2)]
@@ -117,3 +116,27 @@ def test_kernel_cache_checks_run_once_per_cache(monkeypatch):
         with pytest.raises(ValueError, match="the Triton kernels need a summary store"):
             step(bare)
     assert ran[3:] == [bare, bare]
+
+
+def test_a_workspace_checks_a_steps_tables_once(monkeypatch):
+    """With a ``PrefillWorkspace`` the step's tables (block table, lengths, slot mapping) are checked at the first
+    call that passes them, not at the calls that pass the same tensors again; each call's own inputs are checked
+    at every call, and other tables (or a failed check) are checked anew."""
+    from dash_core import checks
+    from dash_core.workspace import PrefillWorkspace
+
+    ran = []
+    real = checks.check_tables
+    monkeypatch.setattr(checks, "check_tables", lambda *a: ran.append(a[0]) or real(*a))
+    cache, q, k, v, bt, slots, hc = setup()
+    t, p, ws = q.shape[0], DashParams(block_size=BS), PrefillWorkspace()
+    cu, seq = torch.tensor([0, t], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
+    for _ in range(2):
+        paged_dash_prefill(q, k, v, cache, bt, cu, seq, slots, hc, p, workspace=ws)
+    assert len(ran) == 1
+    with pytest.raises(ValueError, match="k must be"):
+        paged_dash_prefill(q, k[:, :1], v, cache, bt, cu, seq, slots, hc, p, workspace=ws)
+    with pytest.raises(ValueError, match="block_table must be"):
+        paged_dash_prefill(q, k, v, cache, bt.float(), cu, seq, slots, hc, p, workspace=ws)
+    paged_dash_prefill(q, k, v, cache, bt, cu, seq, slots, hc, p, workspace=ws)
+    assert len(ran) == 3 and ran[1][0].dtype == torch.float32 and ran[2][0] is bt

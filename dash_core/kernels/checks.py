@@ -58,30 +58,35 @@ def check_write_config(cache: PagedKVCache, params: DashParams) -> None:
             raise ValueError("the Triton summary kernel needs summaries contiguous in head_dim")
 
 
-def check_kernel_step(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
-                      block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
-                      head_cls: Optional[torch.Tensor], params: DashParams, out: Optional[torch.Tensor],
-                      iq: Optional[torch.Tensor]) -> None:
-    """What a Triton step needs beyond the op's checks: a supported configuration, ``q``, ``k``, ``v``, ``iq`` and
-    ``out`` contiguous in D, an int32 page table contiguous in its last dim, everything on q's device.
-    ``cu_seqlens_q`` is None for decode. What depends on the cache alone is checked once per cache object."""
-    rows = "n" if cu_seqlens_q is None else "T"
-    if q.dim() != 3 or q.stride(-1) != 1:
-        raise ValueError(f"q must be [{rows}, Hq, D] contiguous in D; got {tuple(q.shape)}")
-    dev = q.device
-    cache.kept(("kernel config", q.dtype, q.shape[1], dev, params), lambda: _check_kernel_cache(q, cache, params))
-    for name, x in (("block_table", block_table), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q),
-                    ("head_cls", head_cls), ("k", k), ("v", v), ("iq", iq), ("out", out)):
-        check_on(name, x, dev)
+def check_kernel_tables(device: torch.device, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_seqlens_q: Optional[torch.Tensor]) -> None:
+    """A step's tables for the Triton kernels: on ``device`` (q's), an int32 page table contiguous in its last dim.
+    ``cu_seqlens_q`` is None for decode."""
+    for name, x in (("block_table", block_table), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+        check_on(name, x, device)
     if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
         raise ValueError(f"block_table must be [n, max_pages] int32 contiguous in its last dim; got "
                          f"{block_table.dtype}")
+
+
+def check_kernel_step(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
+                      head_cls: Optional[torch.Tensor], params: DashParams, out: Optional[torch.Tensor],
+                      iq: Optional[torch.Tensor]) -> None:
+    """What a Triton step needs of a layer's inputs beyond the op's checks (the step's tables:
+    ``check_kernel_tables``): a supported configuration, ``q``, ``k``, ``v``, ``iq`` and ``out`` contiguous in D and
+    on q's device. What depends on the cache alone is checked once per cache object."""
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, Hq, D] contiguous in D; got {tuple(q.shape)}")
+    dev = q.device
+    cache.kept(("kernel cache checks", q.dtype, q.shape[1], dev, params), lambda: _check_kernel_cache(q, cache, params))
+    for name, x in (("head_cls", head_cls), ("k", k), ("v", v), ("iq", iq), ("out", out)):
+        check_on(name, x, dev)
     for name, x in (("k", k), ("v", v)):
         if x is not None and x.stride(-1) != 1:
-            raise ValueError(f"{name} must be [{rows}, Hkv, D] contiguous in D")
+            raise ValueError(f"{name} must be [T, Hkv, D] contiguous in D")
     if iq is not None:
         if iq.stride(-1) != 1:
-            raise ValueError(f"iq must be [{rows}, Hi, D] contiguous in D")
+            raise ValueError("iq must be [T, Hi, D] contiguous in D")
         if not 1 <= iq.shape[1] <= KERNEL_MAX_INDEXER_HEADS:
             raise ValueError(f"iq has {iq.shape[1]} indexer heads; the Triton routing supports "
                              f"1..{KERNEL_MAX_INDEXER_HEADS}")
@@ -90,7 +95,8 @@ def check_kernel_step(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[to
 
 
 def _check_kernel_cache(q: torch.Tensor, cache: PagedKVCache, params: DashParams) -> bool:
-    """The cache's part of ``check_kernel_step``: the configuration, and its pages and summaries on q's device."""
+    """The cache's part of ``check_kernel_step``: the configuration, and its pages and summaries on q's device.
+    Returns True, which ``PagedKVCache.kept`` keeps for the cache once they pass."""
     check_kernel_config(q.dtype, q.shape[1], cache, params)
     check_on("k_pages", cache.k_pages, q.device)
     check_on("summaries", cache.summaries, q.device)

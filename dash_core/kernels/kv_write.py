@@ -176,13 +176,13 @@ def write_args(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: Page
                slot_mapping: torch.Tensor, head_cls: Optional[torch.Tensor]) -> tuple:
     """The runtime arguments of ``write_token`` after ``(t, h)``, and of ``_kv_rows_kernel`` before ``num_tokens``
     (placeholders where absent)."""
-    kc, vc, *cache_args = cache.kept("write args", lambda: _cache_args(cache))
-    summarize = cache.summaries is not None
+    kc, vc = cache.k_pages, cache.v_pages
     sk = k.stride() if k is not None else (0, 0)
     sv = v.stride() if v is not None else (0, 0)
-    hc, shc = (head_cls, head_cls.stride(0)) if summarize else (kc, 0)  # placeholder pointer, never dereferenced
-    return (k if k is not None else kc, v if v is not None else vc, sk[0], sk[1], sv[0], sv[1], kc, vc,
-            *cache_args, hc, shc, slot_mapping, cache.num_slots, 1.0 / math.sqrt(cache.head_dim))
+    hc, shc = (head_cls, head_cls.stride(0)) if cache.summaries is not None else (kc, 0)  # placeholder, unread
+    return (k if k is not None else kc, v if v is not None else vc, sk[0], sk[1], sv[0], sv[1],
+            *cache.kept("write args", lambda: _cache_args(cache)), hc, shc, slot_mapping, cache.num_slots,
+            1.0 / math.sqrt(cache.head_dim))
 
 
 def _cache_args(cache: PagedKVCache) -> tuple:

@@ -56,6 +56,7 @@ class CachedLaunch:
         self._is_const = [p.is_const for p in runtime]
         self._specialize = [not p.do_not_specialize for p in runtime]
         self._align = [not p.do_not_specialize_on_alignment for p in runtime]
+        self._leading_runtime = next((p.num for p in params if p.is_constexpr), len(params))  # what bind may keep
 
     def __getattr__(self, name: str):
         return getattr(self.fn, name)
@@ -114,7 +115,7 @@ class BoundLaunch:
         self._variants: Dict[Tuple, Tuple[Any, tuple]] = {}  # key -> (compiled kernel, the arguments after lead)
         if kernel._interpreted:
             return
-        if any(p.is_constexpr for p in kernel.fn.params[:lead + len(tail)]):
+        if lead + len(tail) > kernel._leading_runtime:
             raise TypeError(f"{kernel.fn.__name__}: bound arguments must be runtime parameters; pass constexprs as "
                             "keywords")
         # the leading arguments' specialisation flags (Triton's binder's, as CachedLaunch keeps them)
