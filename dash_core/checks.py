@@ -96,9 +96,10 @@ def check_query(q: torch.Tensor, cache: PagedKVCache) -> None:
 
 def check_tables(tables: tuple, t: int, device: torch.device, num_slots: int, params: DashParams, backend: str,
                  kernels: bool) -> None:
-    """What the layers of a step share: its settings and ``tables = (block_table [n, max_pages], cu_seqlens_q [n +
-    1] (None: decode, ``seq_lens [n = T]``), seq_lens [n], slot_mapping [T] (or None))`` for ``t`` new tokens on
-    ``device``, into a cache of ``num_slots`` slots; on the kernels' path, the tables' device and layout too."""
+    """What the layers of a step share: its settings and its ``tables``, ``(block_table [n, max_pages],
+    cu_seqlens_q [n + 1], seq_lens [n], slot_mapping [T])``, for ``t`` new tokens on ``device`` into a cache of
+    ``num_slots`` slots; on the kernels' path, the tables' device and layout too. ``cu_seqlens_q`` None: a decode
+    step (``n = T``); ``slot_mapping`` None: K/V already written."""
     block_table, cu_seqlens_q, seq_lens, slot_mapping = tables
     decode = cu_seqlens_q is None
     if decode:
