@@ -135,6 +135,7 @@ class DashAttentionMetadata:
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, starting at 0
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, KV length after this step
     prefill_block_table: torch.Tensor  # [num_prefills, W] int32
+    prefill_slot_mapping: torch.Tensor  # the prefill call's rows of slot_mapping: one tensor for every layer
     decode_buffers: Optional[object] = None  # dash_core DecodeBuffers (CUDA bf16/fp16), the same every step
     # Page mode (aux groups only): each token's position, decode rows in a persistent buffer.
     decode_positions: Optional[torch.Tensor] = None  # [num_decodes] int64
@@ -226,11 +227,17 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
             num_prefill_tokens=npt, max_seq_len=m.max_seq_len, slot_mapping=m.slot_mapping,
             decode_seq_lens=gb.seq_lens[:nd], decode_block_table=gb.block_table[:nd],
             prefill_query_start_loc=qsl - qsl[:1], prefill_seq_lens=m.seq_lens[first: nd + npf],
-            prefill_block_table=m.block_table_tensor[first: nd + npf, :prefill_width], decode_buffers=gb.kernel,
+            prefill_block_table=m.block_table_tensor[first: nd + npf, :prefill_width],
+            prefill_slot_mapping=m.slot_mapping[first_token: ndt + npt], decode_buffers=gb.kernel,
             decode_positions=None if positions is None else gb.positions[:nd],
             prefill_positions=None if positions is None else positions[first_token: ndt + npt],
             decodes_joined=joined)
 
+
+
+def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """``x[start:end]``, or ``x`` itself where that is all of it (a slice is a new tensor a layer: host time)."""
+    return x if start == 0 and x.shape[0] == end else x[start:end]
 
 
 def _group_num_heads(vllm_config: "VllmConfig", layer_names: list[str]) -> int:
@@ -488,14 +495,14 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         head_cls = self._head_cls(layer)
         nd, end = md.num_decodes, md.num_decode_tokens + md.num_prefill_tokens
         start = 0 if md.decodes_joined else md.num_decode_tokens
-        sm = md.slot_mapping
         if nd and not md.decodes_joined:
             paged_dash_decode(query[:nd], key[:nd], value[:nd], cache, md.decode_block_table, md.decode_seq_lens,
-                              sm[:nd], head_cls, self.params, out=output[:nd], buffers=md.decode_buffers)
+                              md.slot_mapping[:nd], head_cls, self.params, out=output[:nd], buffers=md.decode_buffers)
         if md.num_prefills:
-            paged_dash_prefill(query[start:end], key[start:end], value[start:end], cache, md.prefill_block_table,
-                               md.prefill_query_start_loc, md.prefill_seq_lens, sm[start:end], head_cls,
-                               self.params, out=output[start:end], workspace=md.prefill_workspace)
+            q, k, v, out = (_rows(x, start, end) for x in (query, key, value, output))
+            paged_dash_prefill(q, k, v, cache, md.prefill_block_table, md.prefill_query_start_loc,
+                               md.prefill_seq_lens, md.prefill_slot_mapping, head_cls, self.params, out=out,
+                               workspace=md.prefill_workspace)
         self._count(start, end)
         return output
 
@@ -544,7 +551,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
                                      f"model set no roles for this step (serve DashLlamaForCausalLM with input ids)")
                 roles = self.step_roles.roles[start:end]
             paged_dash_prefill(q[start:end], k[start:end], v[start:end], cache, md.prefill_block_table,
-                               md.prefill_query_start_loc, md.prefill_seq_lens, md.slot_mapping[start:end], head_cls,
+                               md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_slot_mapping, head_cls,
                                self.params, out=out[start:end], iq=rows(iq, start, end), ik=rows(ik, start, end),
                                roles=roles, positions=md.prefill_positions, workspace=md.prefill_workspace, **extra)
         self._count(start, end)

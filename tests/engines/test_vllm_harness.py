@@ -144,15 +144,19 @@ def test_mixed_batch_matches_oracle(vllm_config, name, layout):
 
 def test_the_layers_of_a_step_share_its_prefill_workspace(vllm_config, monkeypatch):
     """Every prefill call of one step (two layers here) gets the step's ``PrefillWorkspace`` (on CUDA the first
-    makes the plan and scratch, the second reuses them); the next step's metadata brings a new one."""
+    makes the plan and scratch, the second reuses them) and the very same table tensors (block table, lengths, slot
+    mapping: the workspace checks them once); the next step's metadata brings a new one."""
     import adapters.vllm.backend as backend
     from dash_core.workspace import PrefillWorkspace
 
     seen = []
     real = backend.paged_dash_prefill
 
+    tables = []
+
     def spy(*args, **kwargs):
         seen.append(kwargs.get("workspace"))
+        tables.append(args[4:8])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(backend, "paged_dash_prefill", spy)
@@ -168,6 +172,8 @@ def test_the_layers_of_a_step_share_its_prefill_workspace(vllm_config, monkeypat
     _run_step(layer, builder, kv, table, data, [(2, 24, 40)])
     assert len(seen) == 3 and all(isinstance(w, PrefillWorkspace) for w in seen)
     assert seen[0] is seen[1] is md.prefill_workspace and seen[2] is not seen[0]
+    assert all(a is b for a, b in zip(tables[0], tables[1])) and tables[0][3] is md.prefill_slot_mapping
+    assert torch.equal(md.prefill_slot_mapping, md.slot_mapping[:60])
 
 
 def test_a_forward_without_metadata_reserves_the_prefill_scratch(tmp_path, monkeypatch):
