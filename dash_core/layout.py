@@ -43,11 +43,16 @@ def summary_bytes_per_token(block_size: int, num_kv_heads: int, head_dim: int, d
     return num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size() / block_size
 
 
+def same_objects(a: tuple, b: tuple) -> bool:
+    """Whether ``a`` and ``b`` hold the very same objects, in order (identity, not equality: tensors)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def kept_while_same(store: dict, key, sources: tuple, build):
     """``build()``, kept in ``store`` under ``key`` and returned again while ``sources`` (what it is built from)
     are the same objects; a replaced source gets a new value. The entry holds the sources it was built from."""
     hit = store.get(key)
-    if hit is not None and len(hit[0]) == len(sources) and all(a is b for a, b in zip(hit[0], sources)):
+    if hit is not None and same_objects(hit[0], sources):
         return hit[1]
     value = build()
     store[key] = (tuple(sources), value)

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 import torch
 
 from .kernels.prefill.config import PrefillConfig
+from .layout import same_objects
 
 
 _RESERVED: Dict[torch.device, torch.Tensor] = {}  # the scratch a memory profile holds, per device
@@ -86,8 +87,7 @@ class PrefillWorkspace:
     def take(self, key: Hashable, lens: Tuple[Any, ...], make: Callable[[], Any]) -> Any:
         """The kept value when ``key`` equals the kept key and ``lens`` are the very objects kept with it;
         else ``make()``, kept with ``key`` and ``lens`` (the objects, held)."""
-        if (self.builds == 0 or key != self._key or len(lens) != len(self._lens)
-                or any(a is not b for a, b in zip(lens, self._lens))):
+        if self.builds == 0 or key != self._key or not same_objects(lens, self._lens):
             self._value = make()
             self._key, self._lens = key, tuple(lens)
             self.builds += 1
@@ -97,8 +97,7 @@ class PrefillWorkspace:
         """Run ``check()`` (the validation of a step's tables, which raises on bad ones) unless it passed for
         ``key`` with these very ``tables`` at the last call that ran it (the objects, held until the next)."""
         last = self._checked
-        if last is None or last[0] != key or len(last[1]) != len(tables) or \
-                any(a is not b for a, b in zip(last[1], tables)):
+        if last is None or last[0] != key or not same_objects(last[1], tables):
             self._checked = None
             check()
             self._checked = (key, tuple(tables))

@@ -235,9 +235,10 @@ class DashAttentionMetadataBuilder(AttentionMetadataBuilder[DashAttentionMetadat
 
 
 
-def _rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """``x[start:end]``, or ``x`` itself where that is all of it (a slice is a new tensor a layer: host time)."""
-    return x if start == 0 and x.shape[0] == end else x[start:end]
+def _rows(x: Optional[torch.Tensor], start: int, end: int) -> Optional[torch.Tensor]:
+    """``x[start:end]``, or ``x`` itself where that is all of it (a slice is a new tensor a layer: host time);
+    None stays None."""
+    return x if x is None or (start == 0 and x.shape[0] == end) else x[start:end]
 
 
 def _group_num_heads(vllm_config: "VllmConfig", layer_names: list[str]) -> int:
@@ -538,11 +539,10 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
         extra = dict(head_cls_i=self.head_cls_i if hi else None, page_rope=aux.page_rope)
         head_cls = self.head_cls if self.head_cls is not None else getattr(layer, "head_cls", None)
         nd, start, end = md.num_decodes, md.num_decode_tokens, md.num_decode_tokens + md.num_prefill_tokens
-        rows = lambda x, a, b: None if x is None else x[a:b]
         if nd:
             paged_dash_decode(q[:nd], k[:nd], v[:nd], cache, md.decode_block_table, md.decode_seq_lens,
                               md.slot_mapping[:nd], head_cls, self.params, out=out[:nd], buffers=md.decode_buffers,
-                              iq=rows(iq, 0, nd), ik=rows(ik, 0, nd), positions=md.decode_positions, **extra)
+                              iq=_rows(iq, 0, nd), ik=_rows(ik, 0, nd), positions=md.decode_positions, **extra)
         if md.num_prefills:
             roles = None
             if aux.page_rope is not None:
@@ -550,9 +550,10 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
                     raise ValueError(f"DASH layer {getattr(layer, 'layer_name', '?')} is in page mode but the "
                                      f"model set no roles for this step (serve DashLlamaForCausalLM with input ids)")
                 roles = self.step_roles.roles[start:end]
-            paged_dash_prefill(q[start:end], k[start:end], v[start:end], cache, md.prefill_block_table,
-                               md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_slot_mapping, head_cls,
-                               self.params, out=out[start:end], iq=rows(iq, start, end), ik=rows(ik, start, end),
+            paged_dash_prefill(_rows(q, start, end), _rows(k, start, end), _rows(v, start, end), cache,
+                               md.prefill_block_table, md.prefill_query_start_loc, md.prefill_seq_lens,
+                               md.prefill_slot_mapping, head_cls, self.params, out=_rows(out, start, end),
+                               iq=_rows(iq, start, end), ik=_rows(ik, start, end),
                                roles=roles, positions=md.prefill_positions, workspace=md.prefill_workspace, **extra)
         self._count(start, end)
         return output

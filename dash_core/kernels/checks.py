@@ -94,10 +94,8 @@ def check_kernel_step(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[to
         raise ValueError(f"out must be {tuple(q.shape)} contiguous in D")
 
 
-def _check_kernel_cache(q: torch.Tensor, cache: PagedKVCache, params: DashParams) -> bool:
-    """The cache's part of ``check_kernel_step``: the configuration, and its pages and summaries on q's device.
-    Returns True, which ``PagedKVCache.kept`` keeps for the cache once they pass."""
+def _check_kernel_cache(q: torch.Tensor, cache: PagedKVCache, params: DashParams) -> None:
+    """The cache's part of ``check_kernel_step``: the configuration, and its pages and summaries on q's device."""
     check_kernel_config(q.dtype, q.shape[1], cache, params)
     check_on("k_pages", cache.k_pages, q.device)
     check_on("summaries", cache.summaries, q.device)
-    return True
