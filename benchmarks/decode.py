@@ -19,6 +19,7 @@ Writes JSON records to ``docs/perf/decode.json`` (merged by case); ``benchmarks/
     python benchmarks/decode.py --preset required          # B 1 and 8 at 128k, topk 64 and uncapped
     python benchmarks/decode.py --preset required --layout vllm --topk 64 --peers flashinfer  # + zero-copy rows
     python benchmarks/decode.py --batch 1,8,32 --context 8192,32768 --hkv 8,2 --topk 16,64,256,none
+    python benchmarks/decode.py --profile ncu --batch 1 --context 131072   # one step for Nsight Compute
     TRITON_INTERPRET=1 python benchmarks/decode.py --smoke  # CPU check of the code paths (tiny shapes)
 """
 
@@ -400,6 +401,42 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
     return sf
 
 
+# ---------------------------------------------------------------------------- a profiler's call
+
+def profile(a, device) -> int:
+    """One decode step with its K/V write (the first ``--batch``, ``--context``, ``--hkv`` and ``--topk``; the last
+    ``--tune`` setting): warm-up steps, then one step between ``cudaProfilerStart`` and ``cudaProfilerStop``
+    (``ncu --profile-from-start off`` sees that step's launches only: ``ci/gpu.sh decode profile``)."""
+    b, ctx, hkv = cases(a)[0]
+    t = a.topk.split(",")[0].strip().lower()
+    topk = None if t == "none" else int(t)
+    layer = Layer(b, ctx, hkv, a.head_dim, a.block_size, a.page_size, torch.bfloat16, device, seed=1000,
+                  layout=a.layout)
+    g = torch.Generator(device=device).manual_seed(7)
+    q, k_new, v_new = (torch.randn(b, h, a.head_dim, device=device, generator=g).to(torch.bfloat16)
+                       for h in (a.hq, hkv, hkv))
+    seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    sf = a.sf if a.sf is not None else calibrate_sf(layer, q, ctx, DashParams(block_size=a.block_size),
+                                                    a.target_fraction)
+    params = DashParams(block_size=a.block_size, topk=topk, scaling_factor=sf)
+    tag, config = a.tunings[-1]
+    bufs = DecodeBuffers.for_step(q, layer.cache, layer.block_table, params, config=config)
+
+    def step():
+        ops.paged_dash_decode(q, k_new, v_new, layer.cache, layer.block_table, seq, layer.slot_mapping,
+                              layer.head_cls, params, buffers=bufs)
+
+    log(f"profiling a decode step: B {b}, context {ctx}, Hkv {hkv}, topk {topk}, sf {sf:.4g}{tag}")
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
 # ---------------------------------------------------------------------------- records and main
 
 def record_key(r: dict) -> tuple:
@@ -442,6 +479,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="append", default=[],
                     help="DecodeConfig settings to time beside the defaults, e.g. --tune score_split_min_candidates=32 "
                          "(repeatable; captured steps with the write, and their routing)")
+    ap.add_argument("--profile", choices=["ncu"],
+                    help="one step of the first shape between cudaProfilerStart and Stop, timing nothing "
+                         "(ci/gpu.sh decode profile runs ncu)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     add_output_args(ap, "decode")
     a = ap.parse_args(argv)
@@ -471,6 +511,11 @@ def main(argv=None) -> int:
     if device.type != "cuda" and not a.smoke:
         log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
         return 2
+    if a.profile:
+        if device.type != "cuda":
+            log("--profile needs a CUDA device")
+            return 2
+        return profile(a, device)
     a.seg_backends = segment_backends(a.segment_backends)
     a.host_us = host_launch_us(device)
     bw = copy_bandwidth(device)

@@ -4,6 +4,7 @@
 #   bash ci/gpu.sh decode   [tests|bench] [ARGS]   # decode kernel tests; benchmarks/decode.py (default --preset required)
 #   bash ci/gpu.sh prefill  [tests|bench] [ARGS]   # prefill kernel tests; benchmarks/prefill.py (default --preset required)
 #   bash ci/gpu.sh prefill  profile [SKIP] [ARGS]  # Nsight Compute on one wave of a prefill call (below)
+#   bash ci/gpu.sh decode   profile [ARGS]         # Nsight Compute on every launch of one decode step (below)
 #   bash ci/gpu.sh segments [tests|bench] [ARGS]   # tests: ARGS = TRITON (default) | FLASHINFER | FLASH_ATTN;
 #                                                  #   bench: decode.py's segment-backend rows (vLLM layout, topk 64)
 #   bash ci/gpu.sh model    [tests|bench] [ARGS]   # benchmarks/model.py (tests: its GPU tests and smoke run)
@@ -35,6 +36,9 @@
 # Outputs: profile_summary.txt (speed of light, memory, occupancy, launch and warp-state sections of each kernel),
 # profile_route.csv, profile_attn.csv, profile_attn_ws.csv (stall samples and instructions per source line and SASS
 # instruction). Clocks are left alone (--clock-control none).
+# The decode profile: ncu on each launch of one step of `benchmarks/decode.py --profile ncu --batch 1 --context 131072
+# --topk 64 ARGS` (later ARGS override): the score, select (+ K/V write), split attention and merge launches.
+# Outputs: profile_summary.txt as above, profile_select.csv and profile_attn.csv.
 set -uo pipefail
 part=${1:?usage: ci/gpu.sh decode|prefill|segments|model|all [tests|bench] [ARGS], or ci/gpu.sh stage SUB...}
 shift
@@ -52,8 +56,8 @@ case "$part" in
   decode|prefill|segments|model|all) ;;
   *) echo "error: part must be decode, prefill, segments, model, all or stage; got '$part'" >&2; exit 2 ;;
 esac
-if [ "$mode" = profile ] && [ "$part" != prefill ]; then
-  echo "error: profile is a mode of prefill only" >&2; exit 2
+if [ "$mode" = profile ] && [ "$part" != prefill ] && [ "$part" != decode ]; then
+  echo "error: profile is a mode of prefill and decode only" >&2; exit 2
 fi
 gpu_env "env_$part.txt"
 
@@ -104,35 +108,60 @@ model_tests() {
   return $rc
 }
 
-prefill_profile() {
-  local skip=${1:-90} ncu rc k kernels='regex:^(_prefill_(route|attn)_kernel|prefill_attn_ws)'
-  [ $# -gt 0 ] && shift
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+find_ncu() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1; }
+
+# ncu_profile KERNELS SKIP COUNT SCRIPT ARGS...: Nsight Compute on COUNT launches of KERNELS after SKIP, while
+# SCRIPT ARGS runs; writes profile_summary.txt.
+ncu_profile() {
+  local kernels=$1 skip=$2 count=$3 ncu rc
+  shift 3
+  ncu=$(find_ncu)
   [ -n "$ncu" ] || { echo "ncu not found"; return 2; }
   timeout "${PROFILE_TIMEOUT:-250}" "$ncu" --clock-control none --profile-from-start off -k "$kernels" \
-    --launch-skip "$skip" --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section WarpStateStats --section SourceCounters \
     --section ComputeWorkloadAnalysis --import-source yes \
     --metrics dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct \
-    -o "$out/profile" "$py" benchmarks/prefill.py --profile ncu --context 131072 --topk 64 --peers none "$@" \
-    > "$out/profile_collect.log" 2>&1
+    -o "$out/profile" "$py" "$@" > "$out/profile_collect.log" 2>&1
   rc=$?
   tail -3 "$out/profile_collect.log"
   [ $rc -eq 0 ] || { echo "ncu exit status $rc"; return $rc; }
   "$ncu" -i "$out/profile.ncu-rep" --print-details all > "$out/profile_summary.txt" 2>&1
-  for k in _prefill_route_kernel:route _prefill_attn_kernel:attn prefill_attn_ws:attn_ws; do
-    "$ncu" -i "$out/profile.ncu-rep" -k "regex:^${k%%:*}\$" --page source --print-source cuda,sass --csv \
-      > "$out/profile_${k##*:}.csv" 2>&1
+}
+
+# profile_sources NAME:KERNEL...: each kernel's stall samples and instructions per line, as profile_NAME.csv
+profile_sources() {
+  local k ncu
+  ncu=$(find_ncu)
+  for k in "$@"; do
+    "$ncu" -i "$out/profile.ncu-rep" -k "regex:^${k#*:}\$" --page source --print-source cuda,sass --csv \
+      > "$out/profile_${k%%:*}.csv" 2>&1
   done
   rm -f "$out/profile.ncu-rep"
+}
+
+prefill_profile() {
+  local skip=${1:-90}
+  [ $# -gt 0 ] && shift
+  ncu_profile 'regex:^(_prefill_(route|attn)_kernel|prefill_attn_ws)' "$skip" 3 \
+    benchmarks/prefill.py --profile ncu --context 131072 --topk 64 --peers none "$@" || return $?
+  profile_sources route:_prefill_route_kernel attn:_prefill_attn_kernel attn_ws:prefill_attn_ws
   grep -E "^  (_prefill|prefill_attn_ws)|Duration|L2 Hit Rate  |Achieved Occupancy|Registers Per Thread" \
+    "$out/profile_summary.txt"
+}
+
+decode_profile() {
+  ncu_profile 'regex:^(_decode_|_merge_kernel)' 0 4 \
+    benchmarks/decode.py --profile ncu --batch 1 --context 131072 --topk 64 --peers none "$@" || return $?
+  profile_sources select:_decode_select_kernel attn:_decode_attn_split_kernel
+  grep -E "^  _(decode|merge)|Duration|Achieved Occupancy|Registers Per Thread|Issued Warp Per Scheduler" \
     "$out/profile_summary.txt"
 }
 
 rc=0
 run() { "$@" || rc=$?; }
 if [ "$mode" = profile ]; then
-  run prefill_profile "$@"
+  run "${part}_profile" "$@"
   exit $rc
 fi
 tests_wanted() { [ "$mode" = both ] || [ "$mode" = tests ]; }
