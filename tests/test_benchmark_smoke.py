@@ -1,9 +1,11 @@
 """The GPU benchmarks' code paths at tiny shapes on the CPU (``--smoke``, kernels under the Triton interpreter), so
 that the scripts cannot rot between GPU runs: every row they should write is there, with the fields the report reads.
-Each runs in a fresh process (the interpreter must be set before triton is imported)."""
+Each runs in a fresh process (the interpreter must be set before triton is imported; ``host_time.py`` runs without
+it, its launches stubbed)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -49,3 +51,20 @@ def test_prefill_serving_smoke_writes_the_step_rows(tmp_path):
     assert (mixed["batch"], mixed["context"], mixed["decode_tokens"], mixed["prompt_tokens"]) == (3, 300, 2, 96)
     assert serving["topk"] == mixed["topk"] == 4 and serving["tile_reuse"] > 0
     assert all(r["ms"] > 0 and r["host_us"] == recs[0]["host_us"] > 0 for r in recs)
+
+
+def test_host_time_launches_every_kernel_of_a_layer():
+    """``host_time.py`` (compiled path, no interpreter) times the op on the Hopper kernel path: each layer of a step
+    launches its write, route and attention kernels, and the step its one plan kernel; a path taken elsewhere (the
+    PyTorch path, or a stand-in that no longer reaches the launch) changes these counts."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "host_time.py"), "--cases", "1x256,2x640", "--layers", "3",
+                        "--steps", "2"], cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if "launches a step:" in line]
+    assert [line.split(",")[0] for line in lines] == ["1 x 256", "2 x 640"]
+    for line in lines:
+        assert float(line.split(": ")[1].split(" us")[0]) > 0
+        launches = ast.literal_eval(line.split("launches a step: ")[1])
+        assert launches == {"_kv_rows_kernel": 3, "_prefill_route_kernel": 3, "_prefill_attn_kernel": 3,
+                            "_tile_tables_kernel": 1}

@@ -1,0 +1,158 @@
+"""Host time of an eager prefill layer, on any machine (no GPU): the CPU side of ``ops.paged_dash_prefill`` on the
+kernels' path, every launch a no-op.
+
+An eager prefill layer (vLLM's piecewise graphs leave attention eager; SGLang runs prefill eagerly) costs the host its
+validation, the step's plan at the first layer, and three kernel launches; for short prompts that can exceed the
+GPU's time. This runs the op as ``prefill.py --preset serving`` does (``--layers`` layers, each with its own inputs
+and cache, sharing one ``PrefillWorkspace``; bf16, Hq 32, Hkv 8, D 128, block and page 64, topk 64) with stand-ins
+below the launch: Triton's JIT launch returns a stand-in compiled kernel whose launch does nothing, and the CPU
+device answers as an NVIDIA Hopper GPU, so that the op takes the paths it takes on an H100 or H200 (TMA descriptors,
+programmatic dependent launches). Left out: the CUDA driver's own cost a launch (a few us) and the CUDA allocator.
+The figures compare revisions on one machine; the GPU run's ``host`` column (``prefill.py --preset serving``) is
+the figure to quote.
+
+    python benchmarks/host_time.py                             # 1 x 256, 1 x 2k, 16 x 1k: host time a layer
+    python benchmarks/host_time.py --cases 1x2048 --profile    # where it goes (cProfile, cumulative)
+    python benchmarks/host_time.py --layout vllm               # vLLM's head-major cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import gc
+import os
+import pstats
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("host_time.py measures the compiled kernels' launch path: run it without TRITON_INTERPRET=1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dash_core import DashParams, ops  # noqa: E402
+from dash_core.kernels.launcher import CachedLaunch  # noqa: E402
+from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
+from dash_core.workspace import PrefillWorkspace  # noqa: E402
+
+CPU = torch.device("cpu")
+LAUNCHES: collections.Counter = collections.Counter()  # kernel name -> launches
+
+
+class _Compiled:
+    """What a compiled kernel's launch needs (``launcher._run``), launching nothing."""
+
+    function = 0
+    packed_metadata = None
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def run(self, *args) -> None:
+        LAUNCHES[self.name] += 1
+
+
+def _first_launch(fn, *args, grid=None, warmup=False, **kwargs):
+    """``JITFunction.run``'s stand-in: the first launch of a variant (Triton compiles and launches there)."""
+    LAUNCHES[fn.__name__] += 1
+    return _Compiled(fn.__name__)
+
+
+def stand_in_for_a_gpu() -> None:
+    """Make the CPU take the op's Hopper kernel path with launches that do nothing."""
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    triton.runtime.jit.JITFunction.run = _first_launch
+    with warnings.catch_warnings():  # (gc meets deprecated module attributes)
+        warnings.simplefilter("ignore")
+        kernels = [o for o in gc.get_objects() if isinstance(o, CachedLaunch)]
+    for kernel in kernels:  # what Triton's binder would specialise with on an sm_90 device
+        kernel._backends[0] = backend
+    torch.cuda.current_device = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+    answers = {"nvidia_capability": lambda device: (9, 0), "uses_kernels": lambda device, dtype: True}
+    for module in [m for name, m in sys.modules.items() if name.split(".")[0] == "dash_core"]:
+        for name, answer in answers.items():  # wherever the name was imported
+            if hasattr(module, name):
+                setattr(module, name, answer)
+
+
+def build(batch: int, n: int, layers: int, layout: str, hq=32, hkv=8, d=128, bs=64, ps=64, dtype=torch.bfloat16):
+    """``(layers, tables, params)``: each layer's ``(q, k, v, cache, head_cls, out)`` and the step's tables
+    ``(block_table, cu_seqlens_q, seq_lens, slot_mapping)`` for ``batch`` prompts of ``n`` tokens (pages shuffled)."""
+    g = torch.Generator().manual_seed(0)
+    npages = -(-n // ps)
+    num_pages = batch * npages + 2
+    bt = torch.randperm(num_pages, generator=g)[: batch * npages].view(batch, npages).to(torch.int32).contiguous()
+    pos = torch.arange(n)
+    slots = (bt[:, pos // ps].to(torch.int64) * ps + pos % ps).flatten()
+    cu = torch.arange(batch + 1, dtype=torch.int32) * n
+    seq = torch.full((batch,), n, dtype=torch.int32)
+    t = batch * n
+    items = []
+    for _ in range(layers):
+        qkv = torch.empty(t, hq + 2 * hkv, d, dtype=dtype)  # views of one projection, as the engines pass them
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        summ = alloc_summaries(num_pages * ps, bs, hkv, d, dtype, CPU)
+        if layout == "vllm":
+            cache = PagedKVCache.from_vllm(torch.empty(num_pages, hkv, ps, 2 * d, dtype=dtype), hkv, d, summ)
+        else:
+            cache = PagedKVCache.from_sglang(torch.empty(num_pages * ps, hkv, d, dtype=dtype),
+                                             torch.empty(num_pages * ps, hkv, d, dtype=dtype), ps, summ)
+        items.append((q, k, v, cache, torch.empty(hkv, d, dtype=dtype), torch.empty(t, hq, d, dtype=dtype)))
+    return items, (bt, cu, seq, slots), DashParams(block_size=bs, topk=64, scaling_factor=1.0)
+
+
+def step(layers, tables, params) -> None:
+    """One engine step: every layer's call, sharing one workspace."""
+    bt, cu, seq, slots = tables
+    ws = PrefillWorkspace()
+    for q, k, v, cache, head_cls, out in layers:
+        ops.paged_dash_prefill(q, k, v, cache, bt, cu, seq, slots, head_cls, params, out=out, workspace=ws)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="1x256,1x2048,16x1024", help="requests x tokens each, e.g. 1x2048,16x1024")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps a case (the minimum is reported)")
+    ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the first case's steps instead")
+    a = ap.parse_args(argv)
+    cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
+    stand_in_for_a_gpu()
+    for batch, n in cases:
+        built = build(batch, n, a.layers, a.layout)
+        for _ in range(3):  # variants "compiled", plans and kept cache arguments made
+            step(*built)
+        LAUNCHES.clear()
+        if a.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.steps):
+                step(*built)
+            prof.disable()
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
+            return 0
+        per_layer = []
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            step(*built)
+            per_layer.append((time.perf_counter() - t0) / a.layers * 1e6)
+        launches = {name: count // a.steps for name, count in sorted(LAUNCHES.items())}
+        print(f"{batch} x {n}, {a.layers} layers, {a.layout}: {min(per_layer):.1f} us a layer (min of {a.steps} steps; "
+              f"median {statistics.median(per_layer):.1f}); launches a step: {launches}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
