@@ -2,14 +2,19 @@
 kernels' path, every launch a no-op.
 
 An eager prefill layer (vLLM's piecewise graphs leave attention eager; SGLang runs prefill eagerly) costs the host its
-validation, the step's plan at the first layer, and three kernel launches; for short prompts that can exceed the
-GPU's time. This runs the op as ``prefill.py --preset serving`` does (``--layers`` layers, each with its own inputs
-and cache, sharing one ``PrefillWorkspace``; bf16, Hq 32, Hkv 8, D 128, block and page 64, topk 64) with stand-ins
-below the launch: Triton's JIT launch returns a stand-in compiled kernel whose launch does nothing, and the CPU
-device answers as an NVIDIA Hopper GPU, so that the op takes the paths it takes on an H100 or H200 (TMA descriptors,
-programmatic dependent launches). Left out: the CUDA driver's own cost a launch (a few us) and the CUDA allocator.
-The figures compare revisions on one machine; the GPU run's ``host`` column (``prefill.py --preset serving``) is
-the figure to quote.
+validation, the step's plan at the first layer, and three or four kernel launches; for short prompts that can exceed
+the GPU's time. This runs the op as ``prefill.py --preset serving`` does (``--layers`` layers, each with its own
+inputs and cache, sharing one ``PrefillWorkspace``; bf16, Hq 32, Hkv 8, D 128, block and page 64, topk 64) with
+stand-ins below the launch: Triton's JIT launch returns a stand-in compiled kernel whose launch does nothing, and the
+CPU device answers as an NVIDIA Hopper GPU, so that the op takes the kernel paths it takes on an H100 or H200 (TMA
+descriptors, programmatic dependent launches, the Gluon attention where a wave is long enough).
+
+Left out: what a compiled kernel's launcher does with its arguments (parsing them, encoding each TMA descriptor) and
+the CUDA driver's launch, a few us a launch together; the CUDA allocator; the slot guard's reduction (CUDA only),
+where the CPU reads the slots on the host once a step instead. A launch through Triton's JIT after the warm-up (a
+kernel without ``@cached_launch``, or a variant not kept) is listed as ``name (jit)``: the stand-in makes it cheap
+where a GPU pays Triton's whole binding. The figures compare revisions on one machine; the GPU run's ``host`` column
+(``prefill.py --preset serving``) is the figure to quote.
 
     python benchmarks/host_time.py                             # 1 x 256, 1 x 2k, 16 x 1k: host time a layer
     python benchmarks/host_time.py --cases 1x2048 --profile    # where it goes (cProfile, cumulative)
@@ -63,8 +68,8 @@ class _Compiled:
 
 
 def _first_launch(fn, *args, grid=None, warmup=False, **kwargs):
-    """``JITFunction.run``'s stand-in: the first launch of a variant (Triton compiles and launches there)."""
-    LAUNCHES[fn.__name__] += 1
+    """``JITFunction.run``'s stand-in: a launch through Triton's JIT (where Triton compiles, and launches)."""
+    LAUNCHES[fn.__name__ + " (jit)"] += 1
     return _Compiled(fn.__name__)
 
 
@@ -148,7 +153,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             step(*built)
             per_layer.append((time.perf_counter() - t0) / a.layers * 1e6)
-        launches = {name: count // a.steps for name, count in sorted(LAUNCHES.items())}
+        launches = {name: count // a.steps if count % a.steps == 0 else count / a.steps
+                    for name, count in sorted(LAUNCHES.items())}
         print(f"{batch} x {n}, {a.layers} layers, {a.layout}: {min(per_layer):.1f} us a layer (min of {a.steps} steps; "
               f"median {statistics.median(per_layer):.1f}); launches a step: {launches}", flush=True)
     return 0

@@ -33,11 +33,13 @@
 # the route launch, the Triton attention launch (which only builds the unions where the Gluon one runs) and the Gluon
 # attention launch of one wave, after SKIP (default 90) launches of these kernels: 3 x the wave index (128k, topk 64
 # runs 42 waves; a SKIP past the last launch profiles nothing). It needs a runtime that lets ncu read the counters.
-# Outputs: profile_summary.txt (speed of light, memory, occupancy, launch and warp-state sections of each kernel),
+# Outputs: profile_summary.txt (speed of light, memory, occupancy, launch, scheduler and warp-state sections of each
+# kernel),
 # profile_route.csv, profile_attn.csv, profile_attn_ws.csv (stall samples and instructions per source line and SASS
 # instruction). Clocks are left alone (--clock-control none).
 # The decode profile: ncu on each launch of one step of `benchmarks/decode.py --profile ncu --batch 1 --context 131072
-# --topk 64 ARGS` (later ARGS override): the score, select (+ K/V write), split attention and merge launches.
+# --topk 64 ARGS` (later ARGS override): the score, select (with the K/V write, or the write's own launch where the
+# select does not take it), split attention and merge launches.
 # Outputs: profile_summary.txt as above, profile_select.csv and profile_attn.csv.
 set -uo pipefail
 part=${1:?usage: ci/gpu.sh decode|prefill|segments|model|all [tests|bench] [ARGS], or ci/gpu.sh stage SUB...}
@@ -119,7 +121,7 @@ ncu_profile() {
   [ -n "$ncu" ] || { echo "ncu not found"; return 2; }
   timeout "${PROFILE_TIMEOUT:-250}" "$ncu" --clock-control none --profile-from-start off -k "$kernels" \
     --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section Occupancy --section LaunchStats --section WarpStateStats --section SourceCounters \
+    --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section SourceCounters \
     --section ComputeWorkloadAnalysis --import-source yes \
     --metrics dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct \
     -o "$out/profile" "$py" "$@" > "$out/profile_collect.log" 2>&1
@@ -151,7 +153,7 @@ prefill_profile() {
 }
 
 decode_profile() {
-  ncu_profile 'regex:^(_decode_|_merge_kernel)' 0 4 \
+  ncu_profile 'regex:^(_decode_|_merge_kernel|_kv_write_kernel)' 0 5 \
     benchmarks/decode.py --profile ncu --batch 1 --context 131072 --topk 64 --peers none "$@" || return $?
   profile_sources select:_decode_select_kernel attn:_decode_attn_split_kernel
   grep -E "^  _(decode|merge)|Duration|Achieved Occupancy|Registers Per Thread|Issued Warp Per Scheduler" \

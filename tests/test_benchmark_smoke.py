@@ -53,18 +53,26 @@ def test_prefill_serving_smoke_writes_the_step_rows(tmp_path):
     assert all(r["ms"] > 0 and r["host_us"] == recs[0]["host_us"] > 0 for r in recs)
 
 
-def test_host_time_launches_every_kernel_of_a_layer():
-    """``host_time.py`` (compiled path, no interpreter) times the op on the Hopper kernel path: each layer of a step
-    launches its write, route and attention kernels, and the step its one plan kernel; a path taken elsewhere (the
-    PyTorch path, or a stand-in that no longer reaches the launch) changes these counts."""
+def _host_time(*args) -> dict:
+    """``host_time.py ARGS`` (compiled path: no interpreter): ``{"B x N": launches a step by kernel}``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(BENCHMARKS / "host_time.py"), "--cases", "1x256,2x640", "--layers", "3",
-                        "--steps", "2"], cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "host_time.py"), "--steps", "2", *args],
+                       cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = [line for line in r.stdout.splitlines() if "launches a step:" in line]
-    assert [line.split(",")[0] for line in lines] == ["1 x 256", "2 x 640"]
-    for line in lines:
+    out = {}
+    for line in r.stdout.splitlines():
         assert float(line.split(": ")[1].split(" us")[0]) > 0
-        launches = ast.literal_eval(line.split("launches a step: ")[1])
-        assert launches == {"_kv_rows_kernel": 3, "_prefill_route_kernel": 3, "_prefill_attn_kernel": 3,
-                            "_tile_tables_kernel": 1}
+        out[line.split(",")[0]] = ast.literal_eval(line.split("launches a step: ")[1])
+    return out
+
+
+def test_host_time_launches_every_kernel_of_a_layer():
+    """``host_time.py`` times the op on the Hopper kernel path: each layer of a step launches its write, route and
+    attention kernels (and the Gluon attention on a long enough wave), the step its one plan kernel, and every launch
+    after the warm-up is a kept one. A path taken elsewhere (the PyTorch path, a stand-in that no longer reaches the
+    launch, a launch through Triton's JIT: ``name (jit)``) changes these counts."""
+    per_layer = {"_kv_rows_kernel": 3, "_prefill_route_kernel": 3, "_prefill_attn_kernel": 3, "_tile_tables_kernel": 1}
+    assert _host_time("--cases", "1x256,2x640", "--layers", "3") == {"1 x 256": per_layer, "2 x 640": per_layer}
+    assert _host_time("--cases", "16x1024", "--layers", "1", "--layout", "vllm") == {
+        "16 x 1024": {"_kv_rows_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1,
+                      "_tile_tables_kernel": 1, "prefill_attn_ws": 1}}
