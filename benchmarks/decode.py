@@ -17,7 +17,7 @@ Writes JSON records to ``docs/perf/decode.json`` (merged by case); ``benchmarks/
 
     python benchmarks/decode.py --preset serving           # B 1, 8 at 4k, B 1-64 at 32k, B 1-32 at 128k, topk 64
     python benchmarks/decode.py --preset required          # B 1 and 8 at 128k, topk 64 and uncapped
-    python benchmarks/decode.py --preset required --layout vllm --topk 64 --peers flashinfer  # + zero-copy rows
+    python benchmarks/decode.py --preset required --layout vllm --peers flashinfer  # + zero-copy rows
     python benchmarks/decode.py --batch 1,8,32 --context 8192,32768 --hkv 8,2 --topk 16,64,256,none
     python benchmarks/decode.py --profile ncu --batch 1 --context 131072   # one step for Nsight Compute
     TRITON_INTERPRET=1 python benchmarks/decode.py --smoke  # CPU check of the code paths (tiny shapes)

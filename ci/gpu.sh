@@ -177,7 +177,7 @@ case "$part" in
     bench_wanted && run gpu_bench prefill_bench prefill "$(bench_limit)" "$@" ;;
   segments)
     if tests_wanted; then run segments_tests "${1:-TRITON}"; fi
-    bench_wanted && run gpu_bench segments_bench decode "$(bench_limit)" --preset required --layout vllm --topk 64 \
+    bench_wanted && run gpu_bench segments_bench decode "$(bench_limit)" --preset required --layout vllm \
       --segment-backends auto ;;
   model)
     tests_wanted && run model_tests

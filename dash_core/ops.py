@@ -49,7 +49,7 @@ from .workspace import PrefillWorkspace
 if HAVE_TRITON:  # the Triton kernels (Linux); without triton every call takes the PyTorch path
     from .kernels import kv_write
     from .kernels.decode.buffers import DecodeBuffers
-    from .kernels.decode.launch import attend as attend_decode, write_and_route
+    from .kernels.decode.launch import paged_dash_decode_triton, write_and_route
     from .kernels.prefill.launch import paged_dash_prefill_triton
     from .kernels.prefill.plan import scratch_bound as prefill_scratch_bytes
 
@@ -255,18 +255,19 @@ def run_decode(step: Step, q, k, v, cache: PagedKVCache, block_table, seq_lens, 
         cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return _attend_torch("decode", q, k, v, cache, block_table, cu, seq_lens, slot_mapping, head_cls, params,
                              out, iq, head_cls_i)
+    if k is not None:
+        SLOT_GUARD.raise_found()
+        SLOT_GUARD.watch(slot_mapping, cache)
+    if backend == "TRITON":
+        return paged_dash_decode_triton(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params,
+                                        out=out, buffers=buffers, iq=iq)
     if buffers is None:
         buffers = DecodeBuffers.for_step(q, cache, block_table, params,
                                          indexer_heads=None if iq is None else iq.shape[1])
     if out is None:
         out = torch.empty_like(q)
-    if k is not None:
-        SLOT_GUARD.raise_found()
-        SLOT_GUARD.watch(slot_mapping, cache)
     write_and_route(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, buffers, iq=iq)
     routed = params.routed_by(iq is not None)
-    if backend == "TRITON":
-        return attend_decode(q, cache, block_table, seq_lens, routed, buffers, out)
     n, b = q.shape[0], buffers
     out.copy_(decode_segment_attention(q, cache, block_table, seq_lens, b.sel_idx[:n], b.sel_bias[:n],
                                        b.sel_count[:n], routed, backend, plan_cache=plan_cache))

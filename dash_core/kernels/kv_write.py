@@ -41,7 +41,8 @@ def write_token(
     (skipped when < 0 or out of range). SUMMARIZE, when the slot is the last of its block, loads
     the block's keys ``[BS, D]`` (the last row from ``k`` when OWN_ROW), takes
     ``softmax(K head_cls / sqrt(D))`` in fp32 and stores the weighted key sum at
-    ``summaries[slot // BS, h]`` in the store's dtype. Also called by the decode score kernel.
+    ``summaries[slot // BS, h]`` in the store's dtype. Also called by the decode select kernel (its FUSE_WRITE
+    programs).
     """
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if (slot >= 0) & (slot < num_slots):

@@ -3,8 +3,8 @@
 ``kernel[grid](*args, **kw)`` through Triton's JIT binds the arguments into dictionaries, computes each one's
 specialisation, builds a cache key that includes the text of every keyword argument, compares every global the
 kernel reads with its value at compile time, builds the launch's metadata for the hooks, and then launches: host
-time that grows with the arguments (our attention launch has sixty), which a short prefill call pays for every
-launch it makes outside a CUDA graph (docs/PERFORMANCE.md, where the time goes).
+time that grows with the arguments (our prefill launches have sixty and more), which a short prefill call pays for
+every launch it makes outside a CUDA graph (docs/PERFORMANCE.md, where the time goes).
 
 ``CachedLaunch`` keeps the compiled kernel of each (device, per-parameter specialisation, keyword arguments) and
 launches it directly. The specialisations are Triton's own (``native_specialize_impl`` with each parameter's

@@ -11,20 +11,24 @@ All arithmetic is fp32 (scores accumulate fp32 from products of the query/summar
 entmax reads the score rows from the scratch (L2-resident at decode sizes) once when a unit's
 candidates fit one register tile (or takes them from the caller's registers), else once per Halley
 step. The cap never sorts: the ``topk``-th largest ``mp`` is found on the fp32 bit patterns (positive
-floats order like their bits). Decode writes each unit's positive mp as a list (with their candidates) as mp is
-computed; a list of at most ``DecodeConfig.cap_rank_max`` keys (the usual case: a few percent of the candidates
-are positive) is ranked by comparison, each key against all, a longer one takes a radix select on histograms (8
-bits a pass) over every candidate's key in registers. Prefill uses the radix select on one register tile of at
-least ``RADIX_MIN_KEYS`` keys, else a multi-pivot search (over each unit's list of positive mp, from the range of
-its keys). The ties and the compaction read the lists where there are lists; ties go to the lower block.
+floats order like their bits). Where a decode unit's scores fit the select program's registers (X_IN_REGS), it
+writes its positive mp as a list (with their candidates) as mp is computed; a list of at most
+``DecodeConfig.cap_rank_max`` keys (the usual case: a few percent of the candidates are positive) is ranked by
+comparison, each key against all, a longer one takes a radix select on histograms (8 bits a pass) over every
+candidate's key in registers. A one-unit tile of at least ``RADIX_MIN_KEYS`` keys without a list takes the radix
+select too; every other tile (prefill's, several units each) takes a multi-pivot search, over the mp bits in
+registers where they fit one tile (ONE_TILE), else over each unit's list of positive mp from the range of its keys
+(LIST) or over its stored mp. The ties and the compaction read the lists where there are lists; ties go to the
+lower block.
 
 Who takes which path (``route_tile``'s flags):
 
     decode, one unit a program                 ONE_TILE, X_IN_REGS, LIST: the scores loaded once, the mp list
-                                               ranked (or the radix select over the keys in registers), up to
-                                               DecodeConfig.one_tile_max candidates
-    decode, scores wider than one tile         ONE_TILE (the cap's keys loaded, radix select), or beyond
-                                               one_tile_max neither (the multi-pivot search)
+                                               ranked (or the radix select over the keys in registers), while a
+                                               unit's scores fit select_tile_budget (halved from 16 padded rows)
+    decode, scores wider than that             ONE_TILE up to DecodeConfig.one_tile_max candidates (the cap's
+                                               keys loaded: the radix select, the pivot search below
+                                               RADIX_MIN_KEYS keys), beyond it neither (the multi-pivot search)
     prefill, short tables (one score tile)     ONE_TILE, X_IN_REGS, X_GIVEN: the scores never leave registers
     prefill, longer tables, stored scores      LIST: the scores re-read each pass, the cap over the mp lists
     prefill, long tables, router kv_head       no route_tile: prefill/route.py's _route_recompute, with the
@@ -214,7 +218,7 @@ def select_kept(
     room for that many). Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
     LIST with ONE_TILE (one unit, its mp in registers: decode): a list of at most ``RK`` keys is ranked
     (``rank_kth``), a longer one takes the radix select over the keys in registers.
-    Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction, ``[32, RK]`` for
+    Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction, ``[RCH, RK]`` for
     the ranks.
     """
     tl.static_assert(not (LIST and ONE_TILE) or (X_IN_REGS and QT == 1 and RK >= RADIX_MIN_KEYS),

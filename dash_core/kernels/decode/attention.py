@@ -38,7 +38,7 @@ def _decode_attn_split_kernel(
     ``scnt_h == ssel_h == 0`` for router ``shared``). Per block: ``[BLOCK_T, D]`` K and V tiles,
     ``[G_PAD, BLOCK_T]`` fp32 logits for the G query heads, online softmax in base 2. Writes the
     normalised ``[G, D]`` fp32 partial output at row ``i * NSPLIT + s`` and its natural-log LSE
-    (-inf for an empty share). PDL: launched while the select launch ends, it waits for the selection (and the score
+    (-inf for an empty share). PDL: launched while the select launch ends, it waits for the selection (and the select
     launch's K/V write) after reading its query, and lets the merge launch start.
     """
     i = tl.program_id(0)

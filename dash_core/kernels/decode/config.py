@@ -29,7 +29,8 @@ class DecodeConfig:
     fuse_write_max: the largest ``[block_size, D]`` key tile summarised inside the select launch (the K/V write
         and the summary of a block the new token completes go there); larger ones spill there and get a launch of
         their own.
-    select_tile_budget: elements of the select kernel's largest register tile (halved for 16 or more score rows).
+    select_tile_budget: elements of the select kernel's largest register tile (halved where a unit's score rows,
+        padded to a power of two, are 16 or more).
     select_pivots: pivots a pass of the top-k cap's search where a unit's candidates do not fit one tile.
     one_tile_max: up to this many candidates the cap keeps every mp in registers.
     cap_rank_max: where the mp stay in registers, a unit with at most this many positive mp finds its ``topk``-th

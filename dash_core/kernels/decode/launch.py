@@ -3,7 +3,9 @@
 Nothing here reads a device tensor: every size comes from shapes (batch rows, ``max_pages`` of the page table,
 ``topk``), every sequence-dependent decision is taken by the kernels from ``seq_lens``, so one captured CUDA graph
 serves every step. A step is four launches, each after the first the programmatic dependent of the one before it
-(``DecodeConfig.pdl``, sm_90+: it starts while that one ends and waits for its results on the device):
+(``DecodeConfig.pdl``, sm_90+: it starts while that one ends and waits for its results on the device), and a fifth
+first where a block's keys are too large to summarise in the select launch (``DecodeConfig.fuse_write_max``): the
+K/V write on its own.
 
     scores against every candidate summary (split over candidates)         route.py
     entmax, group mean, topk cap, prior -> kept blocks per unit             route.py (routing.route_tile)
@@ -75,8 +77,8 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
                              params: DashParams, *, out: Optional[torch.Tensor] = None,
                              buffers: Optional[DecodeBuffers] = None,
                              iq: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One DASH decode step with the Triton kernels (the CUDA branch of ``ops.paged_dash_decode``, which validated
-    the arguments).
+    """One DASH decode step with the Triton kernels and their attention (the CUDA branch of
+    ``ops.paged_dash_decode`` with the ``TRITON`` backend, which validated the arguments).
 
     Parameters
     ----------

@@ -168,7 +168,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
     the summaries they complete when ``write_summarize``) in the select launch.
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
-    writes nothing).
+    writes the score scratch and ``pmax`` only: no selection, no K/V).
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
