@@ -205,14 +205,14 @@ def block_table_from_req_to_token(req_to_token: torch.Tensor, page_size: int) ->
 # "One byte" is one element holding an integer 0..255, which bf16 (8 significant bits), fp16 and
 # fp32 store exactly, so every integer round-trips through any KV dtype; 4 bytes hold 0 .. 2^32 - 1
 # (offsets, page indices and counts up to the largest context). Needs D >= AUX_MIN_HEAD_DIM.
-# Three counts per row (docs/semantics.md: "in the slots of the first P + 2 prompt tokens") keep the counts
+# Three counts per row (docs/semantics.md section 9) keep the counts
 # inside the prompt even when it has fewer than P + 2 tokens (a prompt holds at least P tokens, and
 # ceil((P + 2) / 3) <= P for P >= 1).
 #
 # vLLM: the layer cache gets ``Hkv + 1`` head slots; slot ``Hkv`` is this row (``C = 2D`` elements),
 # so the auxiliary head costs ``1 / Hkv`` of the KV memory (Hkv = 8: +12.5 %; Hkv = 1: +100 %).
 # SGLang: a buffer ``[num_slots, 2D]`` in the KV dtype attached to the token pool and indexed by the
-# same slot as K and V (``req_to_token``), the same cost. ``aux_view_vllm`` / ``aux_view_sglang``.
+# same slot as K and V (``req_to_token``), the same cost. ``aux_view_vllm``; ``PagedKVCache.from_sglang(..., aux=)``.
 # ---------------------------------------------------------------------------------------------
 
 AUX_INT_BYTES = 4

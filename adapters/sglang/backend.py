@@ -7,7 +7,8 @@ completed blocks, then attend. No attention math lives here.
 
 Mapping (n requests, T new tokens):
 
-    block_table [n, max_pages] int32  = req_to_token[req_pool_indices, ::page_size] // page_size
+    block_table [n, pages] int32      = req_to_token[req_pool_indices, ::page_size] // page_size (eager: the
+                                        pages of the longest request; graphs: max_pages)
     seq_lens    [n] int32             = forward_batch.seq_lens (KV length including this step)
     cu_seqlens_q [n + 1] int32        = cumsum of extend_seq_lens (decode: 0, 1, .., n)
     slot_mapping [T] int64            = forward_batch.out_cache_loc

@@ -390,7 +390,7 @@ class DashAttentionImpl(AttentionImpl[DashAttentionMetadata]):
     Extra constructor arguments (``Attention(..., head_cls=p, dash_params=params)``):
     head_cls: ``[Hkv_local, D]`` parameter of this layer (this rank's KV heads); read at every
     call, so weights loaded into it in place are seen. dash_params: the layer's ``DashParams``;
-    defaults to ``DashParams.from_config`` of the served model's HF config.
+    defaults to ``serving_params`` of the served model's HF config (the config and ``DASH_ATTENTION_BACKEND``).
     """
 
     can_return_lse_for_decode: bool = False

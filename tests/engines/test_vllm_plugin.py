@@ -149,7 +149,8 @@ def test_attention_backend_option_from_the_config_and_the_environment(checkpoint
 def test_auxiliary_head_is_one_more_kv_head_in_vllms_spec(checkpoints):
     """An indexer layer: ``Hkv + 1`` KV head slots (the auxiliary head, ``1 / Hkv`` of the K/V bytes)
     counted in vLLM's page size, plus the summary padding; the query carries the ``Hi`` indexer heads
-    padded to a multiple of ``Hkv + 1``; such models declare no CUDA graphs (PyTorch aux path)."""
+    padded to a multiple of ``Hkv + 1``; such models declare no CUDA graphs (their capture has not run in a GPU vLLM
+    process)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
     from vllm.v1.attention.backend import AttentionCGSupport
