@@ -123,6 +123,15 @@ def test_no_nan(case):
     if case == "equal_scores":  # all candidates tie: the cap keeps topk of them, prior ~1
         pos = torch.arange(n)
         assert torch.equal(act[0, 0], (1 + torch.minimum(pos // 16, torch.tensor(3))).to(torch.int32))
+    if case == "zero_query":  # every logit and routing score 0: the cap keeps the first 3 candidate blocks with equal
+        # priors (bias 0 after the geometric-mean normalisation), so each row is the plain mean of V over its own
+        # block's tokens up to it and those 3 blocks
+        pos = torch.arange(n)
+        assert torch.equal(act[0, 0], (1 + torch.minimum(pos // 16, torch.tensor(3))).to(torch.int32))
+        vd = v.double()
+        want = torch.stack([vd[:, :, [j for j in range(t + 1) if j // 16 == t // 16 or j // 16 < min(t // 16, 3)]]
+                            .mean(2) for t in range(n)], 2)
+        torch.testing.assert_close(out.double(), want.repeat_interleave(2, 1), atol=1e-2, rtol=0)
 
 
 def halley_scalar(xs):

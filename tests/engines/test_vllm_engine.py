@@ -244,13 +244,17 @@ def test_real_tensor_parallel_2_engine_on_the_cpu(checkpoint, sparse_engine, tmp
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp1), atol=2e-4, rtol=0)
 
 
-def test_prompt_longer_than_the_maximum_is_refused_and_the_engine_keeps_serving(sparse_engine):
+def test_prompt_longer_than_the_maximum_is_refused_and_the_engine_keeps_serving(checkpoint, sparse_engine):
     from vllm.exceptions import VLLMValidationError
 
     with pytest.raises(VLLMValidationError, match="maximum context length is 512"):
         _generate(sparse_engine, [[list(range(3, 3 + 600))]])
-    ((tok, _),) = _generate(sparse_engine, [[list(range(3, 40))]], max_tokens=4)
-    assert len(tok) == 4
+    prompt = list(range(3, 40))
+    ((tok, lp),) = _generate(sparse_engine, [[prompt]], max_tokens=4)
+    want_tok, want_lp = reference_generate(checkpoint, prompt, 4, params=DashParams.from_config(CHECKPOINT))
+    assert tok == want_tok  # the next request is served as the oracle model serves it (tolerance: as above)
+    torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), torch.tensor(want_lp, dtype=torch.float64),
+                               atol=2e-4, rtol=0)
 
 
 def test_block_size_that_does_not_fit_fails_at_start_up(checkpoint):

@@ -103,8 +103,9 @@ def test_aux_prefill_then_decode(page_mode, indexer, hi):
             if DEV == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
         outs.append((lo, hi, cu.cpu(), o.cpu()))
-    # the oracle on the stored (kernel-made) summaries and the inputs rotated by page_rope
-    checked = bad = 0
+    # the oracle on the stored (kernel-made) summaries and the inputs rotated by page_rope; prefill and decode rows
+    # counted apart, so that neither phase hides in the other's budget
+    checked, bad = {"prefill": 0, "decode": 0}, {"prefill": 0, "decode": 0}
     tol = TOL[dtype]
     for i in range(2):
         n = lens[i] + gen
@@ -121,15 +122,17 @@ def test_aux_prefill_then_decode(page_mode, indexer, hi):
         keys = ik[None, :nblk * BS] if indexer else k.permute(1, 0, 2)[:, :nblk * BS]
         expect = block_summaries(keys, hci.cpu()[None] if indexer else hc.cpu(), BS)
         assert torch.allclose(stored.double(), expect, **summary_tolerance(dtype))
-        for lo, hi, cu, o in outs:
+        for s, (lo, hi, cu, o) in enumerate(outs):
+            phase = "decode" if s else "prefill"
             pos = torch.arange(lo[i], hi[i])
             ref, _ = dash_rows(q[pos].permute(1, 0, 2), k.permute(1, 0, 2)[:, :hi[i]], v.permute(1, 0, 2)[:, :hi[i]],
                                stored.double(), pos, p, iq=iq[pos].permute(1, 0, 2) if indexer else None)
             got = o[cu[i]:cu[i + 1]].double()
             err = (got - ref.permute(1, 0, 2)).abs() - tol["rtol"] * ref.permute(1, 0, 2).abs()
-            checked += err.shape[0] * err.shape[1]
-            bad += int((err.amax(-1) > tol["atol"]).sum())
-    assert bad <= MAX_DIFFERING_ROWS * checked, (bad, checked)
+            checked[phase] += err.shape[0] * err.shape[1]
+            bad[phase] += int((err.amax(-1) > tol["atol"]).sum())
+    for phase in bad:  # (at least one row of slack: a phase of 16 rows may meet one threshold tie)
+        assert bad[phase] <= max(1, MAX_DIFFERING_ROWS * checked[phase]), (phase, bad, checked)
 
 
 def test_indexer_launch_checks():

@@ -40,7 +40,8 @@ EXAMPLES = int(os.environ.get("DASH_PREFILL_EXAMPLES", "3"))
 DEV = KERNEL_DEVICE
 # End to end, routing is discontinuous in the summaries' rounding (a bf16 summary one ulp from the
 # float64 oracle's moves a block sitting at the entmax threshold): at most this fraction of
-# (token, query head) rows may miss the attention tolerance (as the decode end-to-end tests).
+# (token, query head) rows may miss the attention tolerance (as the decode end-to-end tests), in each group of rows
+# a test names (a request, a chunk) and in all of them.
 MAX_DIFFERING_ROWS = 0.05
 
 
@@ -55,20 +56,29 @@ def prefill(case, config=None, write=True, workspace=None, lens=None):
                           case.head_cls, case.params, workspace=workspace)
 
 
-def count_differing_rows(case, out) -> tuple:
-    """(rows checked, rows outside the attention tolerance) against the float64 oracle."""
+def differing_rows(case, out) -> dict:
+    """``{request: [R, Hq] bool}``: the rows of each request with new tokens outside the attention tolerance against
+    the float64 oracle (summaries recomputed from the keys)."""
     out = out.cpu()
-    tol = TOL[case.q.dtype]
-    checked = bad = 0
-    for i, (_, new) in enumerate(case.reqs):
-        if not new:
-            continue
-        ref = oracle_rows(case, i)  # [R, Hq, D]
-        err = (out[case.rows(i)].double() - ref).abs() - tol["rtol"] * ref.abs()
-        checked += err.shape[0] * err.shape[1]
-        bad += int((err.amax(-1) > tol["atol"]).sum())
     assert torch.isfinite(out).all()
-    return checked, bad
+    tol = TOL[case.q.dtype]
+    found = {}
+    for i, (_, new) in enumerate(case.reqs):
+        if new:
+            ref = oracle_rows(case, i)  # [R, Hq, D]
+            err = (out[case.rows(i)].double() - ref).abs() - tol["rtol"] * ref.abs()
+            found[i] = err.amax(-1) > tol["atol"]
+    return found
+
+
+def assert_few_differ(groups: dict) -> None:
+    """At most ``MAX_DIFFERING_ROWS`` of each group's rows (``{name: bool mask}``, True = outside the tolerance) and of
+    all of them differ from the oracle; a group of few rows keeps one row of slack (one block at a threshold)."""
+    for name, bad in groups.items():
+        assert int(bad.sum()) <= max(1, MAX_DIFFERING_ROWS * bad.numel()), \
+            f"{name}: {int(bad.sum())} of {bad.numel()} rows differ from the oracle"
+    bad, checked = sum(int(b.sum()) for b in groups.values()), sum(b.numel() for b in groups.values())
+    assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
 # --- stage 1: K/V + summaries --------------------------------------------------------------------
@@ -506,14 +516,13 @@ def test_extends_match_oracle_on_most_rows():
     """Varlen extends written and attended by the op, against the float64 oracle (summaries recomputed
     from the keys): most rows within the attention tolerance; a multi-wave run (tiny scratch) equals
     the one-wave run exactly; rows past ``cu_seqlens_q[n]`` are zero."""
-    checked = bad = 0
+    groups = {}
     for n, (reqs, pk, sk) in enumerate(CASES):
         p = DashParams(block_size=16, **pk)
         case = make_prefill_case(200 + n, reqs, params=p, **sk).to(DEV)
         wipe_new_tokens(case)
         out = prefill(case)
-        c, b = count_differing_rows(case, out)
-        checked, bad = checked + c, bad + b
+        groups.update({f"case {n} request {i}": bad for i, bad in differing_rows(case, out).items()})
         if n == 0:  # two tiles per wave
             plan = pf_plan.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
                                              PrefillConfig())
@@ -521,7 +530,7 @@ def test_extends_match_oracle_on_most_rows():
                                                         plan.max_cand, p, plan.recompute)
             again = prefill(case, PrefillConfig(scratch_bytes=2 * per_tile), write=False)
             assert torch.equal(again, out)
-    assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
+    assert_few_differ(groups)
 
 
 def _record_gluon_launches(monkeypatch) -> list:
@@ -768,8 +777,9 @@ def test_chunked_prompt_every_boundary_class():
         out[sl] = kernel_prefill(full.q[sl], full.k[sl], full.v[sl], full.cache, full.block_table, cu, seq,
                                  full.slot_mapping[sl], full.head_cls, p)
         start += c
-    checked, bad = count_differing_rows(full, out)
-    assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
+    (bad,) = differing_rows(full, out).values()  # [total, Hq], in the prompt's order
+    ends = torch.tensor(chunks).cumsum(0).tolist()
+    assert_few_differ({f"chunk {a}..{b}": bad[a:b] for a, b in zip([0] + ends[:-1], ends)})
 
 
 @pytest.mark.parametrize("tail,scratch_bytes", [(40, None), (1, None), (300, None), (40, 1)])
