@@ -256,6 +256,23 @@ def dense_rows(add, common, method, variant, fn, floor, nbytes, it, wu, cuda, gr
     add(common, method, variant, ms, floor, 1.0, nbytes, graph=True, note=note)
 
 
+def parse_topks(text: str) -> list:
+    """``--topk``: ``"16,64,none"`` -> ``[16, 64, None]``."""
+    return [None if t.strip().lower() == "none" else int(t) for t in text.split(",")]
+
+
+def step_inputs(a, b, ctx, hkv, layer, sf, device, dtype) -> tuple:
+    """``(q [B, Hq, D], k_new, v_new [B, Hkv, D], seq_lens [B], sf)`` of a decode step at ``ctx`` tokens (the same
+    draws for every shape of a run); ``sf`` None: calibrated on ``layer`` to ``--target-fraction``."""
+    g = torch.Generator(device=device).manual_seed(7)
+    q, k_new, v_new = (torch.randn(b, h, a.head_dim, device=device, generator=g).to(dtype) for h in (a.hq, hkv, hkv))
+    seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    if sf is None:
+        sf = calibrate_sf(layer, q, ctx, DashParams(block_size=a.block_size), a.target_fraction)
+        log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the blocks uncapped")
+    return q, k_new, v_new, seq, sf
+
+
 def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat16):
     """Every ``topk`` of one shape on the same rotated caches, then the dense peers once."""
     hq, d, bs, ps = a.hq, a.head_dim, a.block_size, a.page_size
@@ -270,14 +287,7 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
         per_layer = (b * ctx + 4 * ps) * hkv * d * 2 * esize * (1 + 1 / (2 * bs))
         nlayers = max(1, min(nlayers, int(0.4 * free // per_layer)))
     layers = [Layer(b, ctx, hkv, d, bs, ps, dtype, device, seed=1000 + i, layout=a.layout) for i in range(nlayers)]
-    g = torch.Generator(device=device).manual_seed(7)
-    q = torch.randn(b, hq, d, device=device, generator=g).to(dtype)
-    k_new = torch.randn(b, hkv, d, device=device, generator=g).to(dtype)
-    v_new = torch.randn(b, hkv, d, device=device, generator=g).to(dtype)
-    seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
-    if sf is None:
-        sf = calibrate_sf(layers[0], q, ctx, DashParams(block_size=bs), a.target_fraction)
-        log(f"  scaling_factor {sf:.3g} selects about {a.target_fraction:.0%} of the blocks uncapped")
+    q, k_new, v_new, seq, sf = step_inputs(a, b, ctx, hkv, layers[0], sf, device, dtype)
     dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
     it, wu = (a.iters, a.warmup) if cuda else (2, 1)
     out = torch.empty_like(q)
@@ -408,16 +418,10 @@ def profile(a, device) -> int:
     ``--tune`` setting): warm-up steps, then one step between ``cudaProfilerStart`` and ``cudaProfilerStop``
     (``ncu --profile-from-start off`` sees that step's launches only: ``ci/gpu.sh decode profile``)."""
     b, ctx, hkv = cases(a)[0]
-    t = a.topk.split(",")[0].strip().lower()
-    topk = None if t == "none" else int(t)
+    topk = parse_topks(a.topk)[0]
     layer = Layer(b, ctx, hkv, a.head_dim, a.block_size, a.page_size, torch.bfloat16, device, seed=1000,
                   layout=a.layout)
-    g = torch.Generator(device=device).manual_seed(7)
-    q, k_new, v_new = (torch.randn(b, h, a.head_dim, device=device, generator=g).to(torch.bfloat16)
-                       for h in (a.hq, hkv, hkv))
-    seq = torch.full((b,), ctx, dtype=torch.int32, device=device)
-    sf = a.sf if a.sf is not None else calibrate_sf(layer, q, ctx, DashParams(block_size=a.block_size),
-                                                    a.target_fraction)
+    q, k_new, v_new, seq, sf = step_inputs(a, b, ctx, hkv, layer, a.sf, device, torch.bfloat16)
     params = DashParams(block_size=a.block_size, topk=topk, scaling_factor=sf)
     tag, config = a.tunings[-1]
     bufs = DecodeBuffers.for_step(q, layer.cache, layer.block_table, params, config=config)
@@ -522,7 +526,7 @@ def main(argv=None) -> int:
     log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; copy bandwidth "
         f"{bw / 1e12:.2f} TB/s; host probe {a.host_us} us a launch")
     records: list = []
-    topks = [None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")]
+    topks = parse_topks(a.topk)
     t0 = time.time()
     for b, ctx, hkv in cases(a):
         try:

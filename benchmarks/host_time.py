@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dash_core import DashParams, ops  # noqa: E402
 from dash_core.kernels.launcher import CachedLaunch  # noqa: E402
-from dash_core.layout import PagedKVCache, alloc_summaries  # noqa: E402
 from dash_core.workspace import PrefillWorkspace  # noqa: E402
+from prefill import Layers, Prompt  # noqa: E402
 
 CPU = torch.device("cpu")
 LAUNCHES: collections.Counter = collections.Counter()  # kernel name -> launches
@@ -91,30 +91,17 @@ def stand_in_for_a_gpu() -> None:
                 setattr(module, name, answer)
 
 
-def build(batch: int, n: int, layers: int, layout: str, hq=32, hkv=8, d=128, bs=64, ps=64, dtype=torch.bfloat16):
-    """``(layers, tables, params)``: each layer's ``(q, k, v, cache, head_cls, out)`` and the step's tables
-    ``(block_table, cu_seqlens_q, seq_lens, slot_mapping)`` for ``batch`` prompts of ``n`` tokens (pages shuffled)."""
-    g = torch.Generator().manual_seed(0)
-    npages = -(-n // ps)
-    num_pages = batch * npages + 2
-    bt = torch.randperm(num_pages, generator=g)[: batch * npages].view(batch, npages).to(torch.int32).contiguous()
-    pos = torch.arange(n)
-    slots = (bt[:, pos // ps].to(torch.int64) * ps + pos % ps).flatten()
-    cu = torch.arange(batch + 1, dtype=torch.int32) * n
-    seq = torch.full((batch,), n, dtype=torch.int32)
-    t = batch * n
-    items = []
-    for _ in range(layers):
-        qkv = torch.empty(t, hq + 2 * hkv, d, dtype=dtype)  # views of one projection, as the engines pass them
-        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-        summ = alloc_summaries(num_pages * ps, bs, hkv, d, dtype, CPU)
-        if layout == "vllm":
-            cache = PagedKVCache.from_vllm(torch.empty(num_pages, hkv, ps, 2 * d, dtype=dtype), hkv, d, summ)
-        else:
-            cache = PagedKVCache.from_sglang(torch.empty(num_pages * ps, hkv, d, dtype=dtype),
-                                             torch.empty(num_pages * ps, hkv, d, dtype=dtype), ps, summ)
-        items.append((q, k, v, cache, torch.empty(hkv, d, dtype=dtype), torch.empty(t, hq, d, dtype=dtype)))
-    return items, (bt, cu, seq, slots), DashParams(block_size=bs, topk=64, scaling_factor=1.0)
+def build(batch: int, n: int, layers: int, layout: str):
+    """``(layers, tables, params)`` as ``prefill.py --preset serving`` builds a step (its ``Prompt`` and ``Layers``,
+    the shape of the serving rows): each layer's ``(q, k, v, cache, head_cls, out)`` and the step's tables
+    ``(block_table, cu_seqlens_q, seq_lens, slot_mapping)`` for ``batch`` prompts of ``n`` tokens."""
+    hq, hkv, d, bs = 32, 8, 128, 64
+    pr = Prompt(n, hq, hkv, d, bs, bs, torch.bfloat16, CPU, seed=11, q_corr=0.0, cuda=False, layout=layout,
+                batch=batch)
+    out = torch.empty_like(pr.q)
+    items = [(q, k, v, cache, pr.head_cls, out) for q, k, v, cache in Layers(pr, layers, layout, bs).items]
+    return items, (pr.block_table, pr.cu, pr.seq, pr.slot_mapping), DashParams(block_size=bs, topk=64,
+                                                                                scaling_factor=1.0)
 
 
 def step(layers, tables, params) -> None:

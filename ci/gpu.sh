@@ -34,9 +34,8 @@
 # attention launch of one wave, after SKIP (default 90) launches of these kernels: 3 x the wave index (128k, topk 64
 # runs 42 waves; a SKIP past the last launch profiles nothing). It needs a runtime that lets ncu read the counters.
 # Outputs: profile_summary.txt (speed of light, memory, occupancy, launch, scheduler and warp-state sections of each
-# kernel),
-# profile_route.csv, profile_attn.csv, profile_attn_ws.csv (stall samples and instructions per source line and SASS
-# instruction). Clocks are left alone (--clock-control none).
+# kernel), profile_route.csv, profile_attn.csv, profile_attn_ws.csv (stall samples and instructions per source line
+# and SASS instruction). Clocks are left alone (--clock-control none).
 # The decode profile: ncu on each launch of one step of `benchmarks/decode.py --profile ncu --batch 1 --context 131072
 # --topk 64 ARGS` (later ARGS override): the score, select (with the K/V write, or the write's own launch where the
 # select does not take it), split attention and merge launches.
@@ -121,8 +120,8 @@ ncu_profile() {
   [ -n "$ncu" ] || { echo "ncu not found"; return 2; }
   timeout "${PROFILE_TIMEOUT:-250}" "$ncu" --clock-control none --profile-from-start off -k "$kernels" \
     --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats --section SourceCounters \
-    --section ComputeWorkloadAnalysis --import-source yes \
+    --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+    --section SourceCounters --section ComputeWorkloadAnalysis --import-source yes \
     --metrics dram__bytes_read.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct \
     -o "$out/profile" "$py" "$@" > "$out/profile_collect.log" 2>&1
   rc=$?
