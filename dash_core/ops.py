@@ -48,8 +48,7 @@ from .workspace import PrefillWorkspace
 
 if HAVE_TRITON:  # the Triton kernels (Linux); without triton every call takes the PyTorch path
     from .kernels import kv_write
-    from .kernels.decode.buffers import DecodeBuffers
-    from .kernels.decode.launch import paged_dash_decode_triton, write_and_route
+    from .kernels.decode.launch import paged_dash_decode_triton, step_buffers, write_and_route
     from .kernels.prefill.launch import paged_dash_prefill_triton
     from .kernels.prefill.plan import scratch_bound as prefill_scratch_bytes
 
@@ -261,11 +260,7 @@ def run_decode(step: Step, q, k, v, cache: PagedKVCache, block_table, seq_lens, 
     if backend == "TRITON":
         return paged_dash_decode_triton(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params,
                                         out=out, buffers=buffers, iq=iq)
-    if buffers is None:
-        buffers = DecodeBuffers.for_step(q, cache, block_table, params,
-                                         indexer_heads=None if iq is None else iq.shape[1])
-    if out is None:
-        out = torch.empty_like(q)
+    buffers, out = step_buffers(q, cache, block_table, params, buffers, out, iq)
     write_and_route(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, buffers, iq=iq)
     routed = params.routed_by(iq is not None)
     n, b = q.shape[0], buffers

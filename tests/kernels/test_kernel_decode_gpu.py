@@ -14,8 +14,8 @@ from dash_core import DashParams, dash_reference, ops
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.kv_write import write_kv_and_summaries
-from tests.kernels._kernel_scenarios import (forget_summaries_from, make_scenario, summary_tolerance,
-                                             truncated)
+from tests.kernels._kernel_scenarios import (assert_few_differ, forget_summaries_from, make_scenario,
+                                             summary_tolerance, truncated)
 from tests.kernels.test_kernel_decode_attention import TOL, check_attention
 from tests.kernels.test_kernel_decode_e2e import row_errors
 from tests.kernels.test_kernel_routing import check_routing
@@ -55,17 +55,16 @@ def test_128k_context_sampled_rows(topk, est):
     check_routing(sc, bufs)
     check_attention(sc, bufs.splits(sc.n)[1])
     out = decode_op(sc).cpu()
-    checked = bad = 0
+    bad = {}
     for i, L in enumerate(lens):
         hq, d = sc.q.shape[1], sc.q.shape[2]
         qf = torch.zeros(1, hq, L, d, dtype=sc.q.dtype)
         qf[0, :, -1] = sc.q[i].cpu()
         ref, _ = dash_reference(qf, sc.k_full[i][None], sc.v_full[i][None], sc.head_cls.cpu(), p, rows=[L - 1])
         err = (out[i].double() - ref[0, :, 0].double()).abs() - TOL[torch.bfloat16]["rtol"] * ref[0, :, 0].abs()
-        checked += hq
-        bad += int((err.amax(-1) > TOL[torch.bfloat16]["atol"] + 4e-3).sum())  # + the oracle's bf16 output rounding
+        bad[f"request {i}"] = err.amax(-1) > TOL[torch.bfloat16]["atol"] + 4e-3  # + the oracle's bf16 rounding
     # routing fed the oracle's own float64 summaries may move near-threshold blocks (docs/semantics.md 7)
-    assert bad <= 0.25 * checked, f"{bad} of {checked} rows differ from dash_reference"
+    assert_few_differ(bad, 0.25)
 
 
 def _spare_pages(sc) -> list:
@@ -152,6 +151,8 @@ def test_cuda_graph_replay_equals_eager(steps):
 
 @pytest.mark.parametrize("with_buffers", [True, False])
 def test_decode_step_never_synchronises(with_buffers):
+    """A decode step (its buffers given or allocated by the op) runs under ``set_sync_debug_mode("error")``, and
+    its rows match the oracle."""
     p = DashParams(block_size=64, topk=16, scaling_factor=2.0)
     sc = make_scenario(9, [5000, 0, 700], hq=8, hkv=2, d=128, bs=64, params=p).to("cuda")
     bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p) if with_buffers else None
@@ -163,5 +164,5 @@ def test_decode_step_never_synchronises(with_buffers):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert torch.equal(out[1], torch.zeros_like(out[1]))
-    assert torch.isfinite(out).all()
+    checked, bad = row_errors(sc, out)  # (the padded row: zeros)
+    assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"

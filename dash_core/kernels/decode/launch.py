@@ -71,6 +71,16 @@ def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torc
     route(q if iq is None else iq, cache, block_table, seq_lens, params, buffers, write=fused)
 
 
+def step_buffers(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, params: DashParams,
+                 buffers: Optional[DecodeBuffers], out: Optional[torch.Tensor],
+                 iq: Optional[torch.Tensor] = None) -> tuple:
+    """``(buffers, out)`` of a step: those given, else allocated for it (``out`` like ``q``)."""
+    if buffers is None:
+        buffers = DecodeBuffers.for_step(q, cache, block_table, params,
+                                         indexer_heads=None if iq is None else iq.shape[1])
+    return buffers, torch.empty_like(q) if out is None else out
+
+
 def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                              cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
                              slot_mapping: Optional[torch.Tensor], head_cls: Optional[torch.Tensor],
@@ -94,10 +104,6 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
     -------
     ``out [n, Hq, D]`` in ``q.dtype``.
     """
-    if buffers is None:
-        buffers = DecodeBuffers.for_step(q, cache, block_table, params,
-                                         indexer_heads=None if iq is None else iq.shape[1])
-    if out is None:
-        out = torch.empty_like(q)
+    buffers, out = step_buffers(q, cache, block_table, params, buffers, out, iq)
     write_and_route(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, buffers, iq=iq)
     return attend(q, cache, block_table, seq_lens, params.routed_by(iq is not None), buffers, out)
