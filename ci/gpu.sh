@@ -23,7 +23,7 @@
 #
 # Optional peers: FlashInfer and FlashAttention 4 from wheels carried or staged under .whl/ (ci/gpu_env.sh), the
 # published DashAttention kernels from $DASH_PUBLISHED_DIR or an ignored copy at third_party/dash-attention. The
-# golden cases of the prefill tests need a copy of the golden files at shared/golden (git-ignored) or DASH_GOLDEN_DIR.
+# golden cases of the prefill tests need a copy of the golden files at shared/golden (git-ignored; tests/_golden.py).
 # Time limits (seconds): TEST_TIMEOUT (decode 360, prefill 240, segments and model 540), BENCH_TIMEOUT (540 alone,
 # 220 after the tests), PROFILE_TIMEOUT (250). DASH_KERNEL_EXAMPLES (default 6) and DASH_PREFILL_EXAMPLES (default 4)
 # set the hypothesis examples per test (each new shape compiles). GPU_TEST_PATHS replaces the decode tests' paths.

@@ -18,10 +18,6 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-# The golden cases (tests/test_golden.py, the GPU prefill tests) from a copy carried as shared/golden.
-if [ -z "${DASH_GOLDEN_DIR:-}" ] && [ -d "$root/shared/golden" ]; then
-  export DASH_GOLDEN_DIR="$root/shared/golden"
-fi
 tmp=${TMPDIR:-/tmp}  # caches and staged wheels of the GPU machine (lost when it is given back)
 wheels=${DASH_WHEEL_STAGE:-$tmp/dash_wheels}
 site=$tmp/site

@@ -1,31 +1,21 @@
-"""The oracle against the published DashAttention kernels' outputs (shared/golden, docs/semantics.md section 10).
+"""The oracle against the published DashAttention kernels' outputs (the golden files, docs/semantics.md section 10).
 
-Tolerances are those of shared/golden/README.md: bf16 rounding of summaries moves blocks that sit
+Tolerances are those of docs/semantics.md section 10: bf16 rounding of summaries moves blocks that sit
 exactly at the entmax threshold, so at most 3% of prefill rows may have a different active count;
 rows whose count agrees must be within 3e-2 (measured worst 2.3e-2 in float64, plus up to 4e-3 for
 returning bf16). Decode steps must agree in count and to within 1e-2 (measured 6.5e-3 + bf16).
 """
 
-import glob
-import os
-
 import pytest
 import torch
 
-from dash_core import DashParams, dash_reference
+from dash_core import dash_reference
+from tests._golden import CASES, SKIP_REASON, case_id, params_of
 
-GOLDEN = os.environ.get("DASH_GOLDEN_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "golden"))
-CASES = sorted(glob.glob(os.path.join(GOLDEN, "dash_ref_shared_*.pt")))
-pytestmark = pytest.mark.skipif(not CASES, reason=f"no golden files under {GOLDEN} (set DASH_GOLDEN_DIR)")
-
-
-def params_of(g):
-    p = g["params"]
-    return DashParams(block_size=p["chunk"], scaling_factor=float(p["scaling_factor"]),
-                      estimate_diagonal=bool(p["estimate_diagonal"]), sigma=float(p["sigma"]))
+pytestmark = pytest.mark.skipif(not CASES, reason=SKIP_REASON)
 
 
-@pytest.fixture(params=CASES, ids=lambda p: os.path.basename(p)[:-3])
+@pytest.fixture(params=CASES, ids=case_id)
 def golden(request):
     return torch.load(request.param, weights_only=True)
 

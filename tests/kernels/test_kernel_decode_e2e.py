@@ -16,7 +16,7 @@ from tests.kernels.test_kernel_decode_attention import TOL
 
 EXAMPLES = int(os.environ.get("DASH_KERNEL_EXAMPLES", "10"))
 DEV = KERNEL_DEVICE
-# Routing is discontinuous in the summaries' rounding (docs/semantics.md section 7, shared/golden/README.md):
+# Routing is discontinuous in the summaries' rounding (docs/semantics.md sections 7 and 10):
 # a block at the entmax threshold can move when the kernel's bf16 summary is one ulp away from the
 # oracle's, changing that row's output by O(0.1). End-to-end, at most this fraction of
 # (request, query head) rows may miss the attention tolerance.

@@ -1,5 +1,4 @@
-"""Prefill kernels on the GPU only: prompts up to 128k tokens checked on sampled rows, the published
-kernels' golden cases through ``ops.paged_dash_prefill`` on scattered pages, the engines' recorded
+"""Prefill kernels on the GPU only: prompts up to 128k tokens checked on sampled rows, the engines' recorded
 extend batches replayed, no host synchronisation, the routing scratch bound, and a configuration
 matrix (dtypes, head sizes, GQA groups, block and page sizes). Every CPU test of
 ``test_kernel_prefill.py`` also runs here, compiled (``pytest -m gpu tests/kernels``).
@@ -24,7 +23,7 @@ import torch
 from benchmarks.common import ar1_walk
 from dash_core import DashParams, dash_reference, ops, paged
 from dash_core.kernels.common import pow2
-from dash_core.kernels.prefill import gluon, launch as pf_launch, route as pf_route, tiles as pf_tiles
+from dash_core.kernels.prefill import gluon, tiles as pf_tiles
 from dash_core.kernels.prefill.config import GluonConfig, PrefillConfig
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
@@ -50,7 +49,6 @@ def sync():
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "engine_batches"
-GOLDEN = pathlib.Path(os.environ.get("DASH_GOLDEN_DIR", str(ROOT.parent / "shared" / "golden")))
 MAX_DIFFERING_ROWS = 0.05
 MAX_DIFFERING_ROWS_PURE = 0.25
 ORACLE_OUT = 4e-3  # dash_reference returns bf16: one more rounding of |o| <= ~2
@@ -412,82 +410,6 @@ def test_configuration_matrix(case, min_cand):
     out = pr.run(workspace=PrefillWorkspace(config))
     rows = {i: sampled_rows(t, n, bs, extra=10, seed=i) for i, (t, n) in enumerate(zip(totals, news))}
     check_against_oracles(pr, out, rows)
-
-
-# --- the published kernels' golden cases --------------------------------------------------------------
-
-GOLDEN_CASES = sorted(glob.glob(str(GOLDEN / "dash_ref_shared_*.pt")))
-
-
-def _golden_params(g):
-    p = g["params"]
-    return DashParams(block_size=p["chunk"], scaling_factor=float(p["scaling_factor"]),
-                      estimate_diagonal=bool(p["estimate_diagonal"]), sigma=float(p["sigma"]))
-
-
-@pytest.mark.skipif(not GOLDEN_CASES, reason=f"no golden files under {GOLDEN} (set DASH_GOLDEN_DIR)")
-@pytest.mark.parametrize("path", GOLDEN_CASES, ids=lambda s: os.path.basename(s)[:-3])
-@pytest.mark.parametrize("split", [None, 0.37])
-def test_golden_through_paged_prefill(path, split):
-    """``shared/golden`` prompts as one varlen batch on shuffled pages of two blocks (optionally in two
-    chunks split mid-block): active counts agree on >= 97% of rows, and rows that agree are within
-    3e-2 of the published outputs (shared/golden/README.md)."""
-    g = torch.load(path, weights_only=True)
-    p = _golden_params(g)
-    q, k, v = g["q"], g["k"], g["v"]  # [B, H, N, D]
-    b, hq, n, d = q.shape
-    hkv = k.shape[1]
-    if d not in (64, 128, 256):
-        pytest.skip(f"head_dim {d} is not a kernel head size")
-    bs = p.block_size
-    ps = 2 * bs
-    npages = -(-n // ps)
-    gen = torch.Generator().manual_seed(1)
-    perm = torch.randperm(b * npages + 2, generator=gen)
-    bt = perm[: b * npages].view(b, npages).to(torch.int32).to(DEVICE)
-    slots_total = (b * npages + 2) * ps
-    kb = torch.zeros(slots_total, hkv, d, dtype=q.dtype, device=DEVICE)
-    cache = PagedKVCache.from_sglang(kb, torch.zeros_like(kb), ps, alloc_summaries(slots_total, bs, hkv, d, q.dtype,
-                                                                                   DEVICE))
-    hc = g["head_cls"].to(DEVICE)
-    pos = torch.arange(n, device=DEVICE)
-    slots = bt[:, pos // ps].long() * ps + pos % ps  # [B, N]
-    flat = lambda x: x.permute(0, 2, 1, 3).reshape(b * n, x.shape[1], d).to(DEVICE)
-    qf, kf, vf = flat(q), flat(k), flat(v)
-    cuts = [0, n] if split is None else [0, int(split * n), n]
-    out = torch.empty(b, n, hq, d, dtype=q.dtype, device=DEVICE)
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        rows = torch.cat([torch.arange(lo, hi) + i * n for i in range(b)]).to(DEVICE)
-        cu = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * (hi - lo)
-        seq = torch.full((b,), hi, dtype=torch.int32, device=DEVICE)
-        o = ops.paged_dash_prefill(qf[rows], kf[rows], vf[rows], cache, bt, cu, seq, slots[:, lo:hi].reshape(-1),
-                                   hc, p)
-        out[:, lo:hi] = o.view(b, hi - lo, hq, d)
-    active = _kernel_active_counts(qf, cache, bt, b, n, hkv, p)  # [B, Hkv, N]
-    agree = active == g["active"]
-    assert 1 - agree.float().mean().item() <= 0.03
-    err = (out.permute(0, 2, 1, 3).float().cpu() - g["out"]).abs().amax(-1)  # [B, Hq, N]
-    rows_ok = agree.repeat_interleave(hq // hkv, dim=1)
-    assert err[rows_ok].max().item() <= 3e-2
-
-
-def _kernel_active_counts(qf, cache, bt, b, n, hkv, p):
-    """Active blocks per (request, KV head, position) from the prefill routing kernel: kept routed
-    blocks plus the local window, as the published kernels count them."""
-    cu = torch.arange(b + 1, dtype=torch.int32, device=DEVICE) * n
-    seq = torch.full((b,), n, dtype=torch.int32, device=DEVICE)
-    plan, scratch = pf_launch.plan_and_scratch(qf, cache, bt, cu, seq, p, PrefillConfig(scratch_bytes=1 << 40),
-                                               recompute=False)
-    scratch.sel_count.zero_()
-    pf_route.route_wave(qf, cache, bt, cu, seq, p, plan, scratch, 0, plan.num_tiles)
-    counts = scratch.sel_count.cpu()
-    active = torch.zeros(b, hkv, n, dtype=torch.int32)
-    for w, (i, a0, lo, hi, _) in enumerate(pf_tiles.tile_layout_host(cu, seq, plan.qt)):
-        for pos in range(lo, hi):
-            c = counts[w * plan.qt + pos - a0]
-            nloc = min(pos // p.block_size + 1, p.local_blocks)
-            active[i, :, pos] = c.expand(hkv) + nloc
-    return active
 
 
 # --- the engines' recorded batches ---------------------------------------------------------------------
