@@ -23,7 +23,8 @@
 #
 # Optional peers: FlashInfer and FlashAttention 4 from wheels carried or staged under .whl/ (ci/gpu_env.sh), the
 # published DashAttention kernels from $DASH_PUBLISHED_DIR or an ignored copy at third_party/dash-attention. The
-# golden cases of the prefill tests need a copy of the golden files at shared/golden (git-ignored; tests/_golden.py).
+# golden cases (tests/kernels/test_kernel_golden.py, in the decode tests) read a copy of the golden files carried as
+# shared/golden (git-ignored; tests/_golden.py).
 # Time limits (seconds): TEST_TIMEOUT (decode 360, prefill 240, segments and model 540), BENCH_TIMEOUT (540 alone,
 # 220 after the tests), PROFILE_TIMEOUT (250). DASH_KERNEL_EXAMPLES (default 6) and DASH_PREFILL_EXAMPLES (default 4)
 # set the hypothesis examples per test (each new shape compiles). GPU_TEST_PATHS replaces the decode tests' paths.
@@ -155,7 +156,7 @@ decode_profile() {
   ncu_profile 'regex:^(_decode_|_merge_kernel|_kv_write_kernel)' 0 5 \
     benchmarks/decode.py --profile ncu --batch 1 --context 131072 --topk 64 --peers none "$@" || return $?
   profile_sources select:_decode_select_kernel attn:_decode_attn_split_kernel
-  grep -E "^  _(decode|merge)|Duration|Achieved Occupancy|Registers Per Thread|Issued Warp Per Scheduler" \
+  grep -E "^  _(decode|merge|kv_write)|Duration|Achieved Occupancy|Registers Per Thread|Issued Warp Per Scheduler" \
     "$out/profile_summary.txt"
 }
 
