@@ -22,6 +22,8 @@ class DecodeConfig:
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
     attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch; attn_stages_wide its
         ``num_stages`` where a batch has more (request, KV head) rows than the GPU has multiprocessors.
+    merge_in_split: the split attention launch merges its splits (the last program of a (request, KV head) to
+        finish), instead of a merge launch after it. merge_chunk: splits such a program merges at a time.
     attn_maxnreg: registers a thread of a split attention program may use with ``attn_stages`` at head dim 128 (0:
         no cap): four programs a multiprocessor instead of two. The deeper ``attn_stages_wide`` pipeline's shared
         memory holds three programs a multiprocessor whatever their registers, and other head dims keep what the
@@ -52,6 +54,8 @@ class DecodeConfig:
     attn_stages: int = 2
     attn_stages_wide: int = 3
     attn_maxnreg: int = 128
+    merge_in_split: bool = False
+    merge_chunk: int = 16
     fuse_write_max: int = 8192
     select_tile_budget: int = 8192
     select_pivots: int = 16
