@@ -61,7 +61,7 @@ def check_attention(sc, splits, merge_in_split: bool = False) -> None:
     out = torch.full_like(sc.q, float("nan"))
     decode_launch.attend(sc.q, sc.cache, sc.block_table, sc.seq_lens, sc.params, bufs, out)
     if merge_in_split:
-        assert not bufs.arrivals.any(), "the arrival counters must be zeros after a step"
+        assert not bufs.attn_arrivals.any(), "the arrival counters must be zeros after a step"
         again = torch.full_like(sc.q, float("nan"))
         decode_launch.attend(sc.q, sc.cache, sc.block_table, sc.seq_lens, sc.params, bufs, again)
         assert torch.equal(again, out), "a second step must give the same output"

@@ -22,6 +22,9 @@ class DecodeConfig:
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
     attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch; attn_stages_wide its
         ``num_stages`` where a batch has more (request, KV head) rows than the GPU has multiprocessors.
+    select_in_scores: the score launch selects too (the last score program of a unit to finish routes it), instead
+        of a select launch after it; the K/V write, where the select launch would take it, gets programs of its own
+        in that launch.
     merge_in_split: the split attention launch merges its splits (the last program of a (request, KV head) to
         finish), instead of a merge launch after it. merge_chunk: splits such a program merges at a time.
     attn_maxnreg: registers a thread of a split attention program may use with ``attn_stages`` at head dim 128 (0:
@@ -54,6 +57,7 @@ class DecodeConfig:
     attn_stages: int = 2
     attn_stages_wide: int = 3
     attn_maxnreg: int = 128
+    select_in_scores: bool = False
     merge_in_split: bool = False
     merge_chunk: int = 16
     fuse_write_max: int = 8192
