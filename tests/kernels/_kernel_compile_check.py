@@ -39,7 +39,7 @@ from tests.kernels._ptxas import ptxas_usage
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
 DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-FUSED = DecodeConfig(select_in_scores=True, merge_in_split=True)  # the two-launch step
+FUSED = DecodeConfig(select_in_scores=True)  # the score launch selects too
 KERNELS = {  # module, attribute
     "_kv_write_kernel": kv_write, "_kv_rows_kernel": kv_write, "_decode_scores_kernel": decode_route,
     "_decode_select_kernel": decode_route, "_decode_route_kernel": decode_route,

@@ -95,14 +95,14 @@ def test_wide_batch_attention_launch_equals_the_narrow_one():
     assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-@pytest.mark.parametrize("config", [DecodeConfig(), DecodeConfig(select_in_scores=True, merge_in_split=True)],
-                         ids=["four_launches", "two_launches"])
+@pytest.mark.parametrize("config", [DecodeConfig(), DecodeConfig(select_in_scores=True)],
+                         ids=["four_launches", "three_launches"])
 @pytest.mark.parametrize("steps", [70, 1000])
 def test_cuda_graph_replay_equals_eager(steps, config):
     """One captured decode step (its launches programmatic dependents on sm_90+) replayed over ``steps`` steps whose
     lengths cross block boundaries, a page table entry that moves mid-way and a padded row: every replay equals the
-    eager op bit for bit, and sampled steps match the oracle. ``config``: the four launches, or two (the score launch
-    selects, the split attention merges, on arrival counters each replay leaves for the next)."""
+    eager op bit for bit, and sampled steps match the oracle. ``config``: the four launches, or three (the score
+    launch selects, on arrival counters each replay leaves for the next)."""
     p = DashParams(block_size=64, topk=8, scaling_factor=3.0)
     start = [1000, 0, 3000, 63]
     full = make_scenario(5, [s + steps if s else 0 for s in start], hq=8, hkv=2, d=128, bs=64, pages_per_block=2,

@@ -3,17 +3,13 @@
 K/V are read straight from the engine's pages (no gather copy). Split-KV: the blocks a
 (request, KV head) attends (its local-window blocks, then its kept routed blocks) are divided
 evenly between ``splits`` programs; each writes a normalised partial output and its natural-log
-LSE, which ``merge_head`` combines by LSE: in a launch of its own (``_merge_kernel``), or in the
-split launch itself, by the last of a (request, KV head)'s programs to finish (an arrival counter
-per (request, KV head), which that program sets back to 0; one split writes the output directly).
-The log prior of each routed block is added to its logits, so merging by LSE equals softmax over
-``lse_b + log pi_b`` per segment.
+LSE; ``_merge_kernel`` combines them by LSE. The log prior of each routed block is added to its
+logits, so merging by LSE equals softmax over ``lse_b + log pi_b`` per segment.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import triton
@@ -32,10 +28,8 @@ def _decode_attn_split_kernel(
     bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
     sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     o_ptr, so_r, so_h, lse_ptr, slse_r, qk_scale, G, NSPLIT,
-    out_ptr, sout_n, sout_h, arr_ptr, sarr_n,
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr,
-    MERGE_CH: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) attends share s of (request i, KV head h)'s blocks.
 
@@ -46,9 +40,6 @@ def _decode_attn_split_kernel(
     normalised ``[G, D]`` fp32 partial output at row ``i * NSPLIT + s`` and its natural-log LSE
     (-inf for an empty share). PDL: launched while the select launch ends, it waits for the selection (and the select
     launch's K/V write) after reading its query, and lets the merge launch start.
-    MERGE: no merge launch follows; with one split the program writes ``out [n, Hq, D]`` itself, with more the last
-    program of (i, h) to count itself in at ``arr_ptr + i * sarr_n + h`` (int32, 0 before the launch and after it)
-    merges the G heads' partials, ``MERGE_CH`` splits at a time.
     """
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -107,89 +98,42 @@ def _decode_attn_split_kernel(
             acc += tl.dot(p.to(vt.dtype), vt)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    direct = NSPLIT < 0
-    if MERGE:
-        direct = NSPLIT == 1
-    if direct:  # the only share: the output (zeros where nothing is attended)
-        tl.store(out_ptr + i * sout_n + heads[:, None] * sout_h + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=g_ok[:, None])
-    else:
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
-        r = i * NSPLIT + s
-        tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out, mask=g_ok[:, None])
-        tl.store(lse_ptr + r * slse_r + heads, lse, mask=g_ok)
-        if MERGE:
-            tl.debug_barrier()  # every thread's partial stored before the arrival is counted
-            arrived = tl.atomic_add(arr_ptr + i * sarr_n + h, 1, sem="acq_rel", scope="gpu")
-            if arrived == NSPLIT - 1:  # the last share of (i, h): every partial is in memory
-                tl.store(arr_ptr + i * sarr_n + h, 0)  # ready for the next step
-                for g in range(G):
-                    merge_head(o_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, NSPLIT, i, h * G + g,
-                               CH=MERGE_CH, D=D, FRESH=True)
-
-
-@triton.jit
-def merge_head(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, NSPLIT, i, hq,
-               CH: tl.constexpr, D: tl.constexpr, FRESH: tl.constexpr):
-    """out[i, hq] = sum_s w_s o_s with ``w = softmax_s(lse_s)`` over the ``NSPLIT`` partials of row i (rows
-    ``i * NSPLIT + s``), read ``CH`` (a power of two) at a time; zeros when every share is empty (a padded row), never
-    NaN. FRESH: the partials were written by other programs of this launch (read past the L1 cache)."""
-    offs_c = tl.arange(0, CH)
-    offs_d = tl.arange(0, D)
-    r0 = i * NSPLIT
-    mx = tl.full([CH], float("-inf"), tl.float32)
-    for c0 in range(0, NSPLIT, CH):
-        s_ok = c0 + offs_c < NSPLIT
-        if FRESH:
-            lse = tl.load(lse_ptr + (r0 + c0 + offs_c) * slse_r + hq, mask=s_ok, other=float("-inf"),
-                          cache_modifier=".cg")
-        else:
-            lse = tl.load(lse_ptr + (r0 + c0 + offs_c) * slse_r + hq, mask=s_ok, other=float("-inf"))
-        mx = tl.maximum(mx, lse)
-    mx = tl.max(mx, axis=0)
-    mx0 = tl.where(mx > float("-inf"), mx, 0.0)
-    tot = tl.zeros([CH], tl.float32)
-    acc = tl.zeros([D], tl.float32)
-    for c0 in range(0, NSPLIT, CH):
-        r = r0 + c0 + offs_c
-        s_ok = c0 + offs_c < NSPLIT
-        if FRESH:
-            lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        else:
-            lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"))
-        live = lse > float("-inf")
-        w = tl.where(live, tl.exp(lse - mx0), 0.0)
-        if FRESH:
-            o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=live[:, None], other=0.0,
-                        cache_modifier=".cg")
-        else:
-            o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=live[:, None], other=0.0)
-        tot += w
-        acc += tl.sum(w[:, None] * o, axis=0)
-    tot_s = tl.sum(tot, axis=0)
-    res = acc / tl.where(tot_s > 0, tot_s, 1.0)
-    tl.store(out_ptr + i * sout_n + hq * sout_h + offs_d, res.to(out_ptr.dtype.element_ty))
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    r = i * NSPLIT + s
+    tl.store(o_ptr + r * so_r + heads[:, None] * so_h + offs_d[None, :], out, mask=g_ok[:, None])
+    tl.store(lse_ptr + r * slse_r + heads, lse, mask=g_ok)
 
 
 @cached_launch
 @triton.jit
 def _merge_kernel(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, NSPLIT,
                   NS_PAD: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):
-    """Grid ``(n, Hq)``: ``merge_head`` of (i, hq), every split in one tile. PDL: launched while the split launch
-    ends, it waits for it first."""
+    """Grid ``(n, Hq)``: out[i, hq] = sum_s w_s o_s with ``w = softmax_s(lse_s)``; zeros when every
+    share is empty (a padded row), never NaN. PDL: launched while the split launch ends, it waits for it first."""
     if PDL:
         gdc_wait()
-    merge_head(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout_h, NSPLIT, tl.program_id(0),
-               tl.program_id(1), CH=NS_PAD, D=D, FRESH=False)
+    i = tl.program_id(0)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, NS_PAD)
+    offs_d = tl.arange(0, D)
+    s_ok = offs_s < NSPLIT
+    r = i * NSPLIT + offs_s
+    lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    live = lse > float("-inf")
+    w = tl.where(live, tl.exp(lse - tl.where(mx > float("-inf"), mx, 0.0)), 0.0)
+    o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=live[:, None], other=0.0)
+    tot = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(out_ptr + i * sout_n + hq * sout_h + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                      *, num_splits: int, pdl: bool = False, warps: int = 4, stages: int = 2,
-                     maxnreg: int = 0, arrivals: Optional[torch.Tensor] = None,
-                     merge_chunk: int = 16) -> torch.Tensor:
-    """Sparse attention of one decode token per request (one launch, or two, no synchronisation).
+                     maxnreg: int = 0) -> torch.Tensor:
+    """Sparse attention of one decode token per request (two launches, no synchronisation).
 
     q: ``[n, Hq, D]``; k_pages, v_pages: ``[pages, page_size, Hkv, D]`` (strided, last dim
     contiguous); block_table ``[n, max_pages]`` int32; seq_lens ``[n]``. Routed blocks per unit:
@@ -198,8 +142,6 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     ``[>= n * num_splits, Hq]`` fp32. pdl: each launch is the programmatic dependent of the one before it (the
     select launch, then the split launch; ``common.pdl_supported``). warps, stages, maxnreg: the split launch's
     ``num_warps``, ``num_stages`` and register cap (0: none; ``DecodeBuffers.attn_stages``, ``attn_maxnreg``).
-    arrivals: ``[>= n, Hkv]`` int32, zeros: the split launch merges (``merge_chunk`` splits at a time) and leaves
-    them zeros; None: a merge launch follows.
     Writes ``out [n, Hq, D]`` (query dtype) and returns it.
     """
     n, hq, d = q.shape
@@ -218,14 +160,9 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         sel_count, sel_count.stride(0), 0 if shared else sel_count.stride(1),
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         LOG2E_F / math.sqrt(d), g, num_splits,
-        out, out.stride(0), out.stride(1), seq_lens if arrivals is None else arrivals,
-        0 if arrivals is None else arrivals.stride(0),
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t, PDL=pdl,
-        MERGE=arrivals is not None, MERGE_CH=min(pow2(num_splits), merge_chunk),
         num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch(pdl),
     )
-    if arrivals is not None:
-        return out
     _merge_kernel[(n, hq)](
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         out, out.stride(0), out.stride(1), num_splits, NS_PAD=pow2(num_splits), D=d, PDL=pdl,

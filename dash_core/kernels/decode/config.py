@@ -25,8 +25,6 @@ class DecodeConfig:
     select_in_scores: the score launch selects too (the last score program of a unit to finish routes it), instead
         of a select launch after it; the K/V write, where the select launch would take it, gets programs of its own
         in that launch.
-    merge_in_split: the split attention launch merges its splits (the last program of a (request, KV head) to
-        finish), instead of a merge launch after it. merge_chunk: splits such a program merges at a time.
     attn_maxnreg: registers a thread of a split attention program may use with ``attn_stages`` at head dim 128 (0:
         no cap): four programs a multiprocessor instead of two. The deeper ``attn_stages_wide`` pipeline's shared
         memory holds three programs a multiprocessor whatever their registers, and other head dims keep what the
@@ -58,8 +56,6 @@ class DecodeConfig:
     attn_stages_wide: int = 3
     attn_maxnreg: int = 128
     select_in_scores: bool = False
-    merge_in_split: bool = False
-    merge_chunk: int = 16
     fuse_write_max: int = 8192
     select_tile_budget: int = 8192
     select_pivots: int = 16
