@@ -31,7 +31,6 @@ from dash_core import DashParams
 from dash_core.kernels import kv_write
 from dash_core.kernels.decode import attention as decode_attention, route as decode_route
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.decode.launch import paged_dash_decode_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels._ptxas import ptxas_usage
@@ -39,10 +38,9 @@ from tests.kernels._ptxas import ptxas_usage
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
 DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-FUSED = DecodeConfig(select_in_scores=True)  # the score launch selects too
 KERNELS = {  # module, attribute
     "_kv_write_kernel": kv_write, "_kv_rows_kernel": kv_write, "_decode_scores_kernel": decode_route,
-    "_decode_select_kernel": decode_route, "_decode_route_kernel": decode_route,
+    "_decode_select_kernel": decode_route,
     "_decode_attn_split_kernel": decode_attention, "_merge_kernel": decode_attention,
 }
 
@@ -109,9 +107,8 @@ def record_launches() -> dict:
                 seq = torch.ones(n, dtype=torch.int32)
                 slots = torch.zeros(n, dtype=torch.int64)
                 hc = torch.zeros(hkv, d, dtype=dtype)
-                for config in (DecodeConfig(), FUSED):
-                    bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132, config=config)
-                    paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
+                bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132)
+                paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
             kv_write.write_prefill(k, k, cache, slots, p, hc)
         for hi in (4, 16, 64):  # indexer models: iq [n, Hi, D] routes over the 1-head ik store (router shared)
             p = DashParams(block_size=64, topk=64)
@@ -124,9 +121,8 @@ def record_launches() -> dict:
                 iq = torch.zeros(n, hi, d, dtype=kb.dtype)
                 bt = torch.zeros(n, 2048, dtype=torch.int32)
                 seq = torch.ones(n, dtype=torch.int32)
-                for config in (DecodeConfig(), FUSED):
-                    bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132, indexer_heads=hi, config=config)
-                    paged_dash_decode_triton(q, None, None, cache, bt, seq, None, None, p, buffers=bufs, iq=iq)
+                bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132, indexer_heads=hi)
+                paged_dash_decode_triton(q, None, None, cache, bt, seq, None, None, p, buffers=bufs, iq=iq)
     finally:
         for name, mod in KERNELS.items():
             setattr(mod, name, saved[name])

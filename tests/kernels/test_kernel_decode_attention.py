@@ -11,7 +11,6 @@ from hypothesis import given, settings, strategies as st
 from dash_core import DashParams
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.reference import Routing, attend
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import make_scenario, oracle_route, write_decode_token_torch
@@ -51,10 +50,9 @@ def fill_selection(sc, bufs) -> list:
     return routings
 
 
-def check_attention(sc, splits, entry_chunk: int = 64) -> None:
+def check_attention(sc, splits) -> None:
     write_decode_token_torch(sc)
-    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, sc.params, splits=(1, splits),
-                                  config=DecodeConfig(attn_entry_chunk=entry_chunk))
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, sc.params, splits=(1, splits))
     routings = fill_selection(sc, bufs)
     out = torch.full_like(sc.q, float("nan"))
     decode_launch.attend(sc.q, sc.cache, sc.block_table, sc.seq_lens, sc.params, bufs, out)
@@ -76,15 +74,14 @@ def check_attention(sc, splits, entry_chunk: int = 64) -> None:
        est=st.booleans(), sigma=st.sampled_from([1.0, 1e6]), local_blocks=st.integers(1, 3),
        bs=st.sampled_from([16, 32]), ppb=st.integers(1, 3), layout=st.sampled_from(["sglang", "vllm"]),
        group=st.sampled_from([1, 3, 4]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-       splits=st.integers(1, 4), entry_chunk=st.sampled_from([2, 64]))
+       splits=st.integers(1, 4))
 def test_attention_matches_oracle(seed, lens, router, topk, est, sigma, local_blocks, bs, ppb, layout, group, dtype,
-                                  splits, entry_chunk):
-    """entry_chunk 2: a split's blocks taken into registers two at a time (several chunks a share)."""
+                                  splits):
     p = DashParams(block_size=bs, topk=topk, local=bs * local_blocks, scaling_factor=2.0, estimate_diagonal=est,
                    sigma=sigma, router=router)
     sc = make_scenario(seed, lens, hq=2 * group, hkv=2, bs=bs, pages_per_block=ppb, layout=layout, dtype=dtype,
                        params=p, shared_prefix_pages=1).to(DEV)
-    check_attention(sc, splits, entry_chunk)
+    check_attention(sc, splits)
 
 
 def test_attention_head_dims_and_block_sizes():

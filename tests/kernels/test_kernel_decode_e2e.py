@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from dash_core import DashParams
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_ops import kernel_decode
 from tests.kernels._kernel_scenarios import forget_summaries_from, make_scenario, oracle_decode_rows, truncated
@@ -90,19 +88,15 @@ def test_sparse_decode_matches_oracle_on_most_rows():
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["four_launches", "three_launches"])
-def test_decode_steps_cross_block_boundaries(fused):
+def test_decode_steps_cross_block_boundaries():
     """Consecutive steps through the op: the decode kernel writes K/V and the summaries of the
-    blocks it completes, later steps route over those summaries (they start zeroed). fused: the score launch
-    selects and writes K/V (``DecodeConfig.select_in_scores``), on arrival counters that each step leaves for the
-    next."""
+    blocks it completes, later steps route over those summaries (they start zeroed)."""
     p = DashParams(block_size=16, scaling_factor=2.0, topk=4)
     steps = 20
     start = [60, 45, 0]
     full = make_scenario(7, [s + steps if s else 0 for s in start], params=p, shared_prefix_pages=2).to(DEV)
     forget_summaries_from(full, start)
-    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p, splits=(2, 2),
-                                  config=DecodeConfig(select_in_scores=fused))
+    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p, splits=(2, 2))
     checked = bad = 0
     for t in range(steps + 1):  # row 0 crosses 64 and 80, row 1 crosses 48 and 64
         sc = truncated(full, [s + t if s else 0 for s in start], seed=t)

@@ -13,7 +13,6 @@ import torch
 from dash_core import DashParams, dash_reference, ops
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from tests.kernels._kernel_scenarios import (assert_few_differ, forget_summaries_from, make_scenario,
                                              summary_tolerance, truncated)
@@ -95,21 +94,18 @@ def test_wide_batch_attention_launch_equals_the_narrow_one():
     assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-@pytest.mark.parametrize("config", [DecodeConfig(), DecodeConfig(select_in_scores=True)],
-                         ids=["four_launches", "three_launches"])
 @pytest.mark.parametrize("steps", [70, 1000])
-def test_cuda_graph_replay_equals_eager(steps, config):
+def test_cuda_graph_replay_equals_eager(steps):
     """One captured decode step (its launches programmatic dependents on sm_90+) replayed over ``steps`` steps whose
     lengths cross block boundaries, a page table entry that moves mid-way and a padded row: every replay equals the
-    eager op bit for bit, and sampled steps match the oracle. ``config``: the four launches, or three (the score
-    launch selects, on arrival counters each replay leaves for the next)."""
+    eager op bit for bit, and sampled steps match the oracle."""
     p = DashParams(block_size=64, topk=8, scaling_factor=3.0)
     start = [1000, 0, 3000, 63]
     full = make_scenario(5, [s + steps if s else 0 for s in start], hq=8, hkv=2, d=128, bs=64, pages_per_block=2,
                          params=p, extra_pages=6).to("cuda")
     forget_summaries_from(full, start)
     spare = _spare_pages(full)
-    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p, config=config)
+    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p)
     static = truncated(full, start, seed=0)
     q_s, k_s, v_s = static.q.clone(), static.k_new.clone(), static.v_new.clone()
     sl_s, slot_s = static.seq_lens.clone(), static.slot_mapping.clone()
@@ -144,7 +140,7 @@ def test_cuda_graph_replay_equals_eager(steps, config):
             dst.copy_(src)
         graph.replay()
         replayed = out_s.clone()
-        eager = decode_op(sc, buffers=DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, config=config))
+        eager = decode_op(sc, buffers=DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p))
         assert torch.equal(replayed, eager), f"step {t}: replay differs from eager"
         assert torch.equal(replayed[1], torch.zeros_like(replayed[1])), "padded row must be zeros"
         if t % (steps // 7) == 0 or t == steps:

@@ -16,14 +16,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common import (LN2, LOG2E, LOG2E_F, decode_bounds, load_group_query, max_or_zero, pdl_launch,
+from ..common import (LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query, max_or_zero, pdl_launch,
                       pow2, raise_max)
 from ..launcher import cached_launch
-
-
-@triton.jit
-def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
-    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
 @cached_launch
@@ -34,16 +29,13 @@ def _decode_attn_split_kernel(
     sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     o_ptr, so_r, so_h, lse_ptr, slse_r, qk_scale, G, NSPLIT,
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr, PER_PAD: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) attends share s of (request i, KV head h)'s blocks.
 
     The list is ``nloc`` local-window blocks (log prior 0, causal at the query position) followed by
     ``count[i, h]`` routed blocks (physical block ids and log priors from the routing kernels;
-    ``scnt_h == ssel_h == 0`` for router ``shared``). The share's entries are taken into registers ``PER_PAD`` at
-    a time (page, first row, causal limit, log2 prior of each block: ``[PER_PAD]`` vectors, one picked per block by a
-    reduction), so that no K/V address waits on a load and the pipeline (``num_stages`` 3) loads a block's K/V while
-    the block before is attended. Per block: ``[BLOCK_T, D]`` K and V tiles,
+    ``scnt_h == ssel_h == 0`` for router ``shared``). Per block: ``[BLOCK_T, D]`` K and V tiles,
     ``[G_PAD, BLOCK_T]`` fp32 logits for the G query heads, online softmax in base 2. Writes the
     normalised ``[G, D]`` fp32 partial output at row ``i * NSPLIT + s`` and its natural-log LSE
     (-inf for an empty share). PDL: launched while the select launch ends, it waits for the selection (and the select
@@ -73,40 +65,37 @@ def _decode_attn_split_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    offs_e = tl.arange(0, PER_PAD)
-    for e0 in range(k_lo, k_hi, PER_PAD):
-        # this chunk's entries, in registers: page, first row, causal limit and log2 prior of each block, so that the
-        # loop below computes its K/V addresses without waiting on a load (the pipeline runs its loads ahead)
-        e = e0 + offs_e
-        e_ok = e < k_hi
-        loc = e < nloc
-        rt = e_ok & ~loc
-        rblk = tl.load(sel_blk_ptr + sel_row + (e - nloc), mask=rt, other=0)
-        rbias = tl.load(sel_bias_ptr + sel_row + (e - nloc), mask=rt, other=0.0) * LOG2E
-        lblk = first_local + e
-        lpage = tl.load(bt_row + lblk // ppb, mask=e_ok & loc, other=0)
-        pages = tl.where(loc, lpage, rblk // ppb)
-        rows0 = tl.where(loc, (lblk % ppb) * BS, (rblk % ppb) * BS)
-        limits = tl.where(loc, pos - lblk * BS, BS - 1)  # causal: token rows <= limit
-        for kk in range(e0, tl.minimum(e0 + PER_PAD, k_hi)):
-            pick = offs_e == kk - e0
-            page_i, row0, limit, bias = tl.reduce((tl.where(pick, pages, 0), tl.where(pick, rows0, 0),
-                                                   tl.where(pick, limits, 0), tl.where(pick, rbias, 0.0)), 0, _add4)
-            page = page_i.to(tl.int64)
-            for t0 in tl.static_range(0, BS, BLOCK_T):
-                t = t0 + offs_t
-                t_ok = t <= limit
-                rows = (row0 + t).to(tl.int64)
-                kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
-                             mask=t_ok[:, None], other=0.0)
-                vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
-                             mask=t_ok[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias
-                qk = tl.where(t_ok[None, :], qk, float("-inf"))
-                m_i, l_i, acc = raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
-                p = tl.exp2(qk - max_or_zero(m_i)[:, None])
-                l_i += tl.sum(p, axis=1)
-                acc += tl.dot(p.to(vt.dtype), vt)
+    # the next routed entry is loaded one iteration ahead, so its latency overlaps this block's loads
+    nxt_ok = (k_lo >= nloc) & (k_lo < k_hi)
+    nxt_blk = tl.load(sel_blk_ptr + sel_row + (k_lo - nloc), mask=nxt_ok, other=0)
+    nxt_bias = tl.load(sel_bias_ptr + sel_row + (k_lo - nloc), mask=nxt_ok, other=0.0)
+    for kk in range(k_lo, k_hi):
+        is_loc = kk < nloc
+        pblk = nxt_blk.to(tl.int64)
+        bias = nxt_bias * LOG2E
+        nxt_ok = (kk + 1 >= nloc) & (kk + 1 < k_hi)
+        nxt_blk = tl.load(sel_blk_ptr + sel_row + (kk + 1 - nloc), mask=nxt_ok, other=0)
+        nxt_bias = tl.load(sel_bias_ptr + sel_row + (kk + 1 - nloc), mask=nxt_ok, other=0.0)
+        # local-window block: logical index -> page table; routed block: physical id from routing
+        lblk = first_local + kk
+        lpage, lrow = block_page(bt_row, lblk, PS, BS, is_loc)
+        page = tl.where(is_loc, lpage, pblk // ppb)
+        row0 = tl.where(is_loc, lrow, (pblk % ppb) * BS)
+        limit = tl.where(is_loc, pos - lblk * BS, BS - 1)  # causal: token rows <= limit
+        for t0 in tl.static_range(0, BS, BLOCK_T):
+            t = t0 + offs_t
+            t_ok = t <= limit
+            rows = (row0 + t).to(tl.int64)
+            kt = tl.load(k_ptr + page * sk_p + rows[:, None] * sk_r + h * sk_h + offs_d[None, :],
+                         mask=t_ok[:, None], other=0.0)
+            vt = tl.load(v_ptr + page * sv_p + rows[:, None] * sv_r + h * sv_h + offs_d[None, :],
+                         mask=t_ok[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(kt)) * qk_scale + bias
+            qk = tl.where(t_ok[None, :], qk, float("-inf"))
+            m_i, l_i, acc = raise_max(m_i, l_i, acc, tl.max(qk, axis=1))
+            p = tl.exp2(qk - max_or_zero(m_i)[:, None])
+            l_i += tl.sum(p, axis=1)
+            acc += tl.dot(p.to(vt.dtype), vt)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
@@ -143,7 +132,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                      *, num_splits: int, pdl: bool = False, warps: int = 4, stages: int = 2,
-                     maxnreg: int = 0, entry_chunk: int = 64) -> torch.Tensor:
+                     maxnreg: int = 0) -> torch.Tensor:
     """Sparse attention of one decode token per request (two launches, no synchronisation).
 
     q: ``[n, Hq, D]``; k_pages, v_pages: ``[pages, page_size, Hkv, D]`` (strided, last dim
@@ -153,7 +142,6 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     ``[>= n * num_splits, Hq]`` fp32. pdl: each launch is the programmatic dependent of the one before it (the
     select launch, then the split launch; ``common.pdl_supported``). warps, stages, maxnreg: the split launch's
     ``num_warps``, ``num_stages`` and register cap (0: none; ``DecodeBuffers.attn_stages``, ``attn_maxnreg``).
-    entry_chunk: the most blocks of a share whose addresses a split program holds in registers at a time.
     Writes ``out [n, Hq, D]`` (query dtype) and returns it.
     """
     n, hq, d = q.shape
@@ -173,7 +161,6 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         LOG2E_F / math.sqrt(d), g, num_splits,
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t, PDL=pdl,
-        PER_PAD=max(2, min(pow2(entry_chunk), pow2(-(-(params.local_blocks + sel_blk.shape[2]) // num_splits)))),
         num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch(pdl),
     )
     _merge_kernel[(n, hq)](

@@ -27,8 +27,7 @@ class DecodeBuffers:
     sel_idx / sel_blk ``[max_batch, Hsel, cap]`` int32,
     sel_bias ``[max_batch, Hsel, cap]`` fp32, sel_count ``[max_batch, Hsel]`` int32,
     o_part ``[parts, Hq, D]`` fp32 and lse_part ``[parts, Hq]`` fp32 with ``parts`` the most
-    ``batch * attn_splits`` over batches up to ``max_batch``; route_arrivals ``[max_batch, Hsel]`` int32, zeros
-    between steps (``DecodeConfig.select_in_scores``: each score program counts itself in there).
+    ``batch * attn_splits`` over batches up to ``max_batch``.
 
     With an indexer (``indexer_heads = Hi``) routing is ``shared`` over the Hi indexer queries:
     scores and pmax have ``max(Hq, Hi)`` head rows and the selection one unit.
@@ -59,7 +58,6 @@ class DecodeBuffers:
     sel_count: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
-    route_arrivals: torch.Tensor
     indexer_heads: Optional[int] = None
     config: DecodeConfig = DecodeConfig()
 
@@ -129,7 +127,6 @@ class DecodeBuffers:
             sel_count=torch.zeros(max_batch, hsel, dtype=i32, device=device),
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
-            route_arrivals=torch.zeros(max_batch, hsel, dtype=i32, device=device),
             indexer_heads=indexer_heads, config=config,
         )
 

@@ -22,12 +22,6 @@ class DecodeConfig:
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
     attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch; attn_stages_wide its
         ``num_stages`` where a batch has more (request, KV head) rows than the GPU has multiprocessors.
-    select_in_scores: the score launch selects too (the last score program of a unit to finish routes it), instead
-        of a select launch after it; the K/V write, where the select launch would take it, gets programs of its own
-        in that launch.
-    attn_entry_chunk: blocks of its share a split attention program takes into registers at a time (their pages,
-        rows, causal limits and priors), so that its K/V loads need no load first and run ahead of the block it
-        attends (with ``num_stages`` 3: a block's K/V load while the one before is attended).
     attn_maxnreg: registers a thread of a split attention program may use with ``attn_stages`` at head dim 128 (0:
         no cap): four programs a multiprocessor instead of two. The deeper ``attn_stages_wide`` pipeline's shared
         memory holds three programs a multiprocessor whatever their registers, and other head dims keep what the
@@ -58,8 +52,6 @@ class DecodeConfig:
     attn_stages: int = 2
     attn_stages_wide: int = 3
     attn_maxnreg: int = 128
-    attn_entry_chunk: int = 64
-    select_in_scores: bool = False
     fuse_write_max: int = 8192
     select_tile_budget: int = 8192
     select_pivots: int = 16

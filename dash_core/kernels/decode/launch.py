@@ -41,8 +41,7 @@ def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_l
     b = buffers
     route_decode(q, cache.summaries, block_table, seq_lens, params, cache.page_size, b.scores, b.pmax, b.mp,
                  b.mp_cand, b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr, config=b.config, write=write,
-                 write_summarize=cache.summaries is not None, only=only,
-                 arrivals=b.route_arrivals if b.config.select_in_scores else None)
+                 write_summarize=cache.summaries is not None, only=only)
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -53,8 +52,7 @@ def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_
     return decode_attention(q, cache.k_pages, cache.v_pages, block_table, seq_lens, params, b.sel_blk, b.sel_bias,
                             b.sel_count, b.o_part, b.lse_part, out, num_splits=nsa,
                             pdl=b.config.pdl and pdl_supported(q.device), warps=b.config.attn_warps,
-                            stages=b.attn_stages(q.shape[0]), maxnreg=b.attn_maxnreg(q.shape[0]),
-                            entry_chunk=b.config.attn_entry_chunk)
+                            stages=b.attn_stages(q.shape[0]), maxnreg=b.attn_maxnreg(q.shape[0]))
 
 
 def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,

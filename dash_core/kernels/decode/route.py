@@ -35,29 +35,18 @@ def _decode_scores_kernel(
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates (``score_share``)."""
-    if PDL:  # the select launch may start now: it waits for this one's results
-        gdc_launch_dependents()
-    score_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-                x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT,
-                tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                G_PAD=G_PAD, D=D, BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, BLOCK_N=BLOCK_N)
+    """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) scores share s of request i's candidates.
 
-
-@triton.jit
-def score_share(
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT, i, h, s,
-    G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Share s (of NSPLIT) of request i's candidates against the G query heads of KV head h.
-
-    Loads ``sf * q`` rounded to the query dtype for the G heads (``[G_PAD, D]``),
+    Loads ``sf * q`` rounded to the query dtype for the G heads of KV head h (``[G_PAD, D]``),
     summaries ``[BLOCK_N, D]`` per step through the page table, writes
     ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
     maximum of its share per head to ``pmax [n, Hq, NSPLIT]`` (-inf for an empty share).
     """
+    if PDL:  # the select launch may start now: it waits for this one's results
+        gdc_launch_dependents()
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
     _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
     per = tl.cdiv(tl.cdiv(ncand, NSPLIT), BLOCK_N) * BLOCK_N
     c_start = s * per
@@ -119,65 +108,6 @@ def _decode_select_kernel(
                      RCH=RCH, PDL=PDL)
 
 
-@cached_launch
-@triton.jit
-def _decode_route_kernel(
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, sf, x_scale, G, HPU, arr_ptr, sarr_n,
-    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-    mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
-    count_ptr, scnt_n, NROWS, topk, inv_sigma,
-    w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
-    w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
-    w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
-    HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
-    RK: tl.constexpr, RCH: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
-):
-    """Grid ``(n, Hkv, NSPLIT [+ 1])``: the scores and the selection in one launch.
-
-    Program (i, h, s < NSPLIT) scores share s of request i's candidates for KV head h (``score_share``); the last of
-    a unit's ``HPU * NSPLIT`` score programs to finish (unit ``u = h // HPU``; each counts itself in at
-    ``arr_ptr + i * sarr_n + u``, int32, 0 before the launch, which the last sets back to 0) routes the unit
-    (``_select_unit``) from the scores and row maxima the others left in memory. FUSE_WRITE: program (i, h, NSPLIT)
-    writes the new K/V of request i, KV head h, as in ``_decode_select_kernel``. PDL: lets the attention launch
-    start.
-    """
-    i = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    writes = False
-    if FUSE_WRITE:
-        writes = s >= NSPLIT
-    if writes:
-        write_token(i, h, w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
-                    w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
-                    w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-                    D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
-    else:
-        if PDL:
-            gdc_launch_dependents()
-        score_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-                    x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, sf, x_scale, G, NSPLIT, i, h, s,
-                    G_PAD=G_PAD, D=D, BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, BLOCK_N=BLOCK_N)
-        u = h // HPU
-        total = NSPLIT * HPU
-        last = total == 1
-        if total > 1:
-            tl.debug_barrier()  # every thread's scores stored before the arrival is counted
-            last = tl.atomic_add(arr_ptr + i * sarr_n + u, 1, sem="acq_rel", scope="gpu") == total - 1
-            if last:  # every score of the unit is in memory
-                tl.store(arr_ptr + i * sarr_n + u, 0)  # ready for the next step
-        if last:
-            _select_unit(x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
-                         mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h,
-                         sel_cap, count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
-                         NH_PAD=NH_PAD, NS_PAD=NS_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK,
-                         EST_DIAG=EST_DIAG, BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE,
-                         X_IN_REGS=X_IN_REGS, TL=TL, RK=RK, RCH=RCH, PDL=False)
-
-
 @triton.jit
 def _select_unit(
     x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
@@ -223,9 +153,8 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
                  mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                  sel_count: torch.Tensor,
                  *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
-                 write_summarize: bool = False, only: Optional[str] = None,
-                 arrivals: Optional[torch.Tensor] = None) -> None:
-    """Route one decode token per request (one launch, or two, no host synchronisation).
+                 write_summarize: bool = False, only: Optional[str] = None) -> None:
+    """Route one decode token per request (two launches, no host synchronisation).
 
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
     ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token, 0 = padded row).
@@ -238,10 +167,8 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     bounded by the number of candidates).
     write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
     the summaries they complete when ``write_summarize``) in the select launch.
-    only: ``"scores"`` or ``"select"`` launches just that kernel of the two-launch form (stage timings in the
-    benchmark; ``"scores"`` writes the score scratch and ``pmax`` only: no selection, no K/V).
-    arrivals: ``[>= n, Hsel]`` int32, zeros: one launch scores and selects (``_decode_route_kernel``) and leaves
-    them zeros; None: the score launch, then the select launch.
+    only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
+    writes the score scratch and ``pmax`` only: no selection, no K/V).
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
@@ -250,22 +177,39 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     if n == 0:
         return
     pdl = config.pdl and pdl_supported(q.device)
-    select = _select_meta(params, max_cand, hq // hsel, config)
-    if arrivals is not None and only is None:
-        _route_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, mp, mp_cand,
-                      sel_idx, sel_blk, sel_bias, sel_count, hsel, arrivals, select, pdl, write, write_summarize)
-        return
     if only != "select":  # alone, the score launch has no dependent to let start
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
                       pdl and only is None)
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
-                   sel_bias, sel_count, hsel, n, select, pdl, q, hkv, write, write_summarize)
+                   sel_bias, sel_count, hq // hsel, hsel, max_cand, n, config, pdl, q, hkv, q.shape[2], write,
+                   write_summarize)
 
 
-def _select_meta(params, max_cand: int, nrows: int, config: DecodeConfig) -> dict:
-    """The select's tiles and paths (``route_tile``'s constexprs) for units of ``nrows`` score rows."""
+def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
+                  pdl: bool) -> None:
+    n, hq, d = q.shape
+    hkv = summaries.shape[1]
+    g = hq // hkv
+    bs = params.block_size
+    max_pages = block_table.shape[1]
+    block_n = max(16, min(64 if d <= 128 else 32, pow2(max_cand)))
+    _decode_scores_kernel[(n, hkv, num_splits)](
+        q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
+        block_table, block_table.stride(0), seq_lens, max_pages * page_size,
+        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
+        params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
+        G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
+        PDL=pdl, num_warps=4, num_stages=3,
+    )
+
+
+def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
+                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, hkv, d, write,
+                   write_summarize) -> None:
+    bs = params.block_size
+    max_pages = block_table.shape[1]
     nh_pad = pow2(nrows)
     # wide 3-D tiles spill otherwise
     budget = config.select_tile_budget if nh_pad < 16 else config.select_tile_budget // 2
@@ -277,67 +221,18 @@ def _select_meta(params, max_cand: int, nrows: int, config: DecodeConfig) -> dic
     else:
         ts = max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
         npiv = config.select_pivots
+    topk = params.topk if params.topk is not None else 0
     x_in_regs = one_tile and tc == ts  # then each unit's positive mp go to a list, read in tiles of list_tile
-    return dict(NH_PAD=nh_pad, TC=tc, TS=ts, NPIV=npiv, HAS_TOPK=params.topk is not None,
-                EST_DIAG=params.estimate_diagonal, LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile,
-                X_IN_REGS=x_in_regs, TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max,
-                RCH=config.cap_rank_chunk)
-
-
-def _score_block_n(d: int, max_cand: int) -> int:
-    return max(16, min(64 if d <= 128 else 32, pow2(max_cand)))
-
-
-def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
-                  pdl: bool) -> None:
-    n, hq, d = q.shape
-    hkv = summaries.shape[1]
-    _decode_scores_kernel[(n, hkv, num_splits)](
-        q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
-        block_table, block_table.stride(0), seq_lens, block_table.shape[1] * page_size,
-        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
-        params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, num_splits,
-        G_PAD=max(16, pow2(hq // hkv)), D=d, BS=params.block_size, PS=page_size, LOCAL_BLOCKS=params.local_blocks,
-        BLOCK_N=_score_block_n(d, max_cand), PDL=pdl, num_warps=4, num_stages=3,
-    )
-
-
-def _selection_args(scores, pmax, num_splits, block_table, seq_lens, page_size, mp, mp_cand, sel_idx, sel_blk,
-                    sel_bias, sel_count, nrows, topk, params) -> tuple:
-    """The select's runtime arguments, from ``x_ptr`` to ``inv_sigma``."""
-    return (scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
-            block_table, block_table.stride(0), seq_lens, block_table.shape[1] * page_size,
-            mp, mp_cand, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
-            sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma)
-
-
-def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
-                   sel_bias, sel_count, hsel, n, select: dict, pdl: bool, q, hkv, write, write_summarize) -> None:
-    topk = params.topk if params.topk is not None else 0
     _decode_select_kernel[(n, hsel + (hkv if write is not None else 0))](
-        *_selection_args(scores, pmax, num_splits, block_table, seq_lens, page_size, mp, mp_cand, sel_idx, sel_blk,
-                         sel_bias, sel_count, q.shape[1] // hsel, topk, params), hsel,
+        scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1), num_splits,
+        block_table, block_table.stride(0), seq_lens, max_pages * page_size,
+        mp, mp_cand, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
+        sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
         *(write if write is not None else _NO_WRITE(q, seq_lens)),
-        NS_PAD=pow2(num_splits), D=q.shape[2], BS=params.block_size, PS=page_size,
+        NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
+        HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
+        LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
+        TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
-        num_warps=SELECT_WARPS, **select, **pdl_launch(pdl),
-    )
-
-
-def _route_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, mp, mp_cand,
-                  sel_idx, sel_blk, sel_bias, sel_count, hsel, arrivals, select: dict, pdl: bool, write,
-                  write_summarize) -> None:
-    n, hq, d = q.shape
-    hkv = summaries.shape[1]
-    max_cand = block_table.shape[1] * page_size // params.block_size
-    topk = params.topk if params.topk is not None else 0
-    _decode_route_kernel[(n, hkv, num_splits + (1 if write is not None else 0))](
-        q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
-        params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, hkv // hsel, arrivals, arrivals.stride(0),
-        *_selection_args(scores, pmax, num_splits, block_table, seq_lens, page_size, mp, mp_cand, sel_idx, sel_blk,
-                         sel_bias, sel_count, hq // hsel, topk, params),
-        *(write if write is not None else _NO_WRITE(q, seq_lens)),
-        G_PAD=max(16, pow2(hq // hkv)), BLOCK_N=_score_block_n(d, max_cand), NS_PAD=pow2(num_splits), D=d,
-        BS=params.block_size, PS=page_size, FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
-        num_warps=SELECT_WARPS, **select,  # not a dependent launch: it overwrites what the launch before read
+        num_warps=SELECT_WARPS, **pdl_launch(pdl),
     )
