@@ -99,6 +99,35 @@ def host_ms(fn, iters: int, cuda: bool):
     return statistics.median(ts)
 
 
+def device_name(device) -> str:
+    """The name a record carries for ``device`` (the CPU runs the kernels under the Triton interpreter)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)"
+
+
+def parse_topks(text: str) -> list:
+    """``--topk``: ``"16,64,none"`` -> ``[16, 64, None]``."""
+    return [None if t.strip().lower() == "none" else int(t) for t in text.split(",")]
+
+
+def open_device(a, profile) -> tuple:
+    """The device of a benchmark run: ``(device, copy bandwidth in bytes/s, None)``, CUDA or (``--smoke``) the CPU,
+    after logging it, its bandwidth and the host probe (kept in ``a.host_us``); ``(None, 0, status)`` where the run
+    ends here: no CUDA device without ``--smoke``, or ``--profile`` (``profile(a, device)`` gives the status)."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    if device.type != "cuda" and not a.smoke:
+        log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
+        return None, 0, 2
+    if a.profile:
+        if device.type != "cuda":
+            log("--profile needs a CUDA device")
+            return None, 0, 2
+        return None, 0, profile(a, device)
+    a.host_us = host_launch_us(device)
+    bw = copy_bandwidth(device)
+    log(f"device {device_name(device)}; copy bandwidth {bw / 1e12:.2f} TB/s; host probe {a.host_us} us a launch")
+    return device, bw, None
+
+
 def copy_bandwidth(device) -> float:
     """Device-to-device copy rate in bytes/s, counting read + written bytes (a fixed H200-like figure on the CPU)."""
     if device.type != "cuda":

@@ -40,9 +40,9 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
     import tests.kernels._kernel_env  # noqa: F401
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, copy_bandwidth, flash_attn_varlen,
-                    graph_ms, host_launch_us, import_published, log, merge_records, peers_of, run_fields,
-                    run_id, sdpa_fn, shown_command, time_calls, tune_configs)
+from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, device_name, flash_attn_varlen, graph_ms,
+                    import_published, log, merge_records, open_device, parse_topks, peers_of, run_fields, run_id,
+                    sdpa_fn, shown_command, time_calls, tune_configs)
 from dash_core import DashParams, ops, segments_paged
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
@@ -256,11 +256,6 @@ def dense_rows(add, common, method, variant, fn, floor, nbytes, it, wu, cuda, gr
     add(common, method, variant, ms, floor, 1.0, nbytes, graph=True, note=note)
 
 
-def parse_topks(text: str) -> list:
-    """``--topk``: ``"16,64,none"`` -> ``[16, 64, None]``."""
-    return [None if t.strip().lower() == "none" else int(t) for t in text.split(",")]
-
-
 def step_inputs(a, b, ctx, hkv, layer, sf, device, dtype) -> tuple:
     """``(q [B, Hq, D], k_new, v_new [B, Hkv, D], seq_lens [B], sf)`` of a decode step at ``ctx`` tokens (the same
     draws for every shape of a run); ``sf`` None: calibrated on ``layer`` to ``--target-fraction``."""
@@ -288,7 +283,7 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
         nlayers = max(1, min(nlayers, int(0.4 * free // per_layer)))
     layers = [Layer(b, ctx, hkv, d, bs, ps, dtype, device, seed=1000 + i, layout=a.layout) for i in range(nlayers)]
     q, k_new, v_new, seq, sf = step_inputs(a, b, ctx, hkv, layers[0], sf, device, dtype)
-    dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
+    dev_name = device_name(device)
     it, wu = (a.iters, a.warmup) if cuda else (2, 1)
     out = torch.empty_like(q)
     graphs_on = cuda and not a.no_graph
@@ -511,20 +506,10 @@ def main(argv=None) -> int:
         a.tunings = tune_configs(a.tune, DecodeConfig())
     except ValueError as e:
         ap.error(str(e))
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
-    if device.type != "cuda" and not a.smoke:
-        log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
-        return 2
-    if a.profile:
-        if device.type != "cuda":
-            log("--profile needs a CUDA device")
-            return 2
-        return profile(a, device)
+    device, bw, status = open_device(a, profile)
+    if device is None:
+        return status
     a.seg_backends = segment_backends(a.segment_backends)
-    a.host_us = host_launch_us(device)
-    bw = copy_bandwidth(device)
-    log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; copy bandwidth "
-        f"{bw / 1e12:.2f} TB/s; host probe {a.host_us} us a launch")
     records: list = []
     topks = parse_topks(a.topk)
     t0 = time.time()

@@ -49,8 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import (SDPA_PEERS, add_output_args, add_shape_args, ar1_walk, copy_bandwidth, floor_ms, graph_ms,
-                    host_launch_us, host_ms, import_published, log, merge_records, peers_of, run_fields, run_id,
+from common import (SDPA_PEERS, add_output_args, add_shape_args, ar1_walk, device_name, floor_ms, graph_ms, host_ms,
+                    import_published, log, merge_records, open_device, parse_topks, peers_of, run_fields, run_id,
                     shown_command, time_calls, tune_configs)
 from decode import calibrate_sf
 from prefill_peers import mixed_peer, prompt_peer
@@ -377,10 +377,6 @@ def run_context(a, n, hkv, topks, chunks, sf, device, bw, records, dtype=torch.b
     return sf
 
 
-def device_name(device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (triton interpreter)"
-
-
 def stats_fields(st: dict) -> dict:
     """The routing statistics a DASH record carries."""
     return dict(tile_reuse=round(st["tile_reuse"], 2), routed_per_token=round(st["routed_per_token"], 2),
@@ -598,7 +594,7 @@ def run_published(a, n, hkv, sf, device, bw, records, dtype=torch.bfloat16):
     hq, d, bs, ps = a.hq, a.head_dim, a.block_size, a.page_size
     cuda = device.type == "cuda"
     esize = torch.empty((), dtype=dtype).element_size()
-    dev_name = torch.cuda.get_device_name(device) if cuda else "cpu (triton interpreter)"
+    dev_name = device_name(device)
     common = dict(phase="prefill", batch=1, context=n, hq=hq, hkv=hkv, head_dim=d, bs=bs, scaling_factor=round(sf, 4),
                   device=dev_name, **run_fields(a), page_size=ps, graph=False,
                   query_correlation=a.query_correlation)
@@ -826,21 +822,11 @@ def main(argv=None) -> int:
             a.json = str(Path(os.environ.get("TMPDIR", "/tmp")) / "dash_prefill_smoke" / "prefill.json")
         if os.environ.get("TRITON_INTERPRET") == "1":
             import tests.kernels._kernel_env  # noqa: F401  (the interpreter shims the kernel tests use)
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
-    if device.type != "cuda" and not a.smoke:
-        log("no CUDA device: use --smoke (with TRITON_INTERPRET=1) for a CPU check")
-        return 2
-    if a.profile:
-        if device.type != "cuda":
-            log("--profile needs a CUDA device")
-            return 2
-        return profile(a, device)
-    a.host_us = host_launch_us(device)
-    bw = copy_bandwidth(device)
-    log(f"device {device_name(device)}; copy bandwidth {bw / 1e12:.2f} TB/s; host probe {a.host_us} us a launch")
+    device, bw, status = open_device(a, profile)
+    if device is None:
+        return status
     records: list = []
-    topks = sorted([None if t.strip().lower() == "none" else int(t) for t in a.topk.split(",")],
-                   key=lambda t: -1 if t is None else t)
+    topks = sorted(parse_topks(a.topk), key=lambda t: -1 if t is None else t)
     t0 = time.time()
     if a.preset == "serving":
         for hkv in [int(x) for x in a.hkv.split(",")]:
