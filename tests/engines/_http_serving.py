@@ -181,6 +181,34 @@ def serving(cmd: Command, workdir: str):
         srv.stop()
 
 
+def server_fixtures(engine: str, check_free_disk) -> tuple:
+    """The module-scoped fixtures of an engine's server tests, to bind by name in the test module:
+    ``workdir, commands, checkpoint, server = server_fixtures("sglang", check_free_disk)``. ``workdir``: a scratch
+    directory (``check_free_disk(path)`` first); ``commands``: the README's; ``checkpoint``: written there by the
+    README's command; ``server``: the README's ``engine`` command serving it (``serving``)."""
+    import pytest  # here, not at the top: the throughput tool (``main``) runs without pytest
+
+    @pytest.fixture(scope="module")
+    def workdir(tmp_path_factory):
+        path = str(tmp_path_factory.mktemp(f"{engine}_server"))
+        check_free_disk(path)
+        return path
+
+    @pytest.fixture(scope="module")
+    def commands():
+        return readme_commands()
+
+    @pytest.fixture(scope="module")
+    def checkpoint(commands, workdir):
+        return make_checkpoint(commands["checkpoint"], workdir)
+
+    @pytest.fixture(scope="module")
+    def server(commands, checkpoint, workdir):
+        yield from serving(commands[engine], workdir)
+
+    return workdir, commands, checkpoint, server
+
+
 def request(port: int, path: str, body=None, timeout: float = 120, raw: bytes | None = None):
     """``(status, parsed JSON or None)`` of a GET (no body) or POST to the server; HTTP errors are returned."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())

@@ -24,26 +24,7 @@ _budget = budget("server", 420)
 LOGPROB_TOL = 2e-3  # as in test_sglang_engine.py
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("sglang_server"))
-    check_free_disk(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def commands():
-    return http.readme_commands()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(commands, workdir):
-    return http.make_checkpoint(commands["checkpoint"], workdir)
-
-
-@pytest.fixture(scope="module")
-def server(commands, checkpoint, workdir):
-    yield from http.serving(commands["sglang"], workdir)
+workdir, commands, checkpoint, server = http.server_fixtures("sglang", check_free_disk)
 
 
 def _generate(port: int, ids: list, new_tokens: int, logprobs: bool = False) -> dict:

@@ -29,26 +29,7 @@ _budget = support.budget("server", 300)
 LOGPROB_TOL = 2e-4  # fp32 engine against the float64 reference model, as in test_vllm_engine.py
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("vllm_server"))
-    support.check_free_disk(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def commands():
-    return http.readme_commands()
-
-
-@pytest.fixture(scope="module")
-def checkpoint(commands, workdir):
-    return http.make_checkpoint(commands["checkpoint"], workdir)
-
-
-@pytest.fixture(scope="module")
-def server(commands, checkpoint, workdir):
-    yield from http.serving(commands["vllm"], workdir)
+workdir, commands, checkpoint, server = http.server_fixtures("vllm", support.check_free_disk)
 
 
 def _complete(port: int, ids: list, new_tokens: int, logprobs: bool = False) -> dict:
