@@ -1,5 +1,5 @@
 """Host time of an eager prefill layer, on any machine (no GPU): the CPU side of ``ops.paged_dash_prefill`` on the
-kernels' path, every launch a no-op.
+kernels' path, every launch a no-op (``--cuda``: on a GPU, the launches real).
 
 An eager prefill layer (vLLM's piecewise graphs leave attention eager; SGLang runs prefill eagerly) costs the host its
 validation, the step's plan at the first layer, and three or four kernel launches; for short prompts that can exceed
@@ -19,6 +19,8 @@ where a GPU pays Triton's whole binding. The figures compare revisions on one ma
     python benchmarks/host_time.py                             # 1 x 256, 1 x 2k, 16 x 1k: host time a layer
     python benchmarks/host_time.py --cases 1x2048 --profile    # where it goes (cProfile, cumulative)
     python benchmarks/host_time.py --layout vllm               # vLLM's head-major cache
+    python benchmarks/host_time.py --cuda [--profile]          # on a GPU: the real launches (synchronised before
+                                                               #   each step, not after), what the stand-ins leave out
 """
 
 from __future__ import annotations
@@ -91,13 +93,13 @@ def stand_in_for_a_gpu() -> None:
                 setattr(module, name, answer)
 
 
-def build(batch: int, n: int, layers: int, layout: str):
+def build(batch: int, n: int, layers: int, layout: str, device: torch.device = CPU):
     """``(layers, tables, params)`` as ``prefill.py --preset serving`` builds a step (its ``Prompt`` and ``Layers``,
     the shape of the serving rows): each layer's ``(q, k, v, cache, head_cls, out)`` and the step's tables
     ``(block_table, cu_seqlens_q, seq_lens, slot_mapping)`` for ``batch`` prompts of ``n`` tokens."""
     hq, hkv, d, bs = 32, 8, 128, 64
-    pr = Prompt(n, hq, hkv, d, bs, bs, torch.bfloat16, CPU, seed=11, q_corr=0.0, cuda=False, layout=layout,
-                batch=batch)
+    pr = Prompt(n, hq, hkv, d, bs, bs, torch.bfloat16, device, seed=11, q_corr=0.0, cuda=device.type == "cuda",
+                layout=layout, batch=batch)
     out = torch.empty_like(pr.q)
     items = [(q, k, v, cache, pr.head_cls, out) for q, k, v, cache in Layers(pr, layers, layout, bs).items]
     return items, (pr.block_table, pr.cu, pr.seq, pr.slot_mapping), DashParams(block_size=bs, topk=64,
@@ -119,31 +121,42 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps a case (the minimum is reported)")
     ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang")
     ap.add_argument("--profile", action="store_true", help="cProfile of the first case's steps instead")
+    ap.add_argument("--cuda", action="store_true",
+                    help="launch for real on the GPU (synchronised before each step, so each issues to an idle GPU)")
     a = ap.parse_args(argv)
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
-    stand_in_for_a_gpu()
+    device = torch.device("cuda") if a.cuda else CPU
+    if a.cuda and not torch.cuda.is_available():
+        ap.error("--cuda needs a CUDA device")
+    if not a.cuda:
+        stand_in_for_a_gpu()
+    sync = torch.cuda.synchronize if a.cuda else (lambda: None)
     for batch, n in cases:
-        built = build(batch, n, a.layers, a.layout)
+        built = build(batch, n, a.layers, a.layout, device)
         for _ in range(3):  # variants "compiled", plans and kept cache arguments made
             step(*built)
         LAUNCHES.clear()
         if a.profile:
             prof = cProfile.Profile()
-            prof.enable()
             for _ in range(a.steps):
+                sync()
+                prof.enable()
                 step(*built)
-            prof.disable()
+                prof.disable()
             pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
             return 0
         per_layer = []
         for _ in range(a.steps):
+            sync()
             t0 = time.perf_counter()
             step(*built)
             per_layer.append((time.perf_counter() - t0) / a.layers * 1e6)
         launches = {name: count // a.steps if count % a.steps == 0 else count / a.steps
                     for name, count in sorted(LAUNCHES.items())}
+        sync()
+        where = "cuda" if a.cuda else f"launches a step: {launches}"
         print(f"{batch} x {n}, {a.layers} layers, {a.layout}: {min(per_layer):.1f} us a layer (min of {a.steps} steps; "
-              f"median {statistics.median(per_layer):.1f}); launches a step: {launches}", flush=True)
+              f"median {statistics.median(per_layer):.1f}); {where}", flush=True)
     return 0
 
 
