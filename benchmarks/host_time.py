@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps a case (the minimum is reported)")
     ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang")
     ap.add_argument("--profile", action="store_true", help="cProfile of the first case's steps instead")
+    ap.add_argument("--sort", default="cumulative", help="the profile's order (pstats: cumulative, tottime, ...)")
     ap.add_argument("--cuda", action="store_true",
                     help="launch for real on the GPU (synchronised before each step, so each issues to an idle GPU)")
     a = ap.parse_args(argv)
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
                 prof.enable()
                 step(*built)
                 prof.disable()
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats(a.sort).print_stats(30)
             return 0
         per_layer = []
         for _ in range(a.steps):

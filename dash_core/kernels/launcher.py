@@ -22,6 +22,7 @@ ones (and any keywords of its own), which are all it specialises.
 from __future__ import annotations
 
 import operator
+import weakref
 from itertools import repeat
 from typing import Any, Dict, Tuple
 
@@ -29,6 +30,7 @@ import torch
 import triton
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
+from triton.backends.nvidia.driver import make_tensordesc_arg
 
 from .common import interpreting
 
@@ -148,11 +150,70 @@ class BoundLaunch:
 
 def _run(kernel, grid, device: int, full: tuple) -> None:
     """Launch the compiled ``kernel`` on ``grid`` (1 to 3 ints) on the current stream of ``device``, with every
-    parameter's value ``full``."""
+    parameter's value ``full``: straight through its C launcher where ``_direct`` knows the launcher's form."""
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    kernel.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
-               None, None, None, *full)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    direct = _DIRECT.get(kernel)
+    if direct is None:
+        direct = _DIRECT[kernel] = _direct(kernel)
+    if direct is False:
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
+        return
+    launch, options, descs = direct
+    if descs:
+        full = _expand_descriptors(full, descs)
+    launch(grid[0], g1, g2, stream, kernel.function, *options, kernel.packed_metadata, None, None, None, *full)
+
+
+_DIRECT: Dict[Any, Any] = {}  # compiled kernel -> _direct(kernel)
+_EXPANDED: Dict[int, tuple] = {}  # id of a tensor descriptor -> (weak reference to it, its metadata, its arguments)
+
+
+def _direct(kernel):
+    """``(C launch, (cooperative, pdl, None, None), ((position, metadata) of each tensor-descriptor parameter))``
+    for a compiled kernel whose launcher is Triton's ``CudaLauncher`` without scratch memory, else False.
+
+    Triton's ``CudaLauncher.__call__`` allocates no scratch for such a kernel, and where the kernel takes tensor
+    descriptors its wrapper walks every argument in Python and encodes each descriptor's TMA map at every launch:
+    host time a short prefill layer pays at each of its launches. Calling the C launch with the descriptors'
+    arguments encoded once per descriptor object (``_expand_descriptors``) launches the same kernel."""
+    launcher = kernel.run
+    if type(launcher).__name__ != "CudaLauncher" or launcher.global_scratch_size or launcher.profile_scratch_size:
+        return False
+    launch = launcher.launch
+    descs: tuple = ()
+    if getattr(launch, "__name__", "") == "inner":  # driver.wrap_handle_tensordesc's wrapper
+        names = launch.__code__.co_freevars
+        cells = dict(zip(names, (c.cell_contents for c in launch.__closure__ or ())))
+        if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+            return False
+        meta = list(cells["tensordesc_meta"] or [None] * len(cells["tensordesc_indices"]))
+        descs = tuple(zip(sorted(cells["tensordesc_indices"]), meta))
+        launch = cells["launcher"]
+    elif not callable(launch) or hasattr(launch, "__code__"):  # a Python wrapper of a form not known here
+        return False
+    return launch, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None), descs
+
+
+def _expand_descriptors(full: tuple, descs: tuple) -> tuple:
+    """``full`` with each tensor descriptor at the positions ``descs`` names replaced by its launch arguments
+    (``driver.make_tensordesc_arg``), encoded once per live descriptor object and metadata (the descriptor keeps
+    its base tensor, whose memory a kept descriptor's owner never moves; held weakly here, so that a cache freed by
+    its engine is freed)."""
+    parts, start = [], 0
+    for pos, meta in descs:
+        desc = full[pos]
+        kept = _EXPANDED.get(id(desc))
+        if kept is None or kept[0]() is not desc or kept[1] is not meta:
+            if len(_EXPANDED) >= 4096:
+                _EXPANDED.clear()
+            kept = _EXPANDED[id(desc)] = (weakref.ref(desc), meta, tuple(make_tensordesc_arg(desc, meta)))
+        parts.append(full[start:pos])
+        parts.append(kept[2])
+        start = pos + 1
+    parts.append(full[start:])
+    return sum(parts, ())
 
 
 def _getter(indices: list):

@@ -151,3 +151,40 @@ def test_bound_launch_replays_in_a_cuda_graph_and_refuses_a_wrong_count():
         bound(x, y)
     with pytest.raises(TypeError, match="runtime parameters"):
         _axpy_kernel.bind((8,), 3, (512, 0, 1.0, 64))  # BLOCK is a constexpr: a keyword
+
+
+@cached_launch
+@triton.jit
+def _tile_copy_kernel(desc, out_ptr, scale, BLOCK: tl.constexpr):
+    """``out[rows of program i] = scale * desc`` over a ``[BLOCK, BLOCK]`` tile loaded through a tensor descriptor."""
+    r0 = tl.program_id(0) * BLOCK
+    x = desc.load([r0, 0]).to(tl.float32)
+    offs = r0 + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :], x * scale)
+
+
+def test_direct_launches_encode_each_descriptor_once_and_match_torch():
+    """On Hopper, a kept variant's launch calls the C launcher directly (``launcher._direct``), each tensor
+    descriptor's arguments encoded at its first launch only; launches over two descriptors, alternated, read each
+    its own tensor, and a new descriptor object over changed memory is encoded anew."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from dash_core.kernels import launcher
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor descriptors need sm_90")
+    block = 32
+    a, b = (torch.randn(4 * block, block, device="cuda") for _ in range(2))
+    descs = [TensorDescriptor.from_tensor(x, [block, block]) for x in (a, b)]
+    out = torch.empty_like(a)
+    for rep in range(3):
+        for x, desc in zip((a, b), descs):
+            _tile_copy_kernel[(4,)](desc, out, 2.0, BLOCK=block)
+            torch.testing.assert_close(out, 2.0 * x)
+    compiled = next(iter(_tile_copy_kernel._compiled.values()))
+    direct = launcher._DIRECT[compiled]
+    assert direct is not False and [pos for pos, _ in direct[2]] == [0]
+    assert all(launcher._EXPANDED[id(d)][0]() is d for d in descs)
+    c = torch.randn(4 * block, block, device="cuda")
+    _tile_copy_kernel[(4,)](TensorDescriptor.from_tensor(c, [block, block]), out, -1.0, BLOCK=block)
+    torch.testing.assert_close(out, -c)

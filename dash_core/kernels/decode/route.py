@@ -119,10 +119,10 @@ def _select_unit(
     RK: tl.constexpr, RCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Unit u of request i of ``_decode_select_kernel``."""
+    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)  # (no launch writes seq_lens)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
     offs_r = tl.arange(0, NH_PAD)
     offs_s = tl.arange(0, NS_PAD)
     rows = u * NROWS + offs_r
