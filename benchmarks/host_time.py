@@ -19,6 +19,7 @@ where a GPU pays Triton's whole binding. The figures compare revisions on one ma
     python benchmarks/host_time.py                             # 1 x 256, 1 x 2k, 16 x 1k: host time a layer
     python benchmarks/host_time.py --cases 1x2048 --profile    # where it goes (cProfile, cumulative)
     python benchmarks/host_time.py --layout vllm               # vLLM's head-major cache
+    python benchmarks/host_time.py --tune gluon_min_tiles=0    # a kernel setting beside the defaults
     python benchmarks/host_time.py --cuda [--profile]          # on a GPU: the real launches (synchronised before
                                                                #   each step, not after), what the stand-ins leave out
 """
@@ -49,7 +50,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dash_core import DashParams, ops  # noqa: E402
 from dash_core.kernels.launcher import CachedLaunch  # noqa: E402
+from dash_core.kernels.prefill.config import PrefillConfig  # noqa: E402
 from dash_core.workspace import PrefillWorkspace  # noqa: E402
+from common import tune_configs  # noqa: E402
 from prefill import Layers, Prompt  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -106,10 +109,10 @@ def build(batch: int, n: int, layers: int, layout: str, device: torch.device = C
                                                                                 scaling_factor=1.0)
 
 
-def step(layers, tables, params) -> None:
-    """One engine step: every layer's call, sharing one workspace."""
+def step(layers, tables, params, config=None) -> None:
+    """One engine step: every layer's call, sharing one workspace (of ``config``: the default when None)."""
     bt, cu, seq, slots = tables
-    ws = PrefillWorkspace()
+    ws = PrefillWorkspace(config)
     for q, k, v, cache, head_cls, out in layers:
         ops.paged_dash_prefill(q, k, v, cache, bt, cu, seq, slots, head_cls, params, out=out, workspace=ws)
 
@@ -124,7 +127,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sort", default="cumulative", help="the profile's order (pstats: cumulative, tottime, ...)")
     ap.add_argument("--cuda", action="store_true",
                     help="launch for real on the GPU (synchronised before each step, so each issues to an idle GPU)")
+    ap.add_argument("--tune", action="append", default=[],
+                    help="PrefillConfig settings timed after the defaults, e.g. --tune gluon_min_tiles=0 (the profile "
+                         "takes the last)")
     a = ap.parse_args(argv)
+    tunings = tune_configs(a.tune, PrefillConfig())
     cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
     device = torch.device("cuda") if a.cuda else CPU
     if a.cuda and not torch.cuda.is_available():
@@ -134,30 +141,31 @@ def main(argv=None) -> int:
     sync = torch.cuda.synchronize if a.cuda else (lambda: None)
     for batch, n in cases:
         built = build(batch, n, a.layers, a.layout, device)
-        for _ in range(3):  # variants "compiled", plans and kept cache arguments made
-            step(*built)
-        LAUNCHES.clear()
-        if a.profile:
-            prof = cProfile.Profile()
+        for tag, config in tunings[-1:] if a.profile else tunings:
+            for _ in range(3):  # variants "compiled", plans and kept cache arguments made
+                step(*built, config)
+            LAUNCHES.clear()
+            if a.profile:
+                prof = cProfile.Profile()
+                for _ in range(a.steps):
+                    sync()
+                    prof.enable()
+                    step(*built, config)
+                    prof.disable()
+                pstats.Stats(prof, stream=sys.stdout).sort_stats(a.sort).print_stats(30)
+                return 0
+            per_layer = []
             for _ in range(a.steps):
                 sync()
-                prof.enable()
-                step(*built)
-                prof.disable()
-            pstats.Stats(prof, stream=sys.stdout).sort_stats(a.sort).print_stats(30)
-            return 0
-        per_layer = []
-        for _ in range(a.steps):
+                t0 = time.perf_counter()
+                step(*built, config)
+                per_layer.append((time.perf_counter() - t0) / a.layers * 1e6)
+            launches = {name: count // a.steps if count % a.steps == 0 else count / a.steps
+                        for name, count in sorted(LAUNCHES.items())}
             sync()
-            t0 = time.perf_counter()
-            step(*built)
-            per_layer.append((time.perf_counter() - t0) / a.layers * 1e6)
-        launches = {name: count // a.steps if count % a.steps == 0 else count / a.steps
-                    for name, count in sorted(LAUNCHES.items())}
-        sync()
-        where = "cuda" if a.cuda else f"launches a step: {launches}"
-        print(f"{batch} x {n}, {a.layers} layers, {a.layout}: {min(per_layer):.1f} us a layer (min of {a.steps} steps; "
-              f"median {statistics.median(per_layer):.1f}); {where}", flush=True)
+            where = "cuda" if a.cuda else f"launches a step: {launches}"
+            print(f"{batch} x {n}, {a.layers} layers, {a.layout}{tag}: {min(per_layer):.1f} us a layer (min of "
+                  f"{a.steps} steps; median {statistics.median(per_layer):.1f}); {where}", flush=True)
     return 0
 
 

@@ -54,7 +54,8 @@ def test_prefill_serving_smoke_writes_the_step_rows(tmp_path):
 
 
 def _host_time(*args) -> dict:
-    """``host_time.py ARGS`` (compiled path: no interpreter): ``{"B x N": launches a step by kernel}``."""
+    """``host_time.py ARGS`` (compiled path: no interpreter): ``{"B x N, L layers, LAYOUT[ TUNING]": launches a
+    step by kernel}``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(BENCHMARKS / "host_time.py"), "--steps", "2", *args],
                        cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=600)
@@ -62,7 +63,7 @@ def _host_time(*args) -> dict:
     out = {}
     for line in r.stdout.splitlines():
         assert float(line.split(": ")[1].split(" us")[0]) > 0
-        out[line.split(",")[0]] = ast.literal_eval(line.split("launches a step: ")[1])
+        out[line.split(": ")[0]] = ast.literal_eval(line.split("launches a step: ")[1])
     return out
 
 
@@ -72,7 +73,12 @@ def test_host_time_launches_every_kernel_of_a_layer():
     after the warm-up is a kept one. A path taken elsewhere (the PyTorch path, a stand-in that no longer reaches the
     launch, a launch through Triton's JIT: ``name (jit)``) changes these counts."""
     per_layer = {"_kv_rows_kernel": 3, "_prefill_route_kernel": 3, "_prefill_attn_kernel": 3, "_tile_tables_kernel": 1}
-    assert _host_time("--cases", "1x256,2x640", "--layers", "3") == {"1 x 256": per_layer, "2 x 640": per_layer}
+    assert _host_time("--cases", "1x256,2x640", "--layers", "3") == {"1 x 256, 3 layers, sglang": per_layer,
+                                                                     "2 x 640, 3 layers, sglang": per_layer}
+    with_gluon = {"_kv_rows_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1, "_tile_tables_kernel": 1,
+                  "prefill_attn_ws": 1}
     assert _host_time("--cases", "16x1024", "--layers", "1", "--layout", "vllm") == {
-        "16 x 1024": {"_kv_rows_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1,
-                      "_tile_tables_kernel": 1, "prefill_attn_ws": 1}}
+        "16 x 1024, 1 layers, vllm": with_gluon}
+    without = {name: count for name, count in with_gluon.items() if name != "prefill_attn_ws"}
+    assert _host_time("--cases", "1x256", "--layers", "1", "--tune", "gluon_min_tiles=0") == {  # a setting beside
+        "1 x 256, 1 layers, sglang": without, "1 x 256, 1 layers, sglang gluon_min_tiles=0": with_gluon}

@@ -357,6 +357,15 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
         TJ=max(16, min(pow2(s.sel_idx.shape[2]), cfg.union_list_tile // plan.qt)),
         UCH=cfg.union_chunk if one_block else max(cfg.union_chunk_gather, block_u // bs), ONE_BLOCK=one_block,
         num_warps=cfg.attn_warps if d <= 128 else 2 * cfg.attn_warps, num_stages=cfg.attn_stages)
+    ws_kernel = None
+    if gluon_wanted and gluon.HAVE_GLUON:
+        gc = cfg.gluon
+        ws_kernel = bind_launch(
+            gluon.prefill_attn_ws, (min(sm_count(q.device), cdiv(tiles * hkv, gc.warpgroups)),), gluon.WS_LEAD,
+            (s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
+             spr[1], qk_scale, g, tiles, t, hkv, s.ws_counter),
+            QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
+            VST=gc.v_slots, REGS=gc.regs, num_warps=4, maxnreg=gc.regs)
 
     def attend(q: torch.Tensor, cache: PagedKVCache, bt: torch.Tensor, out: torch.Tensor) -> None:
         kp, vp = cache.k_pages, cache.v_pages
@@ -370,15 +379,9 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
                *(gluon.union_rows(geo, bs) if ws else (cache.page_size // bs, 1, 0)), bt, bt.stride(0),
                TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]), UNION_ONLY=ws)
         if ws:
-            gc = cfg.gluon
             k_desc, v_desc = gluon.kv_block_descriptors(cache, bs, geo)
-            gluon.prefill_attn_ws[(min(sm_count(q.device), cdiv(tiles * hkv, gc.warpgroups)),)](
-                q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc, v_desc,
-                s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
-                spr[1], out, so[0], so[1], qk_scale, g, tiles, t, hkv, s.ws_counter,
-                geo[2],
-                QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
-                VST=gc.v_slots, REGS=gc.regs, num_warps=4, maxnreg=gc.regs)
+            ws_kernel(q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc,
+                      v_desc, out, so[0], so[1], geo[2])
 
     return attend
 

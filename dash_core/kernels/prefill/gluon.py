@@ -41,6 +41,7 @@ except ImportError:  # a Triton without Gluon: the Triton kernel serves
     HAVE_GLUON = False
 
 ROWS = 64  # query rows of a tile
+WS_LEAD = 19  # prefill_attn_ws's leading arguments, a layer's own: queries, K/V, table, descriptors, output, columns
 
 
 def kv_rows(cache) -> Optional[tuple]:
@@ -317,15 +318,17 @@ if HAVE_GLUON:
     @cached_launch
     @gluon.jit(do_not_specialize=["tiles", "num_tokens", "G"])  # no compile per prompt length
     def prefill_attn_ws(q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, bt_ptr, sbt_n,
-                        k_desc, v_desc, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
-                        o_ptr, so_t, so_h, qk_scale, G, tiles, num_tokens, HKV, counter_ptr, cols_ph,
+                        k_desc, v_desc, o_ptr, so_t, so_h, cols_ph,
+                        info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w, spr_h,
+                        qk_scale, G, tiles, num_tokens, HKV, counter_ptr,
                         QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                         PPB: gl.constexpr, NC: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
                         REGS: gl.constexpr):
         """Persistent grid (one program a multiprocessor): ``NC`` (3) warpgroups, each taking (tile, KV head) items
         of the wave from ``counter_ptr`` (zeroed by the union launch) and running the tile over its union
         (``union_blk``: each block's first row, ``union_prior`` and ``union_count`` of the Triton union launch) and
-        its local window; writes ``out`` as the Triton kernel does."""
+        its local window; writes ``out`` as the Triton kernel does. The parameters up to ``cols_ph`` are a layer's
+        own (``WS_LEAD``), the others its step's (``attention.bind_attention`` binds them)."""
         R: gl.constexpr = QT * G_PAD
         dt: gl.constexpr = q_ptr.dtype.element_ty
         q_all = gl.allocate_shared_memory(dt, [NC, R, D], k_desc.layout)
