@@ -30,7 +30,7 @@ import torch
 import triton
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
-from triton.backends.nvidia.driver import make_tensordesc_arg
+from triton.backends.nvidia.driver import _BASE_ARGS_FORMAT, make_tensordesc_arg
 
 from .common import interpreting
 
@@ -167,6 +167,8 @@ def _run(kernel, grid, device: int, full: tuple) -> None:
 
 
 _DIRECT: Dict[Any, Any] = {}  # compiled kernel -> _direct(kernel)
+# grid (3), stream, function, cooperative, pdl, global and profile scratch, metadata, launch metadata, two hooks
+_LAUNCH_FORMAT = "iiiKKppOOOOOO"
 _EXPANDED: Dict[int, tuple] = {}  # id of a tensor descriptor -> (weak reference to it, its metadata, its arguments)
 
 
@@ -179,7 +181,8 @@ def _direct(kernel):
     host time a short prefill layer pays at each of its launches. Calling the C launch with the descriptors'
     arguments encoded once per descriptor object (``_expand_descriptors``) launches the same kernel."""
     launcher = kernel.run
-    if type(launcher).__name__ != "CudaLauncher" or launcher.global_scratch_size or launcher.profile_scratch_size:
+    if (type(launcher).__name__ != "CudaLauncher" or launcher.global_scratch_size or launcher.profile_scratch_size
+            or _BASE_ARGS_FORMAT != _LAUNCH_FORMAT):  # the C launch's leading arguments, as _run passes them
         return False
     launch = launcher.launch
     descs: tuple = ()

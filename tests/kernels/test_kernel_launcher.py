@@ -9,6 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from dash_core.kernels import launcher  # noqa: E402
 
@@ -80,3 +81,48 @@ def test_a_bound_launch_refuses_a_kept_constexpr_and_a_wrong_count(kernel):
     bound = kernel.bind((1,), 3, (64, 0.5), BLOCK=32)
     with pytest.raises(TypeError, match="3 leading arguments"):
         bound(torch.zeros(4), torch.zeros(4))
+
+
+class CudaLauncher:
+    """Stands for Triton's ``driver.CudaLauncher`` (``launcher._direct`` knows it by its name): ``launch`` the C
+    launch, or the wrapper ``driver.wrap_handle_tensordesc`` makes for a kernel with tensor descriptors."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, launch, scratch: int = 0) -> None:
+        self.launch, self.global_scratch_size, self.profile_scratch_size = launch, scratch, 0
+
+
+def _tensordesc_wrapper(launcher, tensordesc_indices, tensordesc_meta):
+    def inner(*args):  # the name and the closure's names are what _direct reads
+        return launcher, tensordesc_indices, tensordesc_meta
+    return inner
+
+
+def test_direct_launch_takes_the_c_launch_and_the_descriptor_positions_else_falls_back():
+    class Compiled:
+        def __init__(self, run) -> None:
+            self.run = run
+
+    c_launch = len  # a builtin stands for the C launch
+    assert launcher._direct(Compiled(CudaLauncher(c_launch))) == (c_launch, (False, True, None, None), ())
+    meta = [{"a": 1}, {"b": 2}]
+    wrapped = CudaLauncher(_tensordesc_wrapper(c_launch, {15, 3}, meta))
+    assert launcher._direct(Compiled(wrapped)) == (c_launch, (False, True, None, None), ((3, meta[0]), (15, meta[1])))
+    assert launcher._direct(Compiled(CudaLauncher(lambda *a: None))) is False  # a wrapper of another form
+    assert launcher._direct(Compiled(CudaLauncher(c_launch, scratch=64))) is False  # Triton allocates its scratch
+    assert launcher._direct(Compiled(print)) is False  # not a CudaLauncher
+
+
+def test_descriptor_arguments_are_expanded_in_place_and_encoded_once_per_descriptor():
+    x = torch.zeros(64, 32)
+    desc = TensorDescriptor.from_tensor(x, [16, 32])
+    full = ("q", desc, 5, desc)
+    out = launcher._expand_descriptors(full, ((1, None), (3, None)))
+    args = (x, 64, 32, 32, 1, False, 64, 32, 32, 1)  # driver.make_tensordesc_arg without metadata
+    assert out == ("q", *args, 5, *args)
+    kept = launcher._EXPANDED[id(desc)][2]
+    again = launcher._expand_descriptors(full, ((1, None), (3, None)))
+    assert again == out and launcher._EXPANDED[id(desc)][2] is kept  # not encoded again
+    other = TensorDescriptor.from_tensor(torch.ones(32, 32), [16, 32])
+    assert launcher._expand_descriptors(("q", other), ((1, None),))[1:4] == (other.base, 32, 32)
