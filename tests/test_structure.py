@@ -110,16 +110,23 @@ def _decorator_names(node) -> set:
 
 
 def test_every_launched_kernel_has_a_cached_launch():
-    """A kernel launched as ``kernel[grid](...)`` without ``@cached_launch`` pays Triton's per-call binding."""
+    """A kernel launched as ``kernel[grid](...)`` or bound by ``bind_launch(kernel, ...)`` without
+    ``@cached_launch`` pays Triton's per-call binding."""
     kernels, launched = {}, set()
+
+    def name(target) -> str:
+        return target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+
     for path in modules("dash_core").values():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and "jit" in _decorator_names(node):
                 kernels[node.name] = _decorator_names(node)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
-                target = node.func.value
-                launched.add(target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", ""))
+                launched.add(name(node.func.value))
+            if isinstance(node, ast.Call) and name(node.func) == "bind_launch" and node.args:
+                launched.add(name(node.args[0]))
     found = launched & set(kernels)
-    assert len(found) >= 10, f"the kernel launches were not found: {sorted(found)}"
+    bound = {"_prefill_route_kernel", "_prefill_attn_kernel", "prefill_attn_ws"}
+    assert len(found) >= 12 and bound <= found, f"the kernel launches were not found: {sorted(found)}"
     bare = sorted(name for name in found if "cached_launch" not in kernels[name])
     assert not bare, f"launched without @cached_launch: {bare}"
