@@ -11,7 +11,9 @@ launches it directly. The specialisations are Triton's own (``native_specialize_
 flags, what its binder computes), so a call reuses a compiled kernel exactly when Triton's cache would and compiles
 where Triton would. A key's first call, and every call while launch hooks are set (a profiler) or under the
 interpreter, goes through ``JITFunction.run``. What this skips, and so does not watch: the globals check (the
-kernels' globals are constants) and changes of Triton's debug knobs after a kernel's first launch.
+kernels' globals are constants) and changes of Triton's debug knobs after a kernel's first launch. A kept variant
+launches through Triton's C launcher directly (``_direct``), each tensor descriptor's arguments encoded once per
+descriptor object, where Triton's Python wrapper around it would walk every argument and encode every descriptor.
 
 ``CachedLaunch.bind`` goes one step further for launches that repeat with most of their arguments unchanged (the
 layers of an engine step: the same step tensors, scratch and constexprs, each layer its own queries, cache and
