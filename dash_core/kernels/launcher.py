@@ -32,7 +32,7 @@ import torch
 import triton
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
-from triton.backends.nvidia.driver import _BASE_ARGS_FORMAT, make_tensordesc_arg
+from triton.backends.nvidia import driver as nvidia_driver
 
 from .common import interpreting
 
@@ -184,7 +184,8 @@ def _direct(kernel):
     arguments encoded once per descriptor object (``_expand_descriptors``) launches the same kernel."""
     launcher = kernel.run
     if (type(launcher).__name__ != "CudaLauncher" or launcher.global_scratch_size or launcher.profile_scratch_size
-            or _BASE_ARGS_FORMAT != _LAUNCH_FORMAT):  # the C launch's leading arguments, as _run passes them
+            or getattr(nvidia_driver, "_BASE_ARGS_FORMAT", None) != _LAUNCH_FORMAT  # the C launch's first arguments
+            or not hasattr(nvidia_driver, "make_tensordesc_arg")):  # (other Triton versions: Triton's own path)
         return False
     launch = launcher.launch
     descs: tuple = ()
@@ -203,7 +204,7 @@ def _direct(kernel):
 
 def _expand_descriptors(full: tuple, descs: tuple) -> tuple:
     """``full`` with each tensor descriptor at the positions ``descs`` names replaced by its launch arguments
-    (``driver.make_tensordesc_arg``), encoded once per live descriptor object and metadata (the descriptor keeps
+    (``nvidia_driver.make_tensordesc_arg``), encoded once per live descriptor object and metadata (the descriptor keeps
     its base tensor, whose memory a kept descriptor's owner never moves; held weakly here, so that a cache freed by
     its engine is freed)."""
     parts, start = [], 0
@@ -213,7 +214,8 @@ def _expand_descriptors(full: tuple, descs: tuple) -> tuple:
         if kept is None or kept[0]() is not desc or kept[1] is not meta:
             if len(_EXPANDED) >= 4096:
                 _EXPANDED.clear()
-            kept = _EXPANDED[id(desc)] = (weakref.ref(desc), meta, tuple(make_tensordesc_arg(desc, meta)))
+            kept = _EXPANDED[id(desc)] = (weakref.ref(desc), meta,
+                                          tuple(nvidia_driver.make_tensordesc_arg(desc, meta)))
         parts.append(full[start:pos])
         parts.append(kept[2])
         start = pos + 1
