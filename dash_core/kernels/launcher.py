@@ -204,20 +204,25 @@ def _direct(kernel):
 
 def _expand_descriptors(full: tuple, descs: tuple) -> tuple:
     """``full`` with each tensor descriptor at the positions ``descs`` names replaced by its launch arguments
-    (``nvidia_driver.make_tensordesc_arg``), encoded once per live descriptor object and metadata (the descriptor keeps
-    its base tensor, whose memory a kept descriptor's owner never moves; held weakly here, so that a cache freed by
-    its engine is freed)."""
+    (``nvidia_driver.make_tensordesc_arg``). A TMA map (metadata given) is encoded once per live descriptor object
+    and metadata: the descriptor keeps its base tensor, whose memory a kept descriptor's owner never moves, and is
+    held weakly here, so that a cache freed by its engine is freed. Without metadata the arguments hold the base
+    tensor itself and cost no encoding: made at each launch, never kept."""
     parts, start = [], 0
     for pos, meta in descs:
         desc = full[pos]
-        kept = _EXPANDED.get(id(desc))
-        if kept is None or kept[0]() is not desc or kept[1] is not meta:
-            if len(_EXPANDED) >= 4096:
-                _EXPANDED.clear()
-            kept = _EXPANDED[id(desc)] = (weakref.ref(desc), meta,
-                                          tuple(nvidia_driver.make_tensordesc_arg(desc, meta)))
+        if meta is None:
+            args = tuple(nvidia_driver.make_tensordesc_arg(desc, None))
+        else:
+            kept = _EXPANDED.get(id(desc))
+            if kept is None or kept[0]() is not desc or kept[1] is not meta:
+                if len(_EXPANDED) >= 4096:
+                    _EXPANDED.clear()
+                kept = _EXPANDED[id(desc)] = (weakref.ref(desc), meta,
+                                              tuple(nvidia_driver.make_tensordesc_arg(desc, meta)))
+            args = kept[2]
         parts.append(full[start:pos])
-        parts.append(kept[2])
+        parts.append(args)
         start = pos + 1
     parts.append(full[start:])
     return sum(parts, ())

@@ -114,15 +114,31 @@ def test_direct_launch_takes_the_c_launch_and_the_descriptor_positions_else_fall
     assert launcher._direct(Compiled(print)) is False  # not a CudaLauncher
 
 
-def test_descriptor_arguments_are_expanded_in_place_and_encoded_once_per_descriptor():
+def test_descriptor_arguments_are_expanded_in_place_and_encoded_once_per_descriptor(monkeypatch):
+    """A descriptor with TMA metadata is encoded at its first launch only (a new descriptor object, or other metadata,
+    anew) and held weakly; one without metadata expands to arguments holding its base tensor, never kept."""
+    encoded = []
+
+    def encode(desc, meta):  # stands for the driver's TMA encoding (it needs a GPU)
+        encoded.append(id(desc))  # (not the object: the test checks that nothing else holds it)
+        return ["map", *desc.shape] if meta is not None else [desc.base, *desc.shape]
+
+    monkeypatch.setattr(launcher.nvidia_driver, "make_tensordesc_arg", encode)
+    meta, other_meta = {"swizzle": 128}, {"swizzle": 64}
     x = torch.zeros(64, 32)
     desc = TensorDescriptor.from_tensor(x, [16, 32])
     full = ("q", desc, 5, desc)
-    out = launcher._expand_descriptors(full, ((1, None), (3, None)))
-    args = (x, 64, 32, 32, 1, False, 64, 32, 32, 1)  # driver.make_tensordesc_arg without metadata
-    assert out == ("q", *args, 5, *args)
-    kept = launcher._EXPANDED[id(desc)][2]
-    again = launcher._expand_descriptors(full, ((1, None), (3, None)))
-    assert again == out and launcher._EXPANDED[id(desc)][2] is kept  # not encoded again
+    out = launcher._expand_descriptors(full, ((1, meta), (3, meta)))
+    assert out == ("q", "map", 64, 32, 5, "map", 64, 32) and encoded == [id(desc)]
+    assert launcher._expand_descriptors(full, ((1, meta), (3, meta))) == out and encoded == [id(desc)]
+    launcher._expand_descriptors(("q", desc), ((1, other_meta),))
     other = TensorDescriptor.from_tensor(torch.ones(32, 32), [16, 32])
-    assert launcher._expand_descriptors(("q", other), ((1, None),))[1:4] == (other.base, 32, 32)
+    assert launcher._expand_descriptors(("q", other), ((1, meta),)) == ("q", "map", 32, 32)
+    assert encoded == [id(desc), id(desc), id(other)]
+    ref = launcher._EXPANDED[id(other)][0]
+    del other
+    assert ref() is None  # held weakly
+    plain = launcher._expand_descriptors(("q", desc), ((1, None),))
+    assert plain == ("q", x, 64, 32) and plain[1] is x and len(encoded) == 4
+    launcher._expand_descriptors(("q", desc), ((1, None),))
+    assert len(encoded) == 5  # made again: never kept
