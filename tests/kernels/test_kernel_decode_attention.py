@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from dash_core import DashParams
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
+from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.reference import Routing, attend
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import make_scenario, oracle_route, write_decode_token_torch
@@ -50,9 +51,9 @@ def fill_selection(sc, bufs) -> list:
     return routings
 
 
-def check_attention(sc, splits) -> None:
+def check_attention(sc, splits, config=None) -> None:
     write_decode_token_torch(sc)
-    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, sc.params, splits=(1, splits))
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, sc.params, splits=(1, splits), config=config)
     routings = fill_selection(sc, bufs)
     out = torch.full_like(sc.q, float("nan"))
     decode_launch.attend(sc.q, sc.cache, sc.block_table, sc.seq_lens, sc.params, bufs, out)
@@ -84,12 +85,31 @@ def test_attention_matches_oracle(seed, lens, router, topk, est, sigma, local_bl
     check_attention(sc, splits)
 
 
-def test_attention_head_dims_and_block_sizes():
-    """Head sizes 128 and 256 (several K/V sub-tiles per block), block size 64, G = 8."""
+def test_attention_head_dims_block_sizes_and_tiles():
+    """Head sizes 128 and 256, block size 64 and 32, G = 8; a block in one K/V tile, and in 2 or 4
+    (``DecodeConfig.attn_tile_elements``), the causal limit inside a later tile of the local block."""
     for d, bs in ((128, 64), (256, 32)):
         p = DashParams(block_size=bs, topk=2, scaling_factor=1.0)
-        sc = make_scenario(5, [5 * bs + 3, bs, 0], hq=16, hkv=2, d=d, bs=bs, params=p).to(DEV)
-        check_attention(sc, 2)
+        sc = make_scenario(5, [5 * bs + 3, bs, 0, 3 * bs + bs // 2 + 5], hq=16, hkv=2, d=d, bs=bs, params=p).to(DEV)
+        for keys in (bs, bs // 2, 16):
+            check_attention(sc, 2, DecodeConfig(attn_tile_elements=keys * d))
+
+
+def test_splits_rounded_up_or_to_fit():
+    """``DecodeBuffers.splits``: a row's score and attention splits rounded up from the programs a launch aims at,
+    or down where ``score_splits_fit`` / ``attn_splits_fit`` (rows x splits within them); each at least 1 and
+    within its other bounds."""
+    def splits(n, **kw):
+        return DecodeBuffers.allocate(n, 32, 8, 128, 64, 2048, DashParams(topk=64), "cpu", num_sms=132,
+                                      config=DecodeConfig(**kw)).splits(n)
+
+    assert splits(8) == (9, 9)  # 64 rows for 4 x 132 programs: 8.25 a row
+    assert splits(8, score_splits_fit=True, attn_splits_fit=True) == (8, 8)
+    assert splits(8, attn_splits_fit=True) == (9, 8)
+    assert splits(1) == splits(1, score_splits_fit=True, attn_splits_fit=True) == (32, 33)  # candidates, blocks
+    assert splits(32) == (2, 3)  # 256 rows: 2 (4) x 132 programs
+    assert splits(32, score_splits_fit=True, attn_splits_fit=True) == (1, 2)
+    assert splits(80, attn_splits_fit=True) == (1, 1)  # 640 rows: more than the programs, still one split
 
 
 def test_wide_batches_take_the_deeper_attention_pipeline():

@@ -133,7 +133,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                      *, num_splits: int, pdl: bool = False, warps: int = 4, stages: int = 2,
-                     maxnreg: int = 0) -> torch.Tensor:
+                     maxnreg: int = 0, tile_elements: int = 8192) -> torch.Tensor:
     """Sparse attention of one decode token per request (two launches, no synchronisation).
 
     q: ``[n, Hq, D]``; k_pages, v_pages: ``[pages, page_size, Hkv, D]`` (strided, last dim
@@ -142,7 +142,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     ``sel_count [>= n, Hsel]``. Scratch: o_part ``[>= n * num_splits, Hq, D]`` fp32, lse_part
     ``[>= n * num_splits, Hq]`` fp32. pdl: each launch is the programmatic dependent of the one before it (the
     select launch, then the split launch; ``common.pdl_supported``). warps, stages, maxnreg: the split launch's
-    ``num_warps``, ``num_stages`` and register cap (0: none; ``DecodeBuffers.attn_stages``, ``attn_maxnreg``).
+    ``num_warps``, ``num_stages`` and register cap (0: none; ``DecodeBuffers.attn_stages``, ``attn_maxnreg``);
+    tile_elements: of its K (and V) tiles (``DecodeConfig.attn_tile_elements``).
     Writes ``out [n, Hq, D]`` (query dtype) and returns it.
     """
     n, hq, d = q.shape
@@ -152,7 +153,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     g = hq // hkv
     bs = params.block_size
     shared = params.router == "shared"
-    block_t = min(bs, max(16, 8192 // d))
+    block_t = min(bs, max(16, tile_elements // d))
     _decode_attn_split_kernel[(n, hkv, num_splits)](
         q, q.stride(0), q.stride(1), k_pages, v_pages, k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),

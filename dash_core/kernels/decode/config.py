@@ -17,9 +17,13 @@ class DecodeConfig:
         over a request's candidates for occupancy). score_programs_per_sm: score programs a multiprocessor gets before
         a (request, KV head) is split no further, where a batch has at most as many (request, KV head) rows as the
         GPU has multiprocessors; score_programs_per_sm_wide: the same beyond that.
+    score_splits_fit, attn_splits_fit: the score (attention) splits of a row rounded down instead of up, so that a
+        launch's programs fit ``score_programs_per_sm`` (``attn_programs_per_sm``) a multiprocessor.
     attn_split_max: the most splits of one request's attention.
     attn_programs_per_sm: attention programs a multiprocessor gets before a (request, KV head) is split no further.
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
+    attn_tile_elements: elements of a split attention program's K (and V) tile: ``min(block_size, max(16, this //
+        D))`` keys a tile.
     attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch; attn_stages_wide its
         ``num_stages`` where a batch has more (request, KV head) rows than the GPU has multiprocessors.
     attn_maxnreg: registers a thread of a split attention program may use with ``attn_stages`` at head dim 128 (0:
@@ -45,9 +49,12 @@ class DecodeConfig:
     score_split_min_candidates: int = 64
     score_programs_per_sm: int = 4
     score_programs_per_sm_wide: int = 2
+    score_splits_fit: bool = False
+    attn_splits_fit: bool = False
     attn_split_max: int = 64
     attn_programs_per_sm: int = 4
     attn_split_min_blocks: int = 2
+    attn_tile_elements: int = 8192
     attn_warps: int = 4
     attn_stages: int = 2
     attn_stages_wide: int = 3

@@ -52,7 +52,8 @@ def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_
     return decode_attention(q, cache.k_pages, cache.v_pages, block_table, seq_lens, params, b.sel_blk, b.sel_bias,
                             b.sel_count, b.o_part, b.lse_part, out, num_splits=nsa,
                             pdl=b.config.pdl and pdl_supported(q.device), warps=b.config.attn_warps,
-                            stages=b.attn_stages(q.shape[0]), maxnreg=b.attn_maxnreg(q.shape[0]))
+                            stages=b.attn_stages(q.shape[0]), maxnreg=b.attn_maxnreg(q.shape[0]),
+                            tile_elements=b.config.attn_tile_elements)
 
 
 def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
