@@ -95,23 +95,6 @@ def test_attention_head_dims_block_sizes_and_tiles():
             check_attention(sc, 2, DecodeConfig(attn_tile_elements=keys * d))
 
 
-def test_splits_rounded_up_or_to_fit():
-    """``DecodeBuffers.splits``: a row's score and attention splits rounded up from the programs a launch aims at,
-    or down where ``score_splits_fit`` / ``attn_splits_fit`` (rows x splits within them); each at least 1 and
-    within its other bounds."""
-    def splits(n, **kw):
-        return DecodeBuffers.allocate(n, 32, 8, 128, 64, 2048, DashParams(topk=64), "cpu", num_sms=132,
-                                      config=DecodeConfig(**kw)).splits(n)
-
-    assert splits(8) == (9, 9)  # 64 rows for 4 x 132 programs: 8.25 a row
-    assert splits(8, score_splits_fit=True, attn_splits_fit=True) == (8, 8)
-    assert splits(8, attn_splits_fit=True) == (9, 8)
-    assert splits(1) == splits(1, score_splits_fit=True, attn_splits_fit=True) == (32, 33)  # candidates, blocks
-    assert splits(32) == (2, 3)  # 256 rows: 2 (4) x 132 programs
-    assert splits(32, score_splits_fit=True, attn_splits_fit=True) == (1, 2)
-    assert splits(80, attn_splits_fit=True) == (1, 1)  # 640 rows: more than the programs, still one split
-
-
 def test_wide_batches_take_the_deeper_attention_pipeline():
     """``DecodeBuffers.attn_stages``: ``attn_stages_wide`` once a batch's (request, KV head) rows outnumber the
     multiprocessors (2 KV heads, 4 multiprocessors: 2 requests fill them, 3 do not fit), ``attn_stages`` below;

@@ -68,10 +68,9 @@ class DecodeBuffers:
             return fixed
         rows = max(1, n * hkv)
         per_sm = config.score_programs_per_sm_wide if _wide(n, hkv, num_sms) else config.score_programs_per_sm
-        nsr = max(1, min(_share(per_sm * num_sms, rows, config.score_splits_fit),
-                         cdiv(max_cand, config.score_split_min_candidates)))
-        nsa = max(1, min(_share(config.attn_programs_per_sm * num_sms, rows, config.attn_splits_fit),
-                         config.attn_split_max, cdiv(local_blocks + cap, config.attn_split_min_blocks)))
+        nsr = max(1, min(cdiv(per_sm * num_sms, rows), cdiv(max_cand, config.score_split_min_candidates)))
+        nsa = max(1, min(cdiv(config.attn_programs_per_sm * num_sms, rows), config.attn_split_max,
+                         cdiv(local_blocks + cap, config.attn_split_min_blocks)))
         return nsr, nsa
 
     def splits(self, n: int) -> tuple:
@@ -172,9 +171,3 @@ def _wide(n: int, hkv: int, num_sms: int) -> bool:
     """A batch of ``n`` rows has more (request, KV head) rows than the GPU has multiprocessors: the score launch
     splits less and the split attention takes the deeper pipeline."""
     return n * hkv > num_sms
-
-
-def _share(programs: int, rows: int, fit: bool) -> int:
-    """Splits of each of ``rows`` rows for about ``programs`` programs: rounded up, or down where ``fit`` (all of
-    them then fit ``programs``, one wave where that is what a launch's multiprocessors hold)."""
-    return programs // rows if fit else cdiv(programs, rows)

@@ -17,8 +17,6 @@ class DecodeConfig:
         over a request's candidates for occupancy). score_programs_per_sm: score programs a multiprocessor gets before
         a (request, KV head) is split no further, where a batch has at most as many (request, KV head) rows as the
         GPU has multiprocessors; score_programs_per_sm_wide: the same beyond that.
-    score_splits_fit, attn_splits_fit: the score (attention) splits of a row rounded down instead of up, so that a
-        launch's programs fit ``score_programs_per_sm`` (``attn_programs_per_sm``) a multiprocessor.
     attn_split_max: the most splits of one request's attention.
     attn_programs_per_sm: attention programs a multiprocessor gets before a (request, KV head) is split no further.
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
@@ -49,8 +47,6 @@ class DecodeConfig:
     score_split_min_candidates: int = 64
     score_programs_per_sm: int = 4
     score_programs_per_sm_wide: int = 2
-    score_splits_fit: bool = False
-    attn_splits_fit: bool = False
     attn_split_max: int = 64
     attn_programs_per_sm: int = 4
     attn_split_min_blocks: int = 2
