@@ -31,7 +31,7 @@ class GluonConfig:
     v_slots: int = 2
     regs: int = 168
     min_candidates: int = 256
-    min_tiles: int = 512
+    min_tiles: int = 256
 
     def wanted(self, max_cand: int, tiles: int) -> bool:
         """Whether a wave of ``tiles`` tiles over block tables of ``max_cand`` candidates takes the Gluon launch
