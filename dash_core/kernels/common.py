@@ -70,11 +70,6 @@ def pdl_supported(device) -> bool:
     return not interpreting() and nvidia_capability(device)[0] >= 9
 
 
-def prefetch_supported(device) -> bool:
-    """L2 prefetch hints (``prefetch_l2``): an NVIDIA GPU, compiled (the interpreter cannot run inline assembly)."""
-    return not interpreting() and nvidia_capability(device)[0] >= 8
-
-
 def pdl_launch(on: bool) -> dict:
     """The launch options of a programmatic dependent launch (none when off)."""
     return {"launch_pdl": True} if on else {}
@@ -156,27 +151,3 @@ def load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD: tl.constexpr, D: tl.cons
     heads = h * G + offs_g
     q = tl.load(q_ptr + i * sq_n + heads[:, None] * sq_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
     return q, heads, g_ok, offs_d
-
-
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask the L2 to fetch the lines at ``ptrs`` where ``mask`` (a hint: it changes no value and never faults; a
-    load of these lines after it waits less). Compiled kernels only (``prefetch_supported``)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_kv_blocks(k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, blk, ok, h,
-                       BS: tl.constexpr, PS: tl.constexpr, D: tl.constexpr):
-    """``prefetch_l2`` of the K and V rows of KV head ``h`` in physical blocks ``blk [NB]`` (where ``ok [NB]``):
-    each row's ``D`` elements, a 128-byte line at a time."""
-    ppb: tl.constexpr = PS // BS
-    step: tl.constexpr = 128 * 8 // k_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
-    lines: tl.constexpr = (D + step - 1) // step
-    page = (blk // ppb).to(tl.int64)
-    rows = ((blk % ppb) * BS)[:, None].to(tl.int64) + tl.arange(0, BS)[None, :]
-    cols = (tl.arange(0, lines) * step)[None, None, :]
-    m = ok[:, None, None] & (cols < D) & (rows >= 0)[:, :, None]  # (the pointers' shape)
-    prefetch_l2(k_ptr + (page[:, None] * sk_p + rows * sk_r + h * sk_h)[:, :, None] + cols, m)
-    prefetch_l2(v_ptr + (page[:, None] * sv_p + rows * sv_r + h * sv_h)[:, :, None] + cols, m)

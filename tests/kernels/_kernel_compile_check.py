@@ -31,7 +31,6 @@ from dash_core import DashParams
 from dash_core.kernels import kv_write
 from dash_core.kernels.decode import attention as decode_attention, route as decode_route
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.decode.launch import paged_dash_decode_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels._ptxas import ptxas_usage
@@ -111,26 +110,6 @@ def record_launches() -> dict:
                 bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132)
                 paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
             kv_write.write_prefill(k, k, cache, slots, p, hc)
-        # the L2 prefetches (DecodeConfig.attn_prefetch, select_prefetch), compiled where a GPU has them
-        prefetching = DecodeConfig(attn_prefetch=2, select_prefetch=2)
-        saved_pf = {mod: mod.prefetch_supported for mod in (decode_attention, decode_route)}
-        for mod in saved_pf:
-            mod.prefetch_supported = lambda device: True
-        try:
-            p = DashParams(block_size=64, topk=64)
-            kb = torch.zeros(4 * 64, 8, 128, dtype=torch.bfloat16)
-            cache = PagedKVCache.from_sglang(kb, kb.clone(), 64, alloc_summaries(4 * 64, 64, 8, 128, kb.dtype))
-            for n in (1, 8):
-                q = torch.zeros(n, 32, 128, dtype=kb.dtype)
-                k = torch.zeros(n, 8, 128, dtype=kb.dtype)
-                bt = torch.zeros(n, 2048, dtype=torch.int32)
-                bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132, config=prefetching)
-                paged_dash_decode_triton(q, k, k, cache, bt, torch.ones(n, dtype=torch.int32),
-                                         torch.zeros(n, dtype=torch.int64), torch.zeros(8, 128, dtype=kb.dtype), p,
-                                         buffers=bufs)
-        finally:
-            for mod, fn in saved_pf.items():
-                mod.prefetch_supported = fn
         for hi in (4, 16, 64):  # indexer models: iq [n, Hi, D] routes over the 1-head ik store (router shared)
             p = DashParams(block_size=64, topk=64)
             num_pages, ps, d = 4, 64, 128

@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..common import (LN2, LOG2E, LOG2E_F, block_page, decode_bounds, load_group_query, max_or_zero, pdl_launch,
-                      pow2, prefetch_kv_blocks, prefetch_supported, raise_max)
+                      pow2, raise_max)
 from ..launcher import cached_launch
 
 
@@ -29,7 +29,7 @@ def _decode_attn_split_kernel(
     sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     o_ptr, so_r, so_h, lse_ptr, slse_r, qk_scale, G, NSPLIT,
     G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr, PF_AHEAD: tl.constexpr,
+    LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, Hkv, NSPLIT)``: program (i, h, s) attends share s of (request i, KV head h)'s blocks.
 
@@ -39,8 +39,7 @@ def _decode_attn_split_kernel(
     ``[G_PAD, BLOCK_T]`` fp32 logits for the G query heads, online softmax in base 2. Writes the
     normalised ``[G, D]`` fp32 partial output at row ``i * NSPLIT + s`` and its natural-log LSE
     (-inf for an empty share). PDL: launched while the select launch ends, it waits for the selection (and the select
-    launch's K/V write) after reading its query, and lets the merge launch start. PF_AHEAD: each routed block's K/V
-    is prefetched into L2 (``common.prefetch_l2``) this many blocks before the program attends it (0: none).
+    launch's K/V write) after reading its query, and lets the merge launch start.
     """
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -70,21 +69,7 @@ def _decode_attn_split_kernel(
     nxt_ok = (k_lo >= nloc) & (k_lo < k_hi)
     nxt_blk = tl.load(sel_blk_ptr + sel_row + (k_lo - nloc), mask=nxt_ok, other=0)
     nxt_bias = tl.load(sel_bias_ptr + sel_row + (k_lo - nloc), mask=nxt_ok, other=0.0)
-    one = tl.zeros([1], tl.int32)
-    if PF_AHEAD > 0:  # the blocks up to PF_AHEAD after the first now, then one a block, loaded a block ahead
-        for a in tl.static_range(1, PF_AHEAD):
-            e_ok = (k_lo + a >= nloc) & (k_lo + a < k_hi)
-            e_blk = tl.load(sel_blk_ptr + sel_row + (k_lo + a - nloc), mask=e_ok, other=0)
-            prefetch_kv_blocks(k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, e_blk + one, e_ok & (one == 0), h,
-                               BS, PS, D)
-        pf_ok = (k_lo + PF_AHEAD >= nloc) & (k_lo + PF_AHEAD < k_hi)
-        pf_blk = tl.load(sel_blk_ptr + sel_row + (k_lo + PF_AHEAD - nloc), mask=pf_ok, other=0)
     for kk in range(k_lo, k_hi):
-        if PF_AHEAD > 0:
-            prefetch_kv_blocks(k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, pf_blk + one, pf_ok & (one == 0), h,
-                               BS, PS, D)
-            pf_ok = (kk + 1 + PF_AHEAD >= nloc) & (kk + 1 + PF_AHEAD < k_hi)
-            pf_blk = tl.load(sel_blk_ptr + sel_row + (kk + 1 + PF_AHEAD - nloc), mask=pf_ok, other=0)
         is_loc = kk < nloc
         pblk = nxt_blk.to(tl.int64)
         bias = nxt_bias * LOG2E
@@ -148,7 +133,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                      *, num_splits: int, pdl: bool = False, warps: int = 4, stages: int = 2,
-                     maxnreg: int = 0, tile_elements: int = 8192, prefetch: int = 0) -> torch.Tensor:
+                     maxnreg: int = 0, tile_elements: int = 8192) -> torch.Tensor:
     """Sparse attention of one decode token per request (two launches, no synchronisation).
 
     q: ``[n, Hq, D]``; k_pages, v_pages: ``[pages, page_size, Hkv, D]`` (strided, last dim
@@ -158,8 +143,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     ``[>= n * num_splits, Hq]`` fp32. pdl: each launch is the programmatic dependent of the one before it (the
     select launch, then the split launch; ``common.pdl_supported``). warps, stages, maxnreg: the split launch's
     ``num_warps``, ``num_stages`` and register cap (0: none; ``DecodeBuffers.attn_stages``, ``attn_maxnreg``);
-    tile_elements: of its K (and V) tiles (``DecodeConfig.attn_tile_elements``). prefetch: blocks ahead a split
-    prefetches into L2 (``DecodeConfig.attn_prefetch``; none where ``common.prefetch_supported`` says no).
+    tile_elements: of its K (and V) tiles (``DecodeConfig.attn_tile_elements``).
     Writes ``out [n, Hq, D]`` (query dtype) and returns it.
     """
     n, hq, d = q.shape
@@ -179,7 +163,6 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         LOG2E_F / math.sqrt(d), g, num_splits,
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=ps, LOCAL_BLOCKS=params.local_blocks, BLOCK_T=block_t, PDL=pdl,
-        PF_AHEAD=prefetch if prefetch_supported(q.device) else 0,
         num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_launch(pdl),
     )
     _merge_kernel[(n, hq)](

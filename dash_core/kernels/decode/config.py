@@ -22,10 +22,6 @@ class DecodeConfig:
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
     attn_tile_elements: elements of a split attention program's K (and V) tile: ``min(block_size, max(16, this //
         D))`` keys a tile.
-    attn_prefetch: a split attention program asks the L2 for each routed block's K/V this many blocks before it
-        attends it (0: never; ``common.prefetch_l2``).
-    select_prefetch: the select launch asks the L2 for the K/V of the first this many routed blocks of each split
-        of the attention launch after it, as soon as the selection is written (0: none).
     attn_warps, attn_stages: ``num_warps`` and ``num_stages`` of the split attention launch; attn_stages_wide its
         ``num_stages`` where a batch has more (request, KV head) rows than the GPU has multiprocessors.
     attn_maxnreg: registers a thread of a split attention program may use with ``attn_stages`` at head dim 128 (0:
@@ -55,8 +51,6 @@ class DecodeConfig:
     attn_programs_per_sm: int = 4
     attn_split_min_blocks: int = 2
     attn_tile_elements: int = 8192
-    attn_prefetch: int = 0
-    select_prefetch: int = 0
     attn_warps: int = 4
     attn_stages: int = 2
     attn_stages_wide: int = 3

@@ -37,12 +37,11 @@ def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_l
           only: Optional[str] = None) -> None:
     """Routing (stage 2 + prior) into ``buffers.sel_*``; ``write``: ``kv_write.write_args(...)`` of the new K/V,
     written by the same launch; ``only``: ``"scores"`` / ``"select"`` (stage timings)."""
-    nsr, nsa = buffers.splits(q.shape[0])
+    nsr, _ = buffers.splits(q.shape[0])
     b = buffers
-    prefetch = (cache.k_pages, cache.v_pages, nsa) if b.config.select_prefetch > 0 else None
     route_decode(q, cache.summaries, block_table, seq_lens, params, cache.page_size, b.scores, b.pmax, b.mp,
                  b.mp_cand, b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr, config=b.config, write=write,
-                 write_summarize=cache.summaries is not None, only=only, prefetch=prefetch)
+                 write_summarize=cache.summaries is not None, only=only)
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -54,7 +53,7 @@ def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_
                             b.sel_count, b.o_part, b.lse_part, out, num_splits=nsa,
                             pdl=b.config.pdl and pdl_supported(q.device), warps=b.config.attn_warps,
                             stages=b.attn_stages(q.shape[0]), maxnreg=b.attn_maxnreg(q.shape[0]),
-                            tile_elements=b.config.attn_tile_elements, prefetch=b.config.attn_prefetch)
+                            tile_elements=b.config.attn_tile_elements)
 
 
 def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,

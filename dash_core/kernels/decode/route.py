@@ -20,8 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common import (decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, prefetch_kv_blocks,
-                      prefetch_supported, scaled_query, summary_scores)
+from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
 from ..launcher import cached_launch
 from ..routing import SELECT_WARPS, route_tile
@@ -76,12 +75,10 @@ def _decode_select_kernel(
     w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
     w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
     w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-    pf_k_ptr, pf_v_ptr, pf_sk_p, pf_sk_r, pf_sk_h, pf_sv_p, pf_sv_r, pf_sv_h, attn_splits,
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
     RK: tl.constexpr, RCH: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
-    PF_SPLIT: tl.constexpr,
 ):
     """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
@@ -91,8 +88,6 @@ def _decode_select_kernel(
     launch start.
     FUSE_WRITE: program (i, HSEL + h) writes the new K/V of request i, KV head h instead (and the summary of the
     block it completes), without waiting for the score launch: nothing in this step's routing reads them.
-    PF_SPLIT (router ``kv_head``): a unit then asks the L2 for the K/V (``pf_k_ptr``, ``pf_v_ptr``, strides as the
-    attention's) of the first PF_SPLIT blocks of each of the ``attn_splits`` shares the attention launch will read.
     """
     i = tl.program_id(0)
     u = tl.program_id(1)
@@ -111,32 +106,6 @@ def _decode_select_kernel(
                      NH_PAD=NH_PAD, NS_PAD=NS_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG,
                      BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, TL=TL, RK=RK,
                      RCH=RCH, PDL=PDL)
-        if PF_SPLIT > 0:
-            tl.debug_barrier()  # the unit's selection, written by every thread of the program
-            _prefetch_splits(seq_lens_ptr, max_tokens, count_ptr, scnt_n, sel_blk_ptr, ssel_n, ssel_h, i, u,
-                             pf_k_ptr, pf_v_ptr, pf_sk_p, pf_sk_r, pf_sk_h, pf_sv_p, pf_sv_r, pf_sv_h, attn_splits,
-                             PF_SPLIT=PF_SPLIT, D=D, BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS)
-
-
-@triton.jit
-def _prefetch_splits(seq_lens_ptr, max_tokens, count_ptr, scnt_n, sel_blk_ptr, ssel_n, ssel_h, i, u,
-                     k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, attn_splits,
-                     PF_SPLIT: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-                     LOCAL_BLOCKS: tl.constexpr):
-    """``prefetch_l2`` of the K/V of KV head u in the first PF_SPLIT blocks of each of the ``attn_splits`` shares of
-    (request i, unit u)'s list (local window, then its routed blocks, as ``attention._decode_attn_split_kernel``
-    deals them): the routed ones among them."""
-    length, _, cur, first_local, _ = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
-    nloc = tl.where(length > 0, cur - first_local + 1, 0)
-    count = tl.where(length > 0, tl.load(count_ptr + i * scnt_n + u), 0)
-    per = tl.maximum(tl.cdiv(nloc + count, attn_splits), 1)
-    sel = sel_blk_ptr + i.to(tl.int64) * ssel_n + u * ssel_h
-    CH: tl.constexpr = 16  # routed entries a pass
-    for j0 in range(0, count, CH):
-        j = j0 + tl.arange(0, CH)
-        ok = (j < count) & ((nloc + j) % per < PF_SPLIT)
-        blk = tl.load(sel + j, mask=ok, other=0)
-        prefetch_kv_blocks(k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, blk, ok, u, BS, PS, D)
 
 
 @triton.jit
@@ -179,20 +148,12 @@ def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
     return (q, q, 0, 0, 0, 0, q, q, 0, 0, 0, 0, 0, 0, q, 0, 0, q, 0, dummy, 0, 1.0)
 
 
-def _prefetch_args(prefetch: Optional[tuple], q: torch.Tensor) -> tuple:
-    """The select kernel's prefetch arguments: K/V pages and strides, attention splits (placeholders without)."""
-    if prefetch is None:
-        return (q, q, 0, 0, 0, 0, 0, 0, 1)
-    kp, vp, splits = prefetch
-    return (kp, vp, kp.stride(0), kp.stride(1), kp.stride(2), vp.stride(0), vp.stride(1), vp.stride(2), splits)
-
-
 def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
                  mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                  sel_count: torch.Tensor,
                  *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
-                 write_summarize: bool = False, only: Optional[str] = None, prefetch: Optional[tuple] = None) -> None:
+                 write_summarize: bool = False, only: Optional[str] = None) -> None:
     """Route one decode token per request (two launches, no host synchronisation).
 
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
@@ -208,8 +169,6 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     the summaries they complete when ``write_summarize``) in the select launch.
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
     writes the score scratch and ``pmax`` only: no selection, no K/V).
-    prefetch: ``(k_pages, v_pages, attn_splits)``: the select launch asks the L2 for the K/V of the first
-    ``config.select_prefetch`` blocks of each attention split (router ``kv_head``, where ``prefetch_supported``).
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
@@ -225,7 +184,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
                    sel_bias, sel_count, hq // hsel, hsel, max_cand, n, config, pdl, q, hkv, q.shape[2], write,
-                   write_summarize, prefetch if hsel == hkv and prefetch_supported(q.device) else None)
+                   write_summarize)
 
 
 def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
@@ -248,7 +207,7 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
 
 def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
                    sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, hkv, d, write,
-                   write_summarize, prefetch) -> None:
+                   write_summarize) -> None:
     bs = params.block_size
     max_pages = block_table.shape[1]
     nh_pad = pow2(nrows)
@@ -270,12 +229,10 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         mp, mp_cand, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
         *(write if write is not None else _NO_WRITE(q, seq_lens)),
-        *_prefetch_args(prefetch, q),
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
         TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
-        PF_SPLIT=config.select_prefetch if prefetch is not None else 0,
         num_warps=SELECT_WARPS, **pdl_launch(pdl),
     )
