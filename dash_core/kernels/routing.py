@@ -150,8 +150,8 @@ def rank_kth(list_ptr, n, topk, RK: tl.constexpr, CH: tl.constexpr, GATHER: tl.c
     above = tl.zeros([RK], tl.int32)
     for c0 in range(0, n, CH):
         oc = c0 + tl.arange(0, CH)
-        if GATHER:  # (mine is 0 past n: above no key)
-            other = tl.gather(mine, tl.minimum(oc, RK - 1), 0)
+        if GATHER:
+            other = tl.where(oc < n, tl.gather(mine, tl.minimum(oc, RK - 1), 0), 0)  # 0: above no key
         else:
             other = tl.load(list_ptr + oc, mask=oc < n, other=0.0).to(tl.int32, bitcast=True)  # 0: above no key
         above += tl.sum((other[:, None] > mine[None, :]).to(tl.int32), axis=0)
@@ -269,7 +269,7 @@ def select_kept(
                     ranked = n_list <= RK
                     if ranked:
                         kth, n_gt, n_eq = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=RCH,
-                                                                GATHER=RGATHER)
+                                                   GATHER=RGATHER)
                         rank_gt += n_gt
                         rank_eq += n_eq
                 if TS > RK or not LIST:  # a longer list (in a tile wider than RK), or no list: radix, 8 bits a pass
