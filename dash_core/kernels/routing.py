@@ -139,21 +139,18 @@ def radix_kth(keys, kvalid, topk):
 
 
 @triton.jit
-def rank_kth(list_ptr, n, topk, RK: tl.constexpr, CH: tl.constexpr, GATHER: tl.constexpr = False):
+def rank_kth(list_ptr, n, topk, RK: tl.constexpr, CH: tl.constexpr):
     """``(kth, n_gt, n_eq)``: the ``topk``-th largest (``1 <= topk <= n``) of the ``n <= RK`` positive floats at
     ``list_ptr``, as int32 bits, and how many keys are above it and equal to it. Each key counts the keys above it,
     ``CH`` at a time (each thread compares its key with a chunk: only the last reductions cross threads; the chunks
-    come from memory, or with GATHER from the keys the program loaded, through shared memory; they stop at ``n``: the
-    compares are most of the cost); the answer is the smallest key with fewer than ``topk`` above it."""
+    come from the cache lines loading ``mine`` brought in, and stop at ``n``: the compares are most of the cost); the
+    answer is the smallest key with fewer than ``topk`` above it."""
     offs = tl.arange(0, RK)
     mine = tl.load(list_ptr + offs, mask=offs < n, other=0.0).to(tl.int32, bitcast=True)
     above = tl.zeros([RK], tl.int32)
     for c0 in range(0, n, CH):
         oc = c0 + tl.arange(0, CH)
-        if GATHER:
-            other = tl.where(oc < n, tl.gather(mine, tl.minimum(oc, RK - 1), 0), 0)  # 0: above no key
-        else:
-            other = tl.load(list_ptr + oc, mask=oc < n, other=0.0).to(tl.int32, bitcast=True)  # 0: above no key
+        other = tl.load(list_ptr + oc, mask=oc < n, other=0.0).to(tl.int32, bitcast=True)  # 0: above no key
         above += tl.sum((other[:, None] > mine[None, :]).to(tl.int32), axis=0)
     kth = tl.min(tl.where((offs < n) & (above < topk), mine, INF_BITS), axis=0)
     n_gt, n_eq = tl.reduce(((mine > kth).to(tl.int32), (mine == kth).to(tl.int32)), 0, _add2)  # (past n: 0 < kth)
@@ -209,7 +206,6 @@ def select_kept(
     QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
     PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr,
     LIST: tl.constexpr, TL: tl.constexpr, RK: tl.constexpr = 0, RCH: tl.constexpr = 32,
-    RGATHER: tl.constexpr = False,
 ):
     """The ``topk`` cap, ties, prior and compaction of ``QT`` units from their ``mp`` in scratch
     (``mp_ptr + mp_unit[u] + c``, ``npos [QT]`` positive entries each, ``nmax`` the most candidates):
@@ -221,8 +217,7 @@ def select_kept(
     reads the lists, never the other candidates, up to ``npos`` rounded up to 4 (each unit's rows must have
     room for that many). Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
     LIST with ONE_TILE (one unit, its mp in registers: decode): a list of at most ``RK`` keys is ranked
-    (``rank_kth``; RGATHER: its chunks through shared memory), a longer one takes the radix select over the keys in
-    registers.
+    (``rank_kth``), a longer one takes the radix select over the keys in registers.
     Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction, ``[RCH, RK]`` for
     the ranks.
     """
@@ -268,8 +263,7 @@ def select_kept(
                 if LIST:  # rank a short list (from memory)
                     ranked = n_list <= RK
                     if ranked:
-                        kth, n_gt, n_eq = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=RCH,
-                                                   GATHER=RGATHER)
+                        kth, n_gt, n_eq = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=RCH)
                         rank_gt += n_gt
                         rank_eq += n_eq
                 if TS > RK or not LIST:  # a longer list (in a tile wider than RK), or no list: radix, 8 bits a pass
@@ -408,7 +402,7 @@ def route_tile(
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
     X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0, X_GIVEN: tl.constexpr = False,
-    x_regs=0, RK: tl.constexpr = 0, RCH: tl.constexpr = 32, RGATHER: tl.constexpr = False,
+    x_regs=0, RK: tl.constexpr = 0, RCH: tl.constexpr = 32,
 ):
     """Route a tile of ``QT`` units (docs/semantics.md sections 4-5) from their scores in a scratch buffer.
 
@@ -429,7 +423,7 @@ def route_tile(
     scratch receives each unit's positive mp only, as a list with their candidates in ``ck_ptr`` (int32,
     shaped like mp, rows of at least ``ncand`` rounded up to 4), and the cap and compaction read those
     lists (with ONE_TILE and X_IN_REGS, one unit: lists up to ``RK`` long are ranked, ``rank_kth``, in chunks of
-    ``RCH``; RGATHER: ``rank_kth``'s GATHER).
+    ``RCH``).
     TL: the width of the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
     """
     offs_r = tl.arange(0, NH_PAD)
@@ -502,7 +496,7 @@ def route_tile(
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=True, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS, RK=RK, RCH=RCH, RGATHER=RGATHER)
+                    X_IN_REGS=True, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS, RK=RK, RCH=RCH)
     else:
         select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max,

@@ -60,18 +60,17 @@ def probe(device, ts: int, nh: int, from_heads: bool, warps: int, trials: int, g
 
 
 @triton.jit
-def _rank_kernel(x_ptr, n_ptr, topk_ptr, out_ptr, RK: tl.constexpr, CH: tl.constexpr, GATHER: tl.constexpr):
-    kth, n_gt, n_eq = rank_kth(x_ptr, tl.load(n_ptr), tl.load(topk_ptr), RK=RK, CH=CH, GATHER=GATHER)
+def _rank_kernel(x_ptr, n_ptr, topk_ptr, out_ptr, RK: tl.constexpr, CH: tl.constexpr):
+    kth, n_gt, n_eq = rank_kth(x_ptr, tl.load(n_ptr), tl.load(topk_ptr), RK=RK, CH=CH)
     tl.store(out_ptr, kth)
     tl.store(out_ptr + 1, n_gt)
     tl.store(out_ptr + 2, n_eq)
 
 
-def rank_probe(device, rk: int, chunk: int, warps: int, trials: int, g: torch.Generator,
-               gather: bool = False) -> int:
-    """Wrong answers of ``rank_kth`` (the topk-th key, the counts above and at it; ``gather``: its GATHER) in
-    ``trials`` random lists of 1 to ``rk`` positive floats (from few distinct values half the time: ties at the
-    threshold), on a program of ``warps`` warps."""
+def rank_probe(device, rk: int, chunk: int, warps: int, trials: int, g: torch.Generator) -> int:
+    """Wrong answers of ``rank_kth`` (the topk-th key, the counts above and at it) in ``trials`` random lists of 1
+    to ``rk`` positive floats (from few distinct values half the time: ties at the threshold), on a program of
+    ``warps`` warps."""
     wrong = 0
     for t in range(trials):
         n = int(torch.randint(1, rk + 1, (1,), generator=g))
@@ -82,7 +81,7 @@ def rank_probe(device, rk: int, chunk: int, warps: int, trials: int, g: torch.Ge
         out = torch.empty(3, dtype=torch.int32, device=device)
         _rank_kernel[(1,)](x.to(device), torch.tensor([n], dtype=torch.int32, device=device),
                            torch.tensor([topk], dtype=torch.int32, device=device), out, RK=rk, CH=chunk,
-                           GATHER=gather, num_warps=warps)
+                           num_warps=warps)
         keys = x.view(torch.int32)
         kth = int(torch.topk(keys, topk).values[-1])
         wrong += int(out.cpu().tolist() != [kth, int((keys > kth).sum()), int((keys == kth).sum())])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import os
 
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -104,16 +103,14 @@ def test_radix_select_where_the_kernel_runs_it():
             assert probe(DEV, ts, nh, True, routing.SELECT_WARPS, 40, g) == (0, 0)
 
 
-@pytest.mark.parametrize("gather", [False, True])
-def test_rank_select_against_torch(gather):
+def test_rank_select_against_torch():
     """The cap's rank search (``routing.rank_kth``) alone on lists up to ``DecodeConfig.cap_rank_max`` long, with
-    and without ties at the threshold, on a program of ``SELECT_WARPS`` warps, its chunks loaded or gathered from
-    the program's keys: the key and its counts."""
+    and without ties at the threshold, on a program of ``SELECT_WARPS`` warps: the key and its counts."""
     from tests.kernels._radix_probe import rank_probe
 
     g = torch.Generator().manual_seed(1)
     config = DecodeConfig()
-    assert rank_probe(DEV, config.cap_rank_max, config.cap_rank_chunk, routing.SELECT_WARPS, 40, g, gather) == 0
+    assert rank_probe(DEV, config.cap_rank_max, config.cap_rank_chunk, routing.SELECT_WARPS, 40, g) == 0
 
 
 def _route_small_topk(seed, lens):
@@ -162,19 +159,17 @@ def test_wide_topk_and_long_rows():
 
 def test_cap_ranks_short_lists_and_radix_selects_long_ones():
     """A select tile wider than ``DecodeConfig.cap_rank_max`` (300 candidates, 512 keys): with few positive mp the
-    cap ranks the unit's list (its chunks loaded, or gathered: ``cap_rank_gather``), with more than ``cap_rank_max``
-    it takes the radix select over the keys in registers. The oracle's supports show which path each unit took; both
-    must be seen."""
+    cap ranks the unit's list, with more than ``cap_rank_max`` it takes the radix select over the keys in registers.
+    The oracle's supports show which path each unit took; both must be seen."""
     rank_max = DecodeConfig().cap_rank_max
     seen = set()
     for sf, q_scale in ((3.0, 1.5), (0.05, 0.2)):
         for topk in (7, 40):
             p = DashParams(block_size=16, topk=topk, scaling_factor=sf, sigma=1.0)
             sc = make_scenario(5, [16 * 300 + 9, 16 * 290 + 1], params=p, q_scale=q_scale).to(DEV)
-            for config in (DecodeConfig(), DecodeConfig(cap_rank_gather=True)):
-                bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 1), config=config)
-                decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
-                check_routing(sc, bufs)
+            bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 1))
+            decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
+            check_routing(sc, bufs)
             for i in range(sc.n):
                 rt, _, _ = oracle_route(sc, i)
                 seen.update("radix" if int((rt.mp[u, 0] > 0).sum()) > rank_max else "rank"

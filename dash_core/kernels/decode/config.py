@@ -39,8 +39,6 @@ class DecodeConfig:
         largest by ranking them, each against all (one per thread of the select program at the default; at least
         ``routing.RADIX_MIN_KEYS``); more take the radix select over every candidate.
     cap_rank_chunk: keys each thread compares its key with at a time while ranking.
-    cap_rank_gather: the ranking takes each chunk from the keys the program loaded, through shared memory, instead of
-        loading it from the list again.
     list_tile: width of the tiles in which the cap's ties pass and the compaction read a unit's list of positive mp.
     pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): the select, split and merge
         launches start while the launch before them ends, and wait for its results on the device.
@@ -63,6 +61,5 @@ class DecodeConfig:
     one_tile_max: int = 8192
     cap_rank_max: int = 256
     cap_rank_chunk: int = 32
-    cap_rank_gather: bool = False
     list_tile: int = 256
     pdl: bool = True
