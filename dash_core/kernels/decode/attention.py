@@ -133,7 +133,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
                      seq_lens: torch.Tensor, params, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                      sel_count: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor,
                      *, num_splits: int, pdl: bool = False, warps: int = 4, stages: int = 2,
-                     maxnreg: int = 0, tile_elements: int = 8192) -> torch.Tensor:
+                     maxnreg: int = 0, tile_elements: int = 8192, merge_thread_elements: int = 128) -> torch.Tensor:
     """Sparse attention of one decode token per request (two launches, no synchronisation).
 
     q: ``[n, Hq, D]``; k_pages, v_pages: ``[pages, page_size, Hkv, D]`` (strided, last dim
@@ -143,7 +143,8 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     ``[>= n * num_splits, Hq]`` fp32. pdl: each launch is the programmatic dependent of the one before it (the
     select launch, then the split launch; ``common.pdl_supported``). warps, stages, maxnreg: the split launch's
     ``num_warps``, ``num_stages`` and register cap (0: none; ``DecodeBuffers.attn_stages``, ``attn_maxnreg``);
-    tile_elements: of its K (and V) tiles (``DecodeConfig.attn_tile_elements``).
+    tile_elements: of its K (and V) tiles (``DecodeConfig.attn_tile_elements``); merge_thread_elements: of the merge
+    program's tile a thread (``DecodeConfig.merge_thread_elements``).
     Writes ``out [n, Hq, D]`` (query dtype) and returns it.
     """
     n, hq, d = q.shape
@@ -168,7 +169,7 @@ def decode_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
     _merge_kernel[(n, hq)](
         o_part, o_part.stride(0), o_part.stride(1), lse_part, lse_part.stride(0),
         out, out.stride(0), out.stride(1), num_splits, NS_PAD=pow2(num_splits), D=d, PDL=pdl,
-        num_warps=8 if pow2(num_splits) * d >= 4096 else (4 if d >= 128 else 2),  # [splits, D] fp32 tile
+        num_warps=min(8, max(1, pow2(num_splits) * d // (32 * merge_thread_elements))),
         **pdl_launch(pdl),
     )
     return out

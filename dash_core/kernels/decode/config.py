@@ -28,6 +28,9 @@ class DecodeConfig:
         no cap): four programs a multiprocessor instead of two. The deeper ``attn_stages_wide`` pipeline's shared
         memory holds three programs a multiprocessor whatever their registers, and other head dims keep what the
         compiler gives them (64 takes fewer uncapped; 256 needs more).
+    merge_thread_elements: the most elements of the merge program's ``[splits, D]`` fp32 tile a thread holds: its
+        warps are the fewest that keep to it (one up to 32 splits at D 128), since each added warp adds exchanges
+        between warps to the merge's reductions, on the chain of a small batch's step.
     fuse_write_max: the largest ``[block_size, D]`` key tile summarised inside the select launch (the K/V write
         and the summary of a block the new token completes go there); larger ones spill there and get a launch of
         their own.
@@ -40,8 +43,9 @@ class DecodeConfig:
         ``routing.RADIX_MIN_KEYS``); more take the radix select over every candidate.
     cap_rank_chunk: keys each thread compares its key with at a time while ranking.
     list_tile: width of the tiles in which the cap's ties pass and the compaction read a unit's list of positive mp.
-    pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): the select, split and merge
-        launches start while the launch before them ends, and wait for its results on the device.
+    pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): each launch of a step (the
+        score launch too, after whatever kernel ran before the step) starts while the kernel before it ends, and
+        waits for its results on the device.
     """
 
     score_split_min_candidates: int = 64
@@ -55,6 +59,7 @@ class DecodeConfig:
     attn_stages: int = 2
     attn_stages_wide: int = 3
     attn_maxnreg: int = 128
+    merge_thread_elements: int = 128
     fuse_write_max: int = 8192
     select_tile_budget: int = 8192
     select_pivots: int = 16

@@ -2,10 +2,10 @@
 
 Nothing here reads a device tensor: every size comes from shapes (batch rows, ``max_pages`` of the page table,
 ``topk``), every sequence-dependent decision is taken by the kernels from ``seq_lens``, so one captured CUDA graph
-serves every step. A step is four launches, each after the first the programmatic dependent of the one before it
-(``DecodeConfig.pdl``, sm_90+: it starts while that one ends and waits for its results on the device), and a fifth
-first where a block's keys are too large to summarise in the select launch (``DecodeConfig.fuse_write_max``): the
-K/V write on its own.
+serves every step. A step is four launches, each the programmatic dependent of the kernel before it, the first of
+whatever kernel ran before the step (``DecodeConfig.pdl``, sm_90+: it starts while that one ends and waits for its
+results on the device), and a fifth first where a block's keys are too large to summarise in the select launch
+(``DecodeConfig.fuse_write_max``): the K/V write on its own.
 
     scores against every candidate summary (split over candidates)         route.py
     entmax, group mean, topk cap, prior -> kept blocks per unit             route.py (routing.route_tile)
@@ -53,7 +53,8 @@ def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_
                             b.sel_count, b.o_part, b.lse_part, out, num_splits=nsa,
                             pdl=b.config.pdl and pdl_supported(q.device), warps=b.config.attn_warps,
                             stages=b.attn_stages(q.shape[0]), maxnreg=b.attn_maxnreg(q.shape[0]),
-                            tile_elements=b.config.attn_tile_elements)
+                            tile_elements=b.config.attn_tile_elements,
+                            merge_thread_elements=b.config.merge_thread_elements)
 
 
 def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,

@@ -42,7 +42,8 @@ def _decode_scores_kernel(
     ``x = 0.5 * <sf q, s> / sqrt(D)`` (fp32) to the score scratch ``[n, Hq, max_cand]`` and the
     maximum of its share per head to ``pmax [n, Hq, NSPLIT]`` (-inf for an empty share).
     """
-    if PDL:  # the select launch may start now: it waits for this one's results
+    if PDL:  # launched while the kernel before it ends: wait for its results (the query), then let the select
+        gdc_wait()  # launch start (it waits for this one's results)
         gdc_launch_dependents()
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -201,7 +202,7 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
         params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
-        PDL=pdl, num_warps=4, num_stages=3,
+        PDL=pdl, num_warps=4, num_stages=3, **pdl_launch(pdl),
     )
 
 
