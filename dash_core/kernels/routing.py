@@ -385,7 +385,7 @@ def select_kept(
 
 
 @triton.jit
-def _load_scores(x_rows, c, row_ok, ncand, ncand4):
+def load_scores(x_rows, c, row_ok, ncand, ncand4):
     """Scores ``[QT, NH_PAD, TC]`` of candidates ``c`` (-inf past each unit's ``ncand`` and on padded rows),
     read in whole groups of 4 up to ``ncand4``."""
     x = tl.load(x_rows + c[None, None, :], mask=row_ok[None, :, None] & (c[None, None, :] < ncand4[:, None, None]),
@@ -442,7 +442,7 @@ def route_tile(
             x_ok = row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None])
             x_all = tl.where(x_ok, x_regs, float("-inf"))
         else:
-            x_all = _load_scores(x_rows, offs_c, row_ok, ncand, ncand4)
+            x_all = load_scores(x_rows, offs_c, row_ok, ncand, ncand4)
     lo = m - 1.0
     hi = m
     tau = (lo + hi) * 0.5
@@ -455,7 +455,7 @@ def route_tile(
             cnt = tl.zeros([QT, NH_PAD], tl.float32)
             for c0 in range(0, nmax, TC):
                 c = c0 + offs_c
-                x = _load_scores(x_rows, c, row_ok, ncand, ncand4)
+                x = load_scores(x_rows, c, row_ok, ncand, ncand4)
                 t_ssq, t_sdf, t_cnt = halley_sums(x, tau[:, :, None])
                 ssq += t_ssq
                 sdf += t_sdf
@@ -480,7 +480,7 @@ def route_tile(
         for c0 in range(0, nmax, TC):
             c = c0 + offs_c
             cok = c[None, :] < ncand[:, None]
-            x = _load_scores(x_rows, c, row_ok, ncand, ncand4)
+            x = load_scores(x_rows, c, row_ok, ncand, ncand4)
             diff = positive_part(x - tau[:, :, None])
             mp = tl.sum(diff * diff, axis=1) / nrows_f
             npos_before = npos

@@ -119,11 +119,11 @@ def _merge_kernel(o_part_ptr, so_r, so_h, lse_ptr, slse_r, out_ptr, sout_n, sout
     s_ok = offs_s < NSPLIT
     r = i * NSPLIT + offs_s
     lse = tl.load(lse_ptr + r * slse_r + hq, mask=s_ok, other=float("-inf"))
+    # every split stores its partial output (zeros for an empty share): loaded beside the LSE, one round trip
+    o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     mx = tl.max(lse, axis=0)
     live = lse > float("-inf")
     w = tl.where(live, tl.exp(lse - tl.where(mx > float("-inf"), mx, 0.0)), 0.0)
-    # every split stores its partial output (zeros for an empty share), so the load need not wait for the LSE
-    o = tl.load(o_part_ptr + r[:, None] * so_r + hq * so_h + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     tot = tl.sum(w, axis=0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.where(tot > 0, tot, 1.0)
     tl.store(out_ptr + i * sout_n + hq * sout_h + offs_d, res.to(out_ptr.dtype.element_ty))

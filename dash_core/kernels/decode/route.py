@@ -23,7 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
 from ..launcher import cached_launch
-from ..routing import SELECT_WARPS, route_tile
+from ..routing import SELECT_WARPS, load_scores, route_tile
 from .config import DecodeConfig
 
 
@@ -128,19 +128,26 @@ def _select_unit(
     offs_s = tl.arange(0, NS_PAD)
     rows = u * NROWS + offs_r
     r_ok = offs_r < NROWS
-    pm = tl.load(pmax_ptr + i * spm_n + rows[:, None] * spm_h + offs_s[None, :],
-                 mask=r_ok[:, None] & (offs_s[None, :] < NSPLIT), other=float("-inf"))
-    m = tl.max(pm, axis=1)
-    m = tl.where(r_ok & (ncand > 0), m, 0.0)
     one = tl.zeros([1], tl.int64)
     i64 = i.to(tl.int64)
+    x_unit = one + i64 * sx_n + u * NROWS * sx_h
+    ncand_u = one.to(tl.int32) + ncand
+    pm = tl.load(pmax_ptr + i * spm_n + rows[:, None] * spm_h + offs_s[None, :],
+                 mask=r_ok[:, None] & (offs_s[None, :] < NSPLIT), other=float("-inf"))
+    x_regs = 0
+    if X_IN_REGS:  # the scores' load goes out beside pmax's, before its maxima: one round trip, not two
+        x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * sx_h
+        x_regs = load_scores(x_rows, tl.arange(0, TC), r_ok, ncand_u, tl.minimum((ncand_u + 3) // 4 * 4, sx_h))
+    m = tl.max(pm, axis=1)
+    m = tl.where(r_ok & (ncand > 0), m, 0.0)
     route_tile(
-        x_ptr, one + i64 * sx_n + u * NROWS * sx_h, sx_h, NROWS, one.to(tl.int32) + ncand, m[None, :],
+        x_ptr, x_unit, sx_h, NROWS, ncand_u, m[None, :],
         mp_ptr, one + i64 * smp_n + u * smp_h, ck_ptr, bt_ptr, one + i64 * sbt_n,
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, one + i64 * ssel_n + u * ssel_h, sel_cap,
         count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
         QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-        ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, LIST=X_IN_REGS, TL=TL, RK=RK, RCH=RCH,
+        ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, LIST=X_IN_REGS, TL=TL, X_GIVEN=X_IN_REGS, x_regs=x_regs, RK=RK,
+        RCH=RCH,
     )
 
 
