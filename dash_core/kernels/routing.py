@@ -385,6 +385,18 @@ def select_kept(
 
 
 @triton.jit
+def score_rows(x_ptr, x_unit, x_row_stride, nrows, ncand, NH_PAD: tl.constexpr):
+    """``(x_rows [QT, NH_PAD, 1], row_ok [NH_PAD], ncand4 [QT])`` of a tile of units' scores (``route_tile``'s
+    layout): each row's pointer, whether the row is one of the ``nrows``, and each unit's ``ncand`` rounded up to a
+    group of 4. The score loads take whole groups of 4 candidates (16-byte loads; a mask that may end mid-group makes
+    the compiler load one element at a time) and set the up to 3 past ncand to -inf after the load; the group stays
+    inside the row (x_row_stride >= the row's length >= ncand)."""
+    offs_r = tl.arange(0, NH_PAD)
+    x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * x_row_stride
+    return x_rows, offs_r < nrows, tl.minimum((ncand + 3) // 4 * 4, x_row_stride)
+
+
+@triton.jit
 def load_scores(x_rows, c, row_ok, ncand, ncand4):
     """Scores ``[QT, NH_PAD, TC]`` of candidates ``c`` (-inf past each unit's ``ncand`` and on padded rows),
     read in whole groups of 4 up to ``ncand4``."""
@@ -426,15 +438,9 @@ def route_tile(
     ``RCH``).
     TL: the width of the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
     """
-    offs_r = tl.arange(0, NH_PAD)
     offs_c = tl.arange(0, TC)
-    row_ok = offs_r < nrows
     nmax = tl.max(ncand, axis=0)
-    x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * x_row_stride
-    # The score passes load whole groups of 4 candidates (16-byte loads; a mask that may end mid-group makes
-    # the compiler load one element at a time) and set the up to 3 past ncand to -inf after the load; the
-    # group stays inside the row (x_row_stride >= the row's length >= ncand).
-    ncand4 = tl.minimum((ncand + 3) // 4 * 4, x_row_stride)
+    x_rows, row_ok, ncand4 = score_rows(x_ptr, x_unit, x_row_stride, nrows, ncand, NH_PAD)
 
     # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
     if X_IN_REGS:  # every candidate in one [TC] tile: the scores are read once for all passes

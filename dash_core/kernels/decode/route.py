@@ -23,7 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
 from ..launcher import cached_launch
-from ..routing import SELECT_WARPS, load_scores, route_tile
+from ..routing import SELECT_WARPS, load_scores, route_tile, score_rows
 from .config import DecodeConfig
 
 
@@ -136,8 +136,8 @@ def _select_unit(
                  mask=r_ok[:, None] & (offs_s[None, :] < NSPLIT), other=float("-inf"))
     x_regs = 0
     if X_IN_REGS:  # the scores' load goes out beside pmax's, before its maxima: one round trip, not two
-        x_rows = x_ptr + x_unit[:, None, None] + offs_r[None, :, None].to(tl.int64) * sx_h
-        x_regs = load_scores(x_rows, tl.arange(0, TC), r_ok, ncand_u, tl.minimum((ncand_u + 3) // 4 * 4, sx_h))
+        x_rows, _, ncand4 = score_rows(x_ptr, x_unit, sx_h, NROWS, ncand_u, NH_PAD)
+        x_regs = load_scores(x_rows, tl.arange(0, TC), r_ok, ncand_u, ncand4)
     m = tl.max(pm, axis=1)
     m = tl.where(r_ok & (ncand > 0), m, 0.0)
     route_tile(
