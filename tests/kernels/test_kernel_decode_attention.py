@@ -52,9 +52,13 @@ def fill_selection(sc, bufs) -> list:
 
 
 def check_attention(sc, splits, config=None) -> None:
+    """The split launch and merge against the oracle's attention, from scratch holding NaN (every split writes its
+    partial, an empty one too)."""
     write_decode_token_torch(sc)
     bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, sc.params, splits=(1, splits), config=config)
     routings = fill_selection(sc, bufs)
+    for t in (bufs.o_part, bufs.lse_part):
+        t.fill_(float("nan"))
     out = torch.full_like(sc.q, float("nan"))
     decode_launch.attend(sc.q, sc.cache, sc.block_table, sc.seq_lens, sc.params, bufs, out)
     out = out.cpu()
