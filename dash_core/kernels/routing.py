@@ -45,14 +45,14 @@ from .. import reference
 PRIOR_EPS = 1e-20  # docs/semantics.md section 5
 HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # docs/semantics.md section 4 (globals kernels read are constexprs)
 INF_BITS = tl.constexpr(0x7F800000)  # bit pattern of +inf: above every finite mp
-SELECT_WARPS = 8  # warps of the decode select kernel
-# The one-tile cap's radix select runs on tiles of at least this many keys (one per thread of the select kernel),
-# else the pivot search. On a smaller tile several threads hold each key, and with the keys made in registers
+# The one-tile cap's radix select runs on tiles of at least this many keys, and of at least one key a thread of the
+# program (``route_tile``'s RADIX_MIN: the decode select passes its threads where they are more), else the pivot
+# search. On a smaller tile several threads hold each key, and with the keys made in registers
 # (X_IN_REGS: the mean over heads of a [1, NH, TS] tile, reshaped) the compiled radix select finds the wrong
 # topk-th key (Triton 3.6, sm_90); each histogram alone is right, and the same keys loaded from memory give the
 # right key. benchmarks/investigations/histogram_probe.py isolates it: rerun it after a Triton upgrade before moving
 # this bound.
-RADIX_MIN_KEYS = tl.constexpr(32 * SELECT_WARPS)
+RADIX_MIN_KEYS = tl.constexpr(256)
 
 
 @triton.jit
@@ -141,16 +141,18 @@ def radix_kth(keys, kvalid, topk):
 @triton.jit
 def rank_kth(list_ptr, n, topk, RK: tl.constexpr, CH: tl.constexpr):
     """``(kth, n_gt, n_eq)``: the ``topk``-th largest (``1 <= topk <= n``) of the ``n <= RK`` positive floats at
-    ``list_ptr``, as int32 bits, and how many keys are above it and equal to it. Each key counts the keys above it,
-    ``CH`` at a time (each thread compares its key with a chunk: only the last reductions cross threads; the chunks
-    come from the cache lines loading ``mine`` brought in, and stop at ``n``: the compares are most of the cost); the
-    answer is the smallest key with fewer than ``topk`` above it."""
+    ``list_ptr`` (16-byte aligned, followed by zeros up to a multiple of 4: ``pad_list``), as int32 bits, and how
+    many keys are above it and equal to it. Each key counts the keys above it, ``CH`` at a time (each thread compares
+    its key with a chunk, loaded in whole groups of 4 (16-byte loads): only the last reductions cross threads; the
+    chunks come from the cache lines loading ``mine`` brought in, and stop at ``n``); the answer is the smallest key
+    with fewer than ``topk`` above it."""
     offs = tl.arange(0, RK)
-    mine = tl.load(list_ptr + offs, mask=offs < n, other=0.0).to(tl.int32, bitcast=True)
+    n4 = (n + 3) // 4 * 4
+    mine = tl.load(list_ptr + offs, mask=offs < n4, other=0.0).to(tl.int32, bitcast=True)
     above = tl.zeros([RK], tl.int32)
     for c0 in range(0, n, CH):
         oc = c0 + tl.arange(0, CH)
-        other = tl.load(list_ptr + oc, mask=oc < n, other=0.0).to(tl.int32, bitcast=True)  # 0: above no key
+        other = tl.load(list_ptr + oc, mask=oc < n4, other=0.0).to(tl.int32, bitcast=True)  # 0: above no key
         above += tl.sum((other[:, None] > mine[None, :]).to(tl.int32), axis=0)
     kth = tl.min(tl.where((offs < n) & (above < topk), mine, INF_BITS), axis=0)
     n_gt, n_eq = tl.reduce(((mine > kth).to(tl.int32), (mine == kth).to(tl.int32)), 0, _add2)  # (past n: 0 < kth)
@@ -200,12 +202,22 @@ def append_positive(mp, c, ok, mp_ptr, ck_ptr, mp_unit, npos):
 
 
 @triton.jit
+def pad_list(mp_ptr, mp_unit, npos):
+    """Zeros after each unit's list of ``npos [QT]`` entries (``append_positive``) up to a multiple of 4, for
+    ``rank_kth``'s loads (a unit's rows have room for its candidates rounded up to 4; the other passes read the
+    list's ``npos`` entries only)."""
+    j = npos[:, None] + tl.arange(0, 4)[None, :]
+    tl.store(mp_ptr + mp_unit[:, None] + j, tl.zeros_like(j).to(tl.float32), mask=j < (npos[:, None] + 3) // 4 * 4)
+
+
+@triton.jit
 def select_kept(
     mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap,
     count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max, ck_ptr,
     QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
     PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr,
     LIST: tl.constexpr, TL: tl.constexpr, RK: tl.constexpr = 0, RCH: tl.constexpr = 32,
+    RADIX_MIN: tl.constexpr = RADIX_MIN_KEYS,
 ):
     """The ``topk`` cap, ties, prior and compaction of ``QT`` units from their ``mp`` in scratch
     (``mp_ptr + mp_unit[u] + c``, ``npos [QT]`` positive entries each, ``nmax`` the most candidates):
@@ -221,8 +233,8 @@ def select_kept(
     Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction, ``[RCH, RK]`` for
     the ranks.
     """
-    tl.static_assert(not (LIST and ONE_TILE) or (X_IN_REGS and QT == 1 and RK >= RADIX_MIN_KEYS),
-                     "LIST with ONE_TILE: one unit, its mp in registers, lists up to RK >= RADIX_MIN_KEYS ranked")
+    tl.static_assert(not (LIST and ONE_TILE) or (X_IN_REGS and QT == 1 and (TS <= RK or TS >= RADIX_MIN)),
+                     "LIST with ONE_TILE: one unit, its mp in registers, lists up to RK ranked, longer by radix")
     offs_s = tl.arange(0, TS)
     offs_l = tl.arange(0, TL)
     if LIST:  # the passes below read npos list entries instead of ncand candidates, in groups of 4
@@ -256,14 +268,16 @@ def select_kept(
             else:
                 key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
                                   other=0.0).to(tl.int32, bitcast=True)
-        if ONE_TILE and QT == 1 and (LIST or TS >= RADIX_MIN_KEYS):  # one unit: its topk-th largest key
+        if ONE_TILE and QT == 1 and (LIST or TS >= RADIX_MIN):  # one unit: its topk-th largest key
             if capped:  # (else lo_k, hi_k = 0, 1)
                 n_list = tl.sum(npos, axis=0)
                 kth = n_list * 0
                 if LIST:  # rank a short list (from memory)
                     ranked = n_list <= RK
                     if ranked:
-                        kth, n_gt, n_eq = rank_kth(mp_ptr + tl.sum(mp_unit, axis=0), n_list, topk, RK=RK, CH=RCH)
+                        pad_list(mp_ptr, mp_unit, npos)
+                        tl.debug_barrier()  # the zeros, for rank_kth's loads in groups of 4
+                        kth, n_gt, n_eq = rank_kth(mp_ptr + tl.multiple_of(mp_unit, 4), n_list, topk, RK=RK, CH=RCH)
                         rank_gt += n_gt
                         rank_eq += n_eq
                 if TS > RK or not LIST:  # a longer list (in a tile wider than RK), or no list: radix, 8 bits a pass
@@ -414,7 +428,7 @@ def route_tile(
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
     X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0, X_GIVEN: tl.constexpr = False,
-    x_regs=0, RK: tl.constexpr = 0, RCH: tl.constexpr = 32,
+    x_regs=0, RK: tl.constexpr = 0, RCH: tl.constexpr = 32, RADIX_MIN: tl.constexpr = RADIX_MIN_KEYS,
 ):
     """Route a tile of ``QT`` units (docs/semantics.md sections 4-5) from their scores in a scratch buffer.
 
@@ -427,15 +441,15 @@ def route_tile(
     ``j < count`` (at most ``sel_cap``), and the count at ``count_ptr + count_unit[u]``.
     Tiles: ``[QT, NH_PAD, TC]`` scores, ``[QT, TC]`` mp, ``[QT, NPIV, TS]`` pivot counts, ``[QT, TL]``
     for the cap's ties and compaction; ONE_TILE (``TS`` covers every candidate) keeps the mp bits in
-    registers across the cap's passes (with one unit and ``TS >= RADIX_MIN_KEYS``: a 4-pass radix select
-    on 256-bin histograms instead of the pivot search);
+    registers across the cap's passes (with one unit and ``TS >= RADIX_MIN``, at least ``RADIX_MIN_KEYS`` and one
+    key a thread: a 4-pass radix select on 256-bin histograms instead of the pivot search);
     X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes; with X_GIVEN they come
     in registers instead, ``x_regs [QT, NH_PAD, TC]`` (masked here as the load would be; ``x_ptr`` unused).
     The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST: the mp
     scratch receives each unit's positive mp only, as a list with their candidates in ``ck_ptr`` (int32,
     shaped like mp, rows of at least ``ncand`` rounded up to 4), and the cap and compaction read those
     lists (with ONE_TILE and X_IN_REGS, one unit: lists up to ``RK`` long are ranked, ``rank_kth``, in chunks of
-    ``RCH``).
+    ``RCH``; a longer list's tile must take the radix select: ``TS <= RK`` or ``TS >= RADIX_MIN``).
     TL: the width of the cap's ties and compaction tiles ``[QT, TL]`` (0: ``TS``).
     """
     offs_c = tl.arange(0, TC)
@@ -502,7 +516,8 @@ def route_tile(
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, mp_regs, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=True, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS, RK=RK, RCH=RCH)
+                    X_IN_REGS=True, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS, RK=RK, RCH=RCH,
+                    RADIX_MIN=RADIX_MIN)
     else:
         select_kept(mp_ptr, mp_unit, ncand, nmax, npos, bt_ptr, bt_unit, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr,
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max,

@@ -79,7 +79,8 @@ def rank_probe(device, rk: int, chunk: int, warps: int, trials: int, g: torch.Ge
         if t % 2:
             x = torch.ceil(x * 4) / 4
         out = torch.empty(3, dtype=torch.int32, device=device)
-        _rank_kernel[(1,)](x.to(device), torch.tensor([n], dtype=torch.int32, device=device),
+        padded = torch.cat([x, torch.zeros(-n % 4)])  # the list as the select leaves it (routing.pad_list)
+        _rank_kernel[(1,)](padded.to(device), torch.tensor([n], dtype=torch.int32, device=device),
                            torch.tensor([topk], dtype=torch.int32, device=device), out, RK=rk, CH=chunk,
                            num_warps=warps)
         keys = x.view(torch.int32)

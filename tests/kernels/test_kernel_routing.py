@@ -92,25 +92,28 @@ def test_small_topk_on_the_smallest_radix_tile():
 
 def test_radix_select_where_the_kernel_runs_it():
     """The kernel's radix select (``routing.radix_kth``, run alone by ``tests/kernels/_radix_probe.py``) on tiles of
-    ``RADIX_MIN_KEYS`` and more keys, one per thread of ``SELECT_WARPS`` warps, with keys made in registers as the
-    kernel makes them: every histogram and topk-th key right (on the H200 smaller, replicated tiles get wrong keys
-    in a few percent of the cases, which 40 cases a shape would catch; the kernel runs the pivot search there)."""
+    as many keys as the select program has threads (at least ``RADIX_MIN_KEYS``) and more, one key per thread, with
+    keys made in registers as the kernel makes them, at ``DecodeConfig.select_warps``: every histogram and
+    topk-th key right (on the H200 smaller, replicated tiles get wrong keys in a few percent of the cases, which 40
+    cases a shape would catch; the kernel runs the pivot search there)."""
     from tests.kernels._radix_probe import probe
 
     g = torch.Generator().manual_seed(0)
-    for ts in (routing.RADIX_MIN_KEYS.value, 2 * routing.RADIX_MIN_KEYS.value):
+    config = DecodeConfig()
+    smallest = max(routing.RADIX_MIN_KEYS.value, 32 * config.select_warps)
+    for ts in (smallest, 2 * smallest):
         for nh in (2, 4):
-            assert probe(DEV, ts, nh, True, routing.SELECT_WARPS, 40, g) == (0, 0)
+            assert probe(DEV, ts, nh, True, config.select_warps, 40, g) == (0, 0)
 
 
 def test_rank_select_against_torch():
     """The cap's rank search (``routing.rank_kth``) alone on lists up to ``DecodeConfig.cap_rank_max`` long, with
-    and without ties at the threshold, on a program of ``SELECT_WARPS`` warps: the key and its counts."""
+    and without ties at the threshold, on a program of ``DecodeConfig.select_warps`` warps: the key and its counts."""
     from tests.kernels._radix_probe import rank_probe
 
     g = torch.Generator().manual_seed(1)
     config = DecodeConfig()
-    assert rank_probe(DEV, config.cap_rank_max, config.cap_rank_chunk, routing.SELECT_WARPS, 40, g) == 0
+    assert rank_probe(DEV, config.cap_rank_max, config.cap_rank_chunk, config.select_warps, 40, g) == 0
 
 
 def _route_small_topk(seed, lens):

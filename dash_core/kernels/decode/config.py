@@ -34,13 +34,15 @@ class DecodeConfig:
     fuse_write_max: the largest ``[block_size, D]`` key tile summarised inside the select launch (the K/V write
         and the summary of a block the new token completes go there); larger ones spill there and get a launch of
         their own.
+    select_warps: ``num_warps`` of a select program (its cap's radix select runs only on tiles of at least one key
+        a thread, and of at least ``routing.RADIX_MIN_KEYS``).
     select_tile_budget: elements of the select kernel's largest register tile (halved where a unit's score rows,
         padded to a power of two, are 16 or more).
     select_pivots: pivots a pass of the top-k cap's search where a unit's candidates do not fit one tile.
     one_tile_max: up to this many candidates the cap keeps every mp in registers.
     cap_rank_max: where the mp stay in registers, a unit with at most this many positive mp finds its ``topk``-th
-        largest by ranking them, each against all (one per thread of the select program at the default; at least
-        ``routing.RADIX_MIN_KEYS``); more take the radix select over every candidate.
+        largest by ranking them, each against all (one per thread of the select program at the defaults); more take
+        the radix select over every candidate.
     cap_rank_chunk: keys each thread compares its key with at a time while ranking.
     list_tile: width of the tiles in which the cap's ties pass and the compaction read a unit's list of positive mp.
     pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): each launch of a step (the
@@ -61,6 +63,7 @@ class DecodeConfig:
     attn_maxnreg: int = 128
     merge_thread_elements: int = 128
     fuse_write_max: int = 8192
+    select_warps: int = 8
     select_tile_budget: int = 8192
     select_pivots: int = 16
     one_tile_max: int = 8192

@@ -23,7 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
 from ..launcher import cached_launch
-from ..routing import SELECT_WARPS, load_scores, route_tile, score_rows
+from ..routing import RADIX_MIN_KEYS, load_scores, route_tile, score_rows
 from .config import DecodeConfig
 
 
@@ -79,7 +79,8 @@ def _decode_select_kernel(
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
-    RK: tl.constexpr, RCH: tl.constexpr, FUSE_WRITE: tl.constexpr, WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
+    RK: tl.constexpr, RCH: tl.constexpr, RADIX_MIN: tl.constexpr, FUSE_WRITE: tl.constexpr,
+    WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
@@ -106,7 +107,7 @@ def _decode_select_kernel(
                      count_ptr, scnt_n, NROWS, topk, inv_sigma, i, u,
                      NH_PAD=NH_PAD, NS_PAD=NS_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG,
                      BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, TL=TL, RK=RK,
-                     RCH=RCH, PDL=PDL)
+                     RCH=RCH, RADIX_MIN=RADIX_MIN, PDL=PDL)
 
 
 @triton.jit
@@ -117,7 +118,7 @@ def _select_unit(
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
-    RK: tl.constexpr, RCH: tl.constexpr, PDL: tl.constexpr,
+    RK: tl.constexpr, RCH: tl.constexpr, RADIX_MIN: tl.constexpr, PDL: tl.constexpr,
 ):
     """Unit u of request i of ``_decode_select_kernel``."""
     _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)  # (no launch writes seq_lens)
@@ -147,7 +148,7 @@ def _select_unit(
         count_ptr, one + i64 * scnt_n + u, topk, inv_sigma,
         QT=1, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
         ONE_TILE=ONE_TILE, X_IN_REGS=X_IN_REGS, LIST=X_IN_REGS, TL=TL, X_GIVEN=X_IN_REGS, x_regs=x_regs, RK=RK,
-        RCH=RCH,
+        RCH=RCH, RADIX_MIN=RADIX_MIN,
     )
 
 
@@ -241,6 +242,7 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
         TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
+        RADIX_MIN=max(RADIX_MIN_KEYS.value, 32 * config.select_warps),
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
-        num_warps=SELECT_WARPS, **pdl_launch(pdl),
+        num_warps=config.select_warps, **pdl_launch(pdl),
     )
