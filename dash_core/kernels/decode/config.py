@@ -16,7 +16,9 @@ class DecodeConfig:
     score_split_min_candidates: a score program handles at least this many candidates (the score launch is split
         over a request's candidates for occupancy). score_programs_per_sm: score programs a multiprocessor gets before
         a (request, KV head) is split no further, where a batch has at most as many (request, KV head) rows as the
-        GPU has multiprocessors; score_programs_per_sm_wide: the same beyond that.
+        GPU has multiprocessors; score_programs_per_sm_wide: the same beyond that. score_block: candidates a score
+        program loads at once (summaries ``[score_block, D]``; half as many above D 128); score_stages, score_warps:
+        the score launch's ``num_stages`` and ``num_warps``.
     attn_split_max: the most splits of one request's attention.
     attn_programs_per_sm: attention programs a multiprocessor gets before a (request, KV head) is split no further.
     attn_split_min_blocks: the fewest blocks (local window and routed, at the cap) a split attends.
@@ -53,6 +55,9 @@ class DecodeConfig:
     score_split_min_candidates: int = 64
     score_programs_per_sm: int = 4
     score_programs_per_sm_wide: int = 2
+    score_block: int = 64
+    score_stages: int = 3
+    score_warps: int = 4
     attn_split_max: int = 64
     attn_programs_per_sm: int = 4
     attn_split_min_blocks: int = 2

@@ -188,7 +188,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     pdl = config.pdl and pdl_supported(q.device)
     if only != "select":  # alone, the score launch has no dependent to let start
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
-                      pdl and only is None)
+                      pdl and only is None, config)
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
@@ -197,20 +197,20 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
 
 
 def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
-                  pdl: bool) -> None:
+                  pdl: bool, config: DecodeConfig) -> None:
     n, hq, d = q.shape
     hkv = summaries.shape[1]
     g = hq // hkv
     bs = params.block_size
     max_pages = block_table.shape[1]
-    block_n = max(16, min(64 if d <= 128 else 32, pow2(max_cand)))
+    block_n = max(16, min(config.score_block if d <= 128 else config.score_block // 2, pow2(max_cand)))
     _decode_scores_kernel[(n, hkv, num_splits)](
         q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
         params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
-        PDL=pdl, num_warps=4, num_stages=3, **pdl_launch(pdl),
+        PDL=pdl, num_warps=config.score_warps, num_stages=config.score_stages, **pdl_launch(pdl),
     )
 
 
