@@ -76,3 +76,6 @@ def test_rejects_bad_metadata_and_buffers():
     assert "addresses 9 blocks > 3" in run(wide, p, buffers=narrow)
     capped = DecodeBuffers.allocate(2, 4, 2, 64, 16, 3, DashParams(block_size=16, topk=2), DEV)
     assert "selection" in run(make(), p, buffers=capped)
+    odd = DecodeBuffers.allocate(2, 4, 2, 64, 16, 3, p, DEV)
+    odd.mp = torch.zeros(2, 2, 7, device=DEV)[:, :, :3]  # rows of 7: a unit's list not in whole groups of 4
+    assert "mp and mp_cand" in run(make(), p, buffers=odd)

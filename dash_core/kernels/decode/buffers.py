@@ -163,6 +163,10 @@ class DecodeBuffers:
             problems.append(f"on {self.scores.device}, q on {q.device}")
         if hi != self.indexer_heads:
             problems.append(f"allocated for indexer_heads {self.indexer_heads}, the step has {hi}")
+        if any(x.stride(2) != 1 or x.stride(1) % 4 or x.stride(0) % 4 or x.data_ptr() % 16
+               for x in (self.mp, self.mp_cand)):
+            problems.append("mp and mp_cand must be 16-byte aligned with contiguous rows a multiple of 4 long (the "
+                            "select reads a unit's list in groups of 4), as allocate makes them")
         if problems:
             raise ValueError("buffers do not fit this decode step: " + "; ".join(problems))
 
