@@ -6,9 +6,11 @@ carried type changes, non-constexpr globals, ...) or what only a GPU pays for (s
 register spills). This script records the launches the host code makes for a set of supported
 configurations (the kernels are replaced by recorders), compiles each distinct one with
 ``triton.compile`` for ``cuda:90`` (bundled ptxas) and prints one JSON line per variant with its
-shared memory and ptxas register/spill report. Run without ``TRITON_INTERPRET``:
+shared memory, ptxas register/spill report and SASS instruction count. Run without ``TRITON_INTERPRET``:
 
     python -m tests.kernels._kernel_compile_check
+    python -m tests.kernels._kernel_compile_check --lines _decode_select_kernel   # each variant's SASS
+                                                                                  # instructions per source line
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 
 import torch
 
@@ -33,7 +36,7 @@ from dash_core.kernels.decode import attention as decode_attention, route as dec
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.launch import paged_dash_decode_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
-from tests.kernels._ptxas import ptxas_usage
+from tests.kernels._ptxas import ptxas_usage, sass_lines
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
@@ -139,7 +142,9 @@ def compile_variant(item):
     return triton.compile(src, target=TARGET, options=opts)
 
 
-def _compile(item):
+def _compile(item, lines_of=None):
+    """The JSON record of one recorded launch; ``lines_of``: the kernel whose records also list their source lines
+    with the most SASS instructions."""
     name, _, consts, opts, _ = item
     rec = {"kernel": name, "constexprs": consts, "options": opts}
     try:
@@ -149,23 +154,29 @@ def _compile(item):
         return rec
     rec["shared"] = kern.metadata.shared
     rec["registers"], rec["spill_bytes"] = ptxas_usage(kern.asm["ptx"])
+    lines = sass_lines(kern.asm["cubin"])
+    rec["instructions"] = sum(lines.values()) or None
+    if name == lines_of:
+        rec["lines"] = [f"{n} {f}:{line}" for (f, line), n in lines.most_common(25) if f is not None]
     return rec
 
 
-def compile_all(record, compile_one) -> int:
-    """Record the launches (``record()``), compile each in a worker (``compile_one``), print one JSON line each."""
+def compile_all(record, compile_one, argv: list) -> int:
+    """Record the launches (``record()``), compile each in a worker (``compile_one(item, lines_of)``), print one JSON
+    line each. ``argv``: the command line (``--lines KERNEL``: that kernel's records list their busiest lines)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("run without TRITON_INTERPRET (the interpreter replaces the kernels)", file=sys.stderr)
         return 2
+    lines_of = argv[argv.index("--lines") + 1] if "--lines" in argv[:-1] else None
     calls = record()
     with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
-        for rec in ex.map(compile_one, calls.values()):
+        for rec in ex.map(partial(compile_one, lines_of=lines_of), calls.values()):
             print(json.dumps(rec), flush=True)
     return 0
 
 
 def main() -> int:
-    return compile_all(record_launches, _compile)
+    return compile_all(record_launches, _compile, sys.argv[1:])
 
 
 if __name__ == "__main__":

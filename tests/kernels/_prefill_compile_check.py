@@ -7,7 +7,7 @@ recorders), compiles each distinct one for ``cuda:90`` and prints one JSON line 
 registers and spills).
 Run without ``TRITON_INTERPRET``:
 
-    python -m tests.kernels._prefill_compile_check
+    python -m tests.kernels._prefill_compile_check [--lines _prefill_route_kernel]
 """
 
 from __future__ import annotations
@@ -99,13 +99,13 @@ def record_launches() -> dict:
     return calls
 
 
-def compile_one(item):
+def compile_one(item, lines_of=None):
     """``kc._compile`` in a worker that imported this module (so the prefill kernels are registered)."""
-    return kc._compile(item)
+    return kc._compile(item, lines_of)
 
 
 def main() -> int:
-    return kc.compile_all(record_launches, compile_one)
+    return kc.compile_all(record_launches, compile_one, sys.argv[1:])
 
 
 if __name__ == "__main__":
