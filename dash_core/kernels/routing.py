@@ -46,13 +46,18 @@ PRIOR_EPS = 1e-20  # docs/semantics.md section 5
 HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # docs/semantics.md section 4 (globals kernels read are constexprs)
 INF_BITS = tl.constexpr(0x7F800000)  # bit pattern of +inf: above every finite mp
 # The one-tile cap's radix select runs on tiles of at least this many keys, and of at least one key a thread of the
-# program (``route_tile``'s RADIX_MIN: the decode select passes its threads where they are more), else the pivot
+# program (``route_tile``'s RADIX_MIN: ``radix_min_keys`` of the decode select's warps), else the pivot
 # search. On a smaller tile several threads hold each key, and with the keys made in registers
 # (X_IN_REGS: the mean over heads of a [1, NH, TS] tile, reshaped) the compiled radix select finds the wrong
 # topk-th key (Triton 3.6, sm_90); each histogram alone is right, and the same keys loaded from memory give the
 # right key. benchmarks/investigations/histogram_probe.py isolates it: rerun it after a Triton upgrade before moving
 # this bound.
 RADIX_MIN_KEYS = tl.constexpr(256)
+
+
+def radix_min_keys(num_warps: int) -> int:
+    """``route_tile``'s RADIX_MIN for a program of ``num_warps`` warps: one key a thread, and ``RADIX_MIN_KEYS``."""
+    return max(RADIX_MIN_KEYS.value, 32 * num_warps)
 
 
 @triton.jit

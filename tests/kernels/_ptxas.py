@@ -11,12 +11,17 @@ import tempfile
 from pathlib import Path
 
 
+def _bundled(tool: str) -> str:
+    """Path of one of triton's bundled NVIDIA tools."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+
+
 def ptxas_usage(ptx: str, arch: str = "sm_90a") -> tuple:
     """``(registers, spill store bytes)`` that triton's bundled ptxas reports for ``ptx`` (None where it reports
     none)."""
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = _bundled("ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         Path(path).write_text(ptx)
@@ -31,9 +36,7 @@ def sass_lines(cubin: bytes) -> collections.Counter:
     triton's bundled nvdisasm; empty where it is missing. A kernel that waits on the latency of each instruction in
     turn (the decode select) takes about as long as it executes instructions, so these counts compare variants of
     it without a GPU."""
-    import triton
-
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    nvdisasm = _bundled("nvdisasm")
     if not os.path.exists(nvdisasm):
         return collections.Counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -100,7 +100,7 @@ def test_radix_select_where_the_kernel_runs_it():
 
     g = torch.Generator().manual_seed(0)
     config = DecodeConfig()
-    smallest = max(routing.RADIX_MIN_KEYS.value, 32 * config.select_warps)
+    smallest = routing.radix_min_keys(config.select_warps)
     for ts in (smallest, 2 * smallest):
         for nh in (2, 4):
             assert probe(DEV, ts, nh, True, config.select_warps, 40, g) == (0, 0)

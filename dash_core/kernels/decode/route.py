@@ -23,7 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
 from ..launcher import cached_launch
-from ..routing import RADIX_MIN_KEYS, load_scores, route_tile, score_rows
+from ..routing import load_scores, radix_min_keys, route_tile, score_rows
 from .config import DecodeConfig
 
 
@@ -242,7 +242,7 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
         TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
-        RADIX_MIN=max(RADIX_MIN_KEYS.value, 32 * config.select_warps),
+        RADIX_MIN=radix_min_keys(config.select_warps),
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
         num_warps=config.select_warps, **pdl_launch(pdl),
     )
