@@ -504,8 +504,9 @@ CASES = [  # (requests (total, new), DashParams kwargs, scenario kwargs)
 
 def test_extends_match_oracle_on_most_rows():
     """Varlen extends written and attended by the op, against the float64 oracle (summaries recomputed
-    from the keys): most rows within the attention tolerance; a multi-wave run (tiny scratch) equals
-    the one-wave run exactly; rows past ``cu_seqlens_q[n]`` are zero."""
+    from the keys): most rows within the attention tolerance; a multi-wave run (tiny scratch) and a run taking
+    the tiles in launch order (not the last first) equal the one-wave run exactly; rows past ``cu_seqlens_q[n]``
+    are zero."""
     groups = {}
     for n, (reqs, pk, sk) in enumerate(CASES):
         p = DashParams(block_size=16, **pk)
@@ -520,6 +521,7 @@ def test_extends_match_oracle_on_most_rows():
                                                         plan.max_cand, p, plan.recompute)
             again = prefill(case, PrefillConfig(scratch_bytes=2 * per_tile), write=False)
             assert torch.equal(again, out)
+            assert torch.equal(prefill(case, PrefillConfig(last_tiles_first=False), write=False), out)
     assert_few_differ(groups, MAX_DIFFERING_ROWS)
 
 

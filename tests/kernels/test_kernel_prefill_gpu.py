@@ -229,9 +229,9 @@ WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, rou
 def test_gluon_attention_matches_triton(case, monkeypatch):
     """On Hopper, the warp-specialized Gluon attention (``gluon.py``: G 3 padded to 4, G 8 with router
     ``shared``, G 1; extends starting and ending mid-block, a one-token extend; one wave, or many, whose launches
-    share the work counter's memory; SGLang's pages and vLLM's) against the Triton kernel on the same routing, with
-    NaN in every cache row no token wrote (the local window must not read them), and against the oracle on sampled
-    rows."""
+    share the work counter's memory; SGLang's pages and vLLM's), a wave's last tiles first, against the Triton
+    kernel taking the tiles in launch order on the same routing, with NaN in every cache row no token wrote (the
+    local window must not read them), and against the oracle on sampled rows."""
     dtype, hq, hkv, ps, totals, news, pk, scratch, layout = WS_CASES[case]
     p = DashParams(block_size=64, **pk)
     pr = Prompt(70 + case, totals, news, hq=hq, hkv=hkv, d=128, bs=64, ps=ps, dtype=dtype, params=p, q_corr=0.8,
@@ -253,7 +253,9 @@ def test_gluon_attention_matches_triton(case, monkeypatch):
     pr.cache.v_pages[~written.view(pages, ps)] = float("nan")
     out_ws = pr.run(workspace=PrefillWorkspace(config))
     assert len(launches) > (4 if scratch else 0), "the Gluon attention did not run (or not in several waves)"
-    out_tr = pr.run(workspace=PrefillWorkspace(dataclasses.replace(config, gluon=GluonConfig(enabled=False))))
+    # the Triton kernel in launch order: neither the kernel nor the order of the tiles changes a row
+    out_tr = pr.run(workspace=PrefillWorkspace(dataclasses.replace(config, gluon=GluonConfig(enabled=False),
+                                                                   last_tiles_first=False)))
     sync()
     assert torch.isfinite(out_ws).all()
     b, c = row_errors(out_ws, out_tr, dtype)

@@ -29,7 +29,7 @@ from ..launcher import bind_launch, cached_launch
 from . import gluon
 from .config import PrefillConfig
 from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
-                    INFO_TOK_BASE, tile_bounds, tile_rows)
+                    INFO_TOK_BASE, tile_bounds, tile_rows, wave_tile)
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def _prefill_attn_kernel(
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
     UCH: tl.constexpr, ONE_BLOCK: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
-    UNION_ONLY: tl.constexpr = False,
+    UNION_ONLY: tl.constexpr = False, LAST_FIRST: tl.constexpr = False,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -125,9 +125,10 @@ def _prefill_attn_kernel(
 
     UNION_ONLY: step 1 only, for ``gluon.prefill_attn_ws``: the union's size to ``nu_ptr [w Hkv + h]``, the
     tile's bounds to row w of ``info_ptr`` (rows ``sinfo`` apart, columns ``tiles.INFO_*``), and 0 to
-    ``counter_ptr`` (the Gluon launch's work counter).
+    ``counter_ptr`` (the Gluon launch's work counter). LAST_FIRST: program w runs tile ``W - 1 - w`` instead
+    (``PrefillConfig.last_tiles_first``).
     """
-    w = tl.program_id(0)
+    w = wave_tile(LAST_FIRST)
     h = tl.program_id(1)
     req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = tile_bounds(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
@@ -356,7 +357,8 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
         TU=max(16, min(pow2(plan.max_cand), cfg.union_tile // plan.qt)),
         TJ=max(16, min(pow2(s.sel_idx.shape[2]), cfg.union_list_tile // plan.qt)),
         UCH=cfg.union_chunk if one_block else max(cfg.union_chunk_gather, block_u // bs), ONE_BLOCK=one_block,
-        num_warps=cfg.attn_warps if d <= 128 else 2 * cfg.attn_warps, num_stages=cfg.attn_stages)
+        LAST_FIRST=cfg.last_tiles_first, num_warps=cfg.attn_warps if d <= 128 else 2 * cfg.attn_warps,
+        num_stages=cfg.attn_stages)
     ws_kernel = None
     if gluon_wanted and gluon.HAVE_GLUON:
         gc = cfg.gluon
@@ -365,7 +367,7 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
             (s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
              spr[1], qk_scale, g, tiles, t, hkv, s.ws_counter),
             QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
-            VST=gc.v_slots, REGS=gc.regs, num_warps=4, maxnreg=gc.regs)
+            VST=gc.v_slots, REGS=gc.regs, LAST_FIRST=cfg.last_tiles_first, num_warps=4, maxnreg=gc.regs)
 
     def attend(q: torch.Tensor, cache: PagedKVCache, bt: torch.Tensor, out: torch.Tensor) -> None:
         kp, vp = cache.k_pages, cache.v_pages

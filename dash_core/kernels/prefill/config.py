@@ -48,7 +48,9 @@ class PrefillConfig:
             scratch under 1 GB. resident_ctas: programs of either launch resident on one multiprocessor (registers and
             shared memory allow 2 at D 128 on sm_90; waves are sized in whole rounds of them; 0: the budget alone).
             waves_last_first: issue a call's waves from its last: a prompt's first waves (short contexts) run in less
-            time than the host takes to issue one.
+            time than the host takes to issue one. last_tiles_first: the route and attention launches (and the
+            Gluon launch's work counter) take a wave's tiles from its last, a request's longest contexts first, so
+            that short tiles fill the launch's tail (a short prompt is one wave: a triangle of tile lengths).
     Tiles:
         attn_rows: query rows of one tile (tokens x padded GQA group).
     Routing (``route.py``):
@@ -79,6 +81,7 @@ class PrefillConfig:
     scratch_bytes: int = 896 << 20
     resident_ctas: int = 2
     waves_last_first: bool = True
+    last_tiles_first: bool = True
     attn_rows: int = 64
     route_tile_budget: int = 4096
     route_registers: bool = True

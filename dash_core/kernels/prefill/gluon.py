@@ -305,14 +305,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _worker(c: gl.constexpr, rt, tiles, items, counter, QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr,
-                BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr):
+                BS: gl.constexpr, PPB: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr, LAST_FIRST: gl.constexpr):
         """Warpgroup c: (tile, KV head) items taken from the wave's counter until none is left, by KV head then
         tile (the launch order of the Triton kernel: neighbouring tiles of a head, which share most of their
-        blocks, run at the same time)."""
+        blocks, run at the same time), the wave's last tile first with LAST_FIRST."""
         n0 = 0
         item = gl.atomic_add(counter, 1)
         while item < items:
-            n0 += _tile(c, item % tiles, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST)
+            w = item % tiles
+            if LAST_FIRST:
+                w = tiles - 1 - w
+            n0 += _tile(c, w, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST)
             item = gl.atomic_add(counter, 1)
 
     @cached_launch
@@ -323,7 +326,7 @@ if HAVE_GLUON:
                         qk_scale, G, tiles, num_tokens, HKV, counter_ptr,
                         QT: gl.constexpr, G_PAD: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                         PPB: gl.constexpr, NC: gl.constexpr, KST: gl.constexpr, VST: gl.constexpr,
-                        REGS: gl.constexpr):
+                        REGS: gl.constexpr, LAST_FIRST: gl.constexpr = False):
         """Persistent grid (one program a multiprocessor): ``NC`` (3) warpgroups, each taking (tile, KV head) items
         of the wave from ``counter_ptr`` (zeroed by the union launch) and running the tile over its union
         (``union_blk``: each block's first row, ``union_prior`` and ``union_count`` of the Triton union launch) and
@@ -346,9 +349,9 @@ if HAVE_GLUON:
               q_all, k_all, v_all, kbar, vbar, info_ptr, sinfo, nu_ptr, ublk_ptr, sub_w, sub_h, uprior_ptr, spr_w,
               spr_h, o_ptr, so_t, so_h, qk_scale, G, num_tokens, HKV, cols_ph)
         gl.warp_specialize([
-            (_worker, (0, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
-            (_worker, (1, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
-            (_worker, (2, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST)),
+            (_worker, (0, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, LAST_FIRST)),
+            (_worker, (1, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, LAST_FIRST)),
+            (_worker, (2, rt, tiles, tiles * HKV, counter_ptr, QT, G_PAD, D, BS, PPB, KST, VST, LAST_FIRST)),
         ], [4, 4], [REGS, REGS])
 
 

@@ -28,7 +28,7 @@ from ..common import block_page, cdiv, pow2, scaled_query, summary_index, summar
 from ..launcher import bind_launch, cached_launch
 from ..routing import INF_BITS, append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
 from .config import PrefillConfig
-from .tiles import tile_bounds, tile_rows
+from .tiles import tile_bounds, tile_rows, wave_tile
 
 # The Halley passes count the entries above tau as a sum of min(x - tau, COUNT_UNIT): exactly COUNT_UNIT (the
 # smallest normal fp32) each, times 2^126 at the end; two instructions an entry instead of about three for a compare,
@@ -266,7 +266,7 @@ def _prefill_route_kernel(
     PS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
     NPIV: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, TL: tl.constexpr,
     RECOMPUTE: tl.constexpr = False, CS_TMA: tl.constexpr = False, HKV_C: tl.constexpr = 1,
-    STAGE_Q: tl.constexpr = False, X_REGS: tl.constexpr = False,
+    STAGE_Q: tl.constexpr = False, X_REGS: tl.constexpr = False, LAST_FIRST: tl.constexpr = False,
 ):
     """Grid ``(W, Hkv)`` (router ``kv_head``) or ``(W, 1)`` (``shared``): program (w, h) routes tile
     ``tile0 + w``.
@@ -285,8 +285,9 @@ def _prefill_route_kernel(
     X_REGS (``kv_head``, every candidate in one score tile: ``scores_in_registers``): no score is stored; the
     entmax runs on the tile's scores in registers, mp is stored by candidate (no lists) and the cap's keys stay in
     registers (``route_tile``'s ONE_TILE with X_GIVEN).
+    LAST_FIRST: program w routes tile ``W - 1 - w`` instead (``PrefillConfig.last_tiles_first``).
     """
-    w = tl.program_id(0)
+    w = wave_tile(LAST_FIRST)
     hp = tl.program_id(1)
     req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = tile_bounds(
         tile0 + w, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens, QT, BS, LOCAL_BLOCKS)
@@ -493,7 +494,7 @@ def bind_route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
          1.0 / params.sigma, copy.shape[1] if recompute else 0),
         PS=cache.page_size, **_route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, cfg, x_regs),
         RECOMPUTE=recompute, CS_TMA=s.summary_desc is not None, HKV_C=hkv,
-        STAGE_Q=recompute and stages_queries(g, q, s), **launch)
+        STAGE_Q=recompute and stages_queries(g, q, s), LAST_FIRST=cfg.last_tiles_first, **launch)
 
     def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor) -> None:
         summ = cache.summaries

@@ -31,6 +31,15 @@ def tile_tokens(num_q_heads: int, num_kv_heads: int, block_size: int, attn_rows:
 
 
 @triton.jit
+def wave_tile(LAST_FIRST: tl.constexpr):
+    """The wave's tile this program runs, from ``program_id(0)``: in launch order, or with LAST_FIRST from the
+    wave's last tile (a request's longest contexts first, so that the short tiles fill the launch's tail)."""
+    if LAST_FIRST:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    return tl.program_id(0)
+
+
+@triton.jit
 def tile_bounds(tile, n, tile_req_ptr, tile_off_ptr, cu_ptr, seq_lens_ptr, max_tokens,
                  QT: tl.constexpr, BS: tl.constexpr, LOCAL_BLOCKS: tl.constexpr):
     """Where tile ``tile`` lies: ``(req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand)``.
