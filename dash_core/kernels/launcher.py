@@ -111,8 +111,9 @@ class BoundLaunch:
     (``CachedLaunch.bind``). A call passes the leading arguments, which must be the kernel's first parameters and
     runtime ones, and may add keywords (constexprs that follow from them). The kept arguments are specialised once,
     at the first call of each variant (through ``CachedLaunch.launch``, which compiles where Triton would), so a
-    later call specialises its leading arguments only: the kept tensors' memory must not move in place (no
-    ``set_`` or ``resize_``; a workspace's scratch and a step's tables never do)."""
+    later call specialises its leading arguments only, and passes the kept CUDA tensors as the addresses the first
+    call found (``_addresses``): their memory must not move in place (no ``set_`` or ``resize_``; a workspace's
+    scratch and a step's tables never do)."""
 
     def __init__(self, kernel: CachedLaunch, grid, lead: int, tail: tuple, options: dict) -> None:
         self.kernel, self.grid, self.lead, self.tail, self.options = kernel, tuple(grid), lead, tuple(tail), options
@@ -143,7 +144,7 @@ class BoundLaunch:
             kwargs = {**self.options, **more}
             compiled = k.launch(self.grid, args + self.tail, kwargs)
             if compiled is not None:  # None: Triton's JIT cache hook skipped the launch
-                rest = k._full(args + self.tail, kwargs)[self.lead:]
+                rest = _addresses(k._full(args + self.tail, kwargs)[self.lead:])
                 self._variants[key or self._key(device, k._backends[device], args, more)] = (compiled, rest)
             return
         compiled, rest = found
@@ -226,6 +227,13 @@ def _expand_descriptors(full: tuple, descs: tuple) -> tuple:
         start = pos + 1
     parts.append(full[start:])
     return sum(parts, ())
+
+
+def _addresses(args: tuple) -> tuple:
+    """``args`` with each CUDA tensor replaced by its address. Triton's C launcher takes an int as the address
+    itself; given a tensor, it calls ``data_ptr()`` and asks the driver to translate the address
+    (``cuPointerGetAttribute``) at every launch, which for kept arguments only repeats the first launch's answer."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) and a.is_cuda else a for a in args)
 
 
 def _getter(indices: list):

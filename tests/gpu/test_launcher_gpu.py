@@ -1,7 +1,7 @@
 """``kernels.launcher.CachedLaunch``: a cached launch computes what Triton's own launch computes, compiles a new
 variant exactly where Triton's cache would (alignment, an int of 1 or a multiple of 16, dtypes, constexprs, options),
 gives way to Triton while launch hooks are set, launches inside a captured CUDA graph, and refuses a tensor keyword;
-a bound launch (``CachedLaunch.bind``) does the same with its trailing arguments kept."""
+a bound launch (``CachedLaunch.bind``) does the same with its trailing arguments kept (its tensors as addresses)."""
 
 import pytest
 import torch
@@ -151,6 +151,22 @@ def test_bound_launch_replays_in_a_cuda_graph_and_refuses_a_wrong_count():
         bound(x, y)
     with pytest.raises(TypeError, match="runtime parameters"):
         _axpy_kernel.bind((8,), 3, (512, 0, 1.0, 64))  # BLOCK is a constexpr: a keyword
+
+
+def test_bound_launch_keeps_its_tensors_as_addresses_and_reads_them_at_each_launch():
+    """Kept CUDA tensors go to the C launcher as the addresses the first call found (no driver query a launch);
+    each launch reads what they hold then, into the kept output."""
+    x, y = torch.randn(512, device="cuda"), torch.randn(512, device="cuda")
+    out = torch.empty_like(x)
+    bound = _axpy_kernel.bind((8,), 1, (y, out, 512, 0, 2.0), BLOCK=64, SQUARE=False)
+    bound(x)
+    torch.testing.assert_close(out, 2.0 * x + y)
+    (_, rest), = bound._variants.values()
+    assert rest[:2] == (y.data_ptr(), out.data_ptr())
+    y.copy_(torch.randn(512, device="cuda"))
+    x2 = torch.randn(512, device="cuda")
+    bound(x2)
+    torch.testing.assert_close(out, 2.0 * x2 + y)
 
 
 @cached_launch
