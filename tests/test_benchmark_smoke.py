@@ -68,17 +68,20 @@ def _host_time(*args) -> dict:
 
 
 def test_host_time_launches_every_kernel_of_a_layer():
-    """``host_time.py`` times the op on the Hopper kernel path: each layer of a step launches its write, route and
-    attention kernels (and the Gluon attention on a long enough wave), the step its one plan kernel, and every launch
-    after the warm-up is a kept one. A path taken elsewhere (the PyTorch path, a stand-in that no longer reaches the
-    launch, a launch through Triton's JIT: ``name (jit)``) changes these counts."""
-    per_layer = {"_kv_rows_kernel": 3, "_prefill_route_kernel": 3, "_prefill_attn_kernel": 3, "_tile_tables_kernel": 1}
-    assert _host_time("--cases", "1x256,2x640", "--layers", "3") == {"1 x 256, 3 layers, sglang": per_layer,
-                                                                     "2 x 640, 3 layers, sglang": per_layer}
-    with_gluon = {"_kv_rows_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1, "_tile_tables_kernel": 1,
-                  "prefill_attn_ws": 1}
+    """``host_time.py`` times the op on the Hopper kernel path: each layer of a step launches its write and attention
+    kernels (the attention routing these short tables itself; a route launch before it with ``fuse_route`` off, or
+    before a wave's Gluon attention), the step its one plan kernel, and every launch after the warm-up is a kept one.
+    A path taken elsewhere (the PyTorch path, a stand-in that no longer reaches the launch, a launch through Triton's
+    JIT: ``name (jit)``) changes these counts."""
+    per_layer = {"_kv_rows_kernel": 3, "_prefill_attn_kernel": 3, "_tile_tables_kernel": 1}
+    routed = {**per_layer, "_prefill_route_kernel": 3}
+    assert _host_time("--cases", "1x256,2x640", "--layers", "3", "--tune", "fuse_route=0") == {
+        "1 x 256, 3 layers, sglang": per_layer, "2 x 640, 3 layers, sglang": per_layer,
+        "1 x 256, 3 layers, sglang fuse_route=0": routed, "2 x 640, 3 layers, sglang fuse_route=0": routed}
+    with_gluon = {"_kv_rows_kernel": 1, "_prefill_route_kernel": 1, "_prefill_attn_kernel": 1,
+                  "_tile_tables_kernel": 1, "prefill_attn_ws": 1}
     assert _host_time("--cases", "16x1024", "--layers", "1", "--layout", "vllm") == {
         "16 x 1024, 1 layers, vllm": with_gluon}
-    without = {name: count for name, count in with_gluon.items() if name != "prefill_attn_ws"}
+    without = {"_kv_rows_kernel": 1, "_prefill_attn_kernel": 1, "_tile_tables_kernel": 1}
     assert _host_time("--cases", "1x256", "--layers", "1", "--tune", "gluon_min_tiles=0") == {  # a setting beside
         "1 x 256, 1 layers, sglang": without, "1 x 256, 1 layers, sglang gluon_min_tiles=0": with_gluon}

@@ -84,8 +84,9 @@ def record_launches() -> dict:
                 seq = torch.full((n,), t, dtype=torch.int32)
                 hc = None if hi else torch.zeros(hkv, d, dtype=dtype)
                 iq = torch.zeros(t, hi, d, dtype=dtype) if hi else None
-                paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
-                                          config=PrefillConfig(scratch_bytes=1 << 24))
+                for fuse in (True, False):  # short tables: routed by the attention launch, or a route launch
+                    paged_dash_prefill_triton(q, None, None, cache, bt, cu, seq, None, hc, p, iq=iq,
+                                              config=PrefillConfig(scratch_bytes=1 << 24, fuse_route=fuse))
                 if not hi:  # cache_dash_prefill's write and summary launches, the prefill op's one launch
                     kv = torch.zeros(t, hkv, d, dtype=dtype)
                     for consecutive in (False, True):

@@ -505,15 +505,21 @@ CASES = [  # (requests (total, new), DashParams kwargs, scenario kwargs)
 def test_extends_match_oracle_on_most_rows():
     """Varlen extends written and attended by the op, against the float64 oracle (summaries recomputed
     from the keys): most rows within the attention tolerance; a multi-wave run (tiny scratch) and a run taking
-    the tiles in launch order (not the last first) equal the one-wave run exactly; rows past ``cu_seqlens_q[n]``
-    are zero."""
-    groups = {}
+    the tiles in launch order (not the last first) equal the one-wave run exactly, and where the attention launch
+    routes its own tiles (``route.route_fused``: the router ``kv_head`` cases) so does a run with a route launch
+    before it; rows past ``cu_seqlens_q[n]`` are zero."""
+    groups, fused = {}, 0
     for n, (reqs, pk, sk) in enumerate(CASES):
         p = DashParams(block_size=16, **pk)
         case = make_prefill_case(200 + n, reqs, params=p, **sk).to(DEV)
         wipe_new_tokens(case)
         out = prefill(case)
         groups.update({f"case {n} request {i}": bad for i, bad in differing_rows(case, out).items()})
+        plan, scratch = plan_and_scratch(case, PrefillConfig())
+        (_, tiles), = plan.waves()
+        if pf_route.route_fused(case.q, case.cache.num_kv_heads, p, plan, scratch, tiles):
+            fused += 1
+            assert torch.equal(prefill(case, PrefillConfig(fuse_route=False), write=False), out), n
         if n == 0:  # two tiles per wave
             plan = pf_plan.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p,
                                              PrefillConfig())
@@ -522,6 +528,7 @@ def test_extends_match_oracle_on_most_rows():
             again = prefill(case, PrefillConfig(scratch_bytes=2 * per_tile), write=False)
             assert torch.equal(again, out)
             assert torch.equal(prefill(case, PrefillConfig(last_tiles_first=False), write=False), out)
+    assert fused == 4
     assert_few_differ(groups, MAX_DIFFERING_ROWS)
 
 

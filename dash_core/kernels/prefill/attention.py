@@ -28,6 +28,7 @@ from ..common import LOG2E, LOG2E_F, block_page, cdiv, max_or_zero, pow2, raise_
 from ..launcher import bind_launch, cached_launch
 from . import gluon
 from .config import PrefillConfig
+from .route import fused_route_arguments, route_in_registers
 from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
                     INFO_TOK_BASE, tile_bounds, tile_rows, wave_tile)
 
@@ -94,15 +95,18 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
 @triton.jit(do_not_specialize=["tile0", "n", "nt", "max_tokens", "num_tokens", "G"])
 def _prefill_attn_kernel(
     q_ptr, sq_t, sq_h, k_ptr, v_ptr, sk_p, sk_r, sk_h, sv_p, sv_r, sv_h, o_ptr, so_t, so_h, k_desc, v_desc,
-    ublk_page, ublk_step, ublk_head, bt_ptr, sbt_n,
+    ublk_page, ublk_step, ublk_head, bt_ptr, sbt_n, summ_ptr, ss_b, ss_h,
     cu_ptr, seq_lens_ptr, tile_req_ptr, tile_off_ptr, tile0, n, nt, max_tokens, num_tokens,
     sel_idx_ptr, sel_bias_ptr, ssel_n, ssel_h, count_ptr, scnt_n, scnt_h,
     uprior_ptr, spr_w, spr_h, ublk_ptr, sub_w, sub_h, upos_ptr, spos_w, spos_h, qk_scale, G,
     info_ptr, sinfo, nu_ptr, counter_ptr,
+    mp_ptr, smp_n, smp_h, ck_ptr, sel_blk_ptr, sel_cap, sf, x_scale, topk, inv_sigma,
     QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_U: tl.constexpr, TU: tl.constexpr, TJ: tl.constexpr,
     UCH: tl.constexpr, ONE_BLOCK: tl.constexpr, TMA: tl.constexpr, TMA_HEAD_MAJOR: tl.constexpr,
     UNION_ONLY: tl.constexpr = False, LAST_FIRST: tl.constexpr = False,
+    ROUTE: tl.constexpr = False, BLOCK_N: tl.constexpr = 16, TS: tl.constexpr = 16, NPIV: tl.constexpr = 1,
+    HAS_TOPK: tl.constexpr = False, EST_DIAG: tl.constexpr = False, TL: tl.constexpr = 16,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
@@ -123,11 +127,17 @@ def _prefill_attn_kernel(
     inconsistent get zeros, and the tiles past the last one (of the ``nt`` the tile tables number, at least one)
     zero the rows of no request (``_zero_tail_rows``).
 
-    UNION_ONLY: step 1 only, for ``gluon.prefill_attn_ws``: the union's size to ``nu_ptr [w Hkv + h]``, the
-    tile's bounds to row w of ``info_ptr`` (rows ``sinfo`` apart, columns ``tiles.INFO_*``), and 0 to
-    ``counter_ptr`` (the Gluon launch's work counter). LAST_FIRST: program w runs tile ``W - 1 - w`` instead
-    (``PrefillConfig.last_tiles_first``).
+    0. ROUTE: the tile is routed first, by this program (``route.route_in_registers``: the short tables whose
+       candidates fit one score tile, router ``kv_head``), into the same scratch (``mp_ptr`` .. ``inv_sigma`` and
+       the summaries ``summ_ptr``: ``_prefill_route_kernel``'s; unused otherwise): no route launch precedes this
+       one, and a program's routing overlaps other programs' attention.
+
+    UNION_ONLY: step 1 only, for ``gluon.prefill_attn_ws``: the union's size to
+    ``nu_ptr [w Hkv + h]``, the tile's bounds to row w of ``info_ptr`` (rows ``sinfo`` apart, columns
+    ``tiles.INFO_*``), and 0 to ``counter_ptr`` (the Gluon launch's work counter). LAST_FIRST: program w runs
+    tile ``W - 1 - w`` instead (``PrefillConfig.last_tiles_first``).
     """
+    tl.static_assert(not (ROUTE and UNION_ONLY), "the Gluon waves are routed by a route launch")
     w = wave_tile(LAST_FIRST)
     h = tl.program_id(1)
     req, ok, tok_base, a0, p_lo, p_hi, first_local, ncand = tile_bounds(
@@ -161,6 +171,13 @@ def _prefill_attn_kernel(
         bt_row = bt_ptr + req.to(tl.int64) * sbt_n
         slot0 = w.to(tl.int64) * QT
         p_max = p_hi - 1  # last position of the tile: keys after it may not be written yet
+
+        if ROUTE:  # 0. the tile's routing, read back below by other threads of this program
+            route_in_registers(q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, mp_ptr, smp_n, smp_h, ck_ptr,
+                               sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
+                               scnt_h, sf, x_scale, G, topk, inv_sigma, req, h, slot0, tok_m, g_m, row_ok, unit_ok,
+                               ncand, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL)
+            tl.debug_barrier()
 
         # 1. union of the tile's selections (units: its tokens)
         uprior_row = uprior_ptr + w.to(tl.int64) * spr_w + h * spr_h  # [max_cand, QT] contiguous
@@ -323,14 +340,17 @@ def _build_kv_descriptors(cache: PagedKVCache, block_u: int) -> Optional[tuple]:
     return None
 
 
-ATTN_LEAD = 21  # the attention kernel's leading arguments, a call's own: queries, K/V, output, descriptors, table
+ATTN_LEAD = 24  # the attention kernel's leading arguments, a call's own: queries, K/V, output, descriptors, table,
+# summaries
 
 
 def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   seq_lens: torch.Tensor, params: DashParams, plan, scratch, tile0: int, tiles: int):
+                   seq_lens: torch.Tensor, params: DashParams, plan, scratch, tile0: int, tiles: int,
+                   route: bool = False):
     """The attention of tiles ``tile0 .. tile0 + tiles - 1`` of ``plan`` (a ``PrefillPlan``, with its config) over
     their selections in ``scratch`` (a ``PrefillScratch``), every argument but the layer's bound: the result attends
-    ``(q, cache, block_table, out)`` of any layer of the step (the shapes of those given here)."""
+    ``(q, cache, block_table, out)`` of any layer of the step (the shapes of those given here). ``route``: the
+    launch routes the tiles first (``route.route_fused`` says where it can), and no route launch is needed."""
     t, hq, d = q.shape
     cfg = plan.config
     hkv = cache.num_kv_heads
@@ -345,14 +365,16 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
     ssel, scnt = s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, spos = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride()
     qk_scale = LOG2E_F / math.sqrt(d)
+    route_args, route_kw = fused_route_arguments(q, hkv, params, plan, s)  # (the arguments unused unless route)
+    route_kw = route_kw if route else {}
     kernel = bind_launch(
         _prefill_attn_kernel, (tiles, hkv), ATTN_LEAD,
         (cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], plan.num_tiles,
          block_table.shape[1] * cache.page_size, t, s.sel_idx, s.sel_bias, ssel[0], 0 if shared else ssel[1],
          s.sel_count, scnt[0], 0 if shared else scnt[1], s.union_prior, spr[0], spr[1], s.union_blk, sub[0], sub[1],
          s.union_pos, spos[0], spos[1], qk_scale, g, s.tile_info, s.tile_info.stride(0),
-         s.union_count, s.ws_counter),
-        QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
+         s.union_count, s.ws_counter) + route_args,
+        **route_kw, QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PS=cache.page_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_T=min(bs, 64 if d <= 128 else 32), BLOCK_U=block_u,
         TU=max(16, min(pow2(plan.max_cand), cfg.union_tile // plan.qt)),
         TJ=max(16, min(pow2(s.sel_idx.shape[2]), cfg.union_list_tile // plan.qt)),
@@ -370,7 +392,7 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
             VST=gc.v_slots, REGS=gc.regs, LAST_FIRST=cfg.last_tiles_first, num_warps=4, maxnreg=gc.regs)
 
     def attend(q: torch.Tensor, cache: PagedKVCache, bt: torch.Tensor, out: torch.Tensor) -> None:
-        kp, vp = cache.k_pages, cache.v_pages
+        kp, vp, summ = cache.k_pages, cache.v_pages, cache.summaries
         geo = gluon.ws_supported(q, cache, params, g_pad, plan.qt) if gluon_wanted else None  # where its TMA works
         ws = geo is not None
         # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
@@ -379,7 +401,8 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
         kernel(q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], out, so[0], so[1],
                *(kv_desc[:2] if kv_desc is not None else (kp, vp)),
                *(gluon.union_rows(geo, bs) if ws else (cache.page_size // bs, 1, 0)), bt, bt.stride(0),
-               TMA=kv_desc is not None, TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]), UNION_ONLY=ws)
+               summ, summ.stride(0), summ.stride(1), TMA=kv_desc is not None,
+               TMA_HEAD_MAJOR=bool(kv_desc and kv_desc[2]), UNION_ONLY=ws)
         if ws:
             k_desc, v_desc = gluon.kv_block_descriptors(cache, bs, geo)
             ws_kernel(q, sq[0], sq[1], kp, vp, sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], bt, bt.stride(0), k_desc,

@@ -57,7 +57,9 @@ class PrefillConfig:
         route_tile_budget: elements of ``route_tile``'s largest register tile. route_registers: short block tables
             (every candidate in one ``[QT x G, candidates]`` tile of at most ``route_regs_budget`` elements, a
             quarter of it above D 128) route from the scores in registers, storing none
-            (``route.scores_in_registers``); else through the score scratch. route_warps, route_stages: warps and
+            (``route.scores_in_registers``); else through the score scratch. fuse_route: where the scores fit
+            registers and the Triton kernel attends the wave, each attention program routes its own tile first, no
+            route launch (``route.route_fused``). route_warps, route_stages: warps and
             pipeline stages of the route kernel with stored scores; route_regs_warps: its warps with the scores in
             registers (one tile a program: fewer warps, more programs a multiprocessor). route_score_tile:
             candidates of one stored-scores tile (half that above D 128). route_pivots, route_pivot_budget,
@@ -82,6 +84,7 @@ class PrefillConfig:
     resident_ctas: int = 2
     waves_last_first: bool = True
     last_tiles_first: bool = True
+    fuse_route: bool = True
     attn_rows: int = 64
     route_tile_budget: int = 4096
     route_registers: bool = True

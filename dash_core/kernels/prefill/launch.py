@@ -17,7 +17,7 @@ from ..kv_write import write_prefill
 from .attention import bind_attention
 from .config import PrefillConfig
 from .plan import PrefillPlan, PrefillScratch
-from .route import bind_route, gather_summaries
+from .route import bind_route, gather_summaries, route_fused
 
 
 def plan_and_scratch(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -87,8 +87,11 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     def make() -> tuple:
         plan, scratch = plan_and_scratch(q, cache, block_table, cu_seqlens_q, seq_lens, params, config, route_heads)
         step = (block_table, cu_seqlens_q, seq_lens, params, plan, scratch)
-        waves = [(bind_route(rq, rcache, *step, tile0, tiles), bind_attention(q, cache, *step, tile0, tiles))
-                 for tile0, tiles in plan.waves()]
+        waves = []
+        for tile0, tiles in plan.waves():
+            fused = iq is None and route_fused(q, cache.num_kv_heads, params, plan, scratch, tiles)
+            waves.append((None if fused else bind_route(rq, rcache, *step, tile0, tiles),
+                          bind_attention(q, cache, *step, tile0, tiles, route=fused)))
         return scratch, waves
 
     if workspace is None:
@@ -99,6 +102,7 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
         scratch, waves = workspace.take(key, (cu_seqlens_q, seq_lens), make)
     gather_summaries(cache, block_table, seq_lens, params, scratch)  # this call's summaries (each layer has its own)
     for route, attend in waves:
-        route(rq, rcache, block_table)
+        if route is not None:  # (else the attention launch routes)
+            route(rq, rcache, block_table)
         attend(q, cache, block_table, out)
     return out

@@ -9,7 +9,9 @@ positive ``mp`` as a list, which the ``topk`` cap and the compaction read instea
 With router ``kv_head`` on long block tables (``recompute_routing``) no score is stored: each of the five passes
 computes the scores again from a copy of the request's summaries in candidate order (``gather_summaries``, one launch
 per call), with ``route_tile``'s arithmetic (``_route_recompute``). On short ones, every candidate in one score tile
-(``scores_in_registers``), none is stored either: the tile's scores stay in registers for the entmax and the cap.
+(``scores_in_registers``), none is stored either: the tile's scores stay in registers for the entmax and the cap
+(``route_in_registers``), and where the Triton attention attends the wave its launch routes the tiles itself
+(``route_fused``): no route launch.
 """
 
 from __future__ import annotations
@@ -284,7 +286,7 @@ def _prefill_route_kernel(
     arguments are unused placeholders.
     X_REGS (``kv_head``, every candidate in one score tile: ``scores_in_registers``): no score is stored; the
     entmax runs on the tile's scores in registers, mp is stored by candidate (no lists) and the cap's keys stay in
-    registers (``route_tile``'s ONE_TILE with X_GIVEN).
+    registers (``route_in_registers``).
     LAST_FIRST: program w routes tile ``W - 1 - w`` instead (``PrefillConfig.last_tiles_first``).
     """
     w = wave_tile(LAST_FIRST)
@@ -307,38 +309,35 @@ def _prefill_route_kernel(
                              sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
                              topk, inv_sigma, QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL,
                              CS_TMA, HKV_C, STAGE_Q, PAIRED)
-        else:  # the stored scores, or with X_REGS the one score tile in registers
+        elif X_REGS:  # router kv_head: every candidate in one [M, BLOCK_N] tile (rows u G_PAD + g)
+            tl.static_assert(not SHARED and NH_PAD == G_PAD and TC == BLOCK_N,
+                             "X_REGS: router kv_head, one score tile of TC candidates")
+            route_in_registers(q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, mp_ptr, smp_n, smp_h, ck_ptr,
+                               sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n, 1,
+                               sf, x_scale, G, topk, inv_sigma, req, hp, slot0, tok_m, g_m, row_ok, unit_ok, ncand,
+                               QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL)
+        else:  # the stored scores
             bt_row = bt_ptr + req.to(tl.int64) * sbt_n
-            if X_REGS:  # router kv_head: every candidate in one [M, BLOCK_N] tile (rows u G_PAD + g)
-                tl.static_assert(not SHARED and NH_PAD == G_PAD and TC == BLOCK_N,
-                                 "X_REGS: router kv_head, one score tile of TC candidates")
-                cm = offs_n < ncand
-                qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, hp * G + g_m, row_ok, sf, offs_d)
-                x = summary_scores(qs, bt_row, summ_ptr, ss_b, hp, ss_h, offs_n, cm, x_scale, offs_d, PS, BS)
-                mx = tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1)
-                x_regs = tl.reshape(x, [QT, G_PAD, BLOCK_N])
+            x_tok = x_ptr + (slot0 + u_m) * sx_n
+            mx = tl.full([M], float("-inf"), tl.float32)
+            if SHARED:
+                h_lo = 0
+                h_hi = HKV
             else:
-                x_tok = x_ptr + (slot0 + u_m) * sx_n
+                h_lo = hp
+                h_hi = hp + 1
+            for h in range(h_lo, h_hi):
+                heads = h * G + g_m
+                qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d)
+                x_rows = x_tok + heads.to(tl.int64) * sx_h
                 mx = tl.full([M], float("-inf"), tl.float32)
-                if SHARED:
-                    h_lo = 0
-                    h_hi = HKV
-                else:
-                    h_lo = hp
-                    h_hi = hp + 1
-                for h in range(h_lo, h_hi):
-                    heads = h * G + g_m
-                    qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d)
-                    x_rows = x_tok + heads.to(tl.int64) * sx_h
-                    mx = tl.full([M], float("-inf"), tl.float32)
-                    for c0 in range(0, ncand, BLOCK_N):
-                        c = c0 + offs_n
-                        cm = c < ncand
-                        x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-                        tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
-                        mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-                x_regs = mx  # (unused)
-                tl.debug_barrier()  # the scores are read back by other threads of this program
+                for c0 in range(0, ncand, BLOCK_N):
+                    c = c0 + offs_n
+                    cm = c < ncand
+                    x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
+                    tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
+                    mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
+            tl.debug_barrier()  # the scores are read back by other threads of this program
 
             ncand_u = tl.where(unit_ok, ncand, 0)
             slot_u = slot0 + tl.arange(0, QT)
@@ -368,10 +367,41 @@ def _prefill_route_kernel(
                 sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
                 count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
                 QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-                ONE_TILE=X_REGS,  # else QT units' mp of every candidate would not fit in registers
-                X_IN_REGS=X_REGS, LIST=not X_REGS, TL=TL, X_GIVEN=X_REGS, x_regs=x_regs,
+                ONE_TILE=False,  # QT units' mp of every candidate would not fit in registers
+                LIST=True, TL=TL,
             )
 
+
+@triton.jit
+def route_in_registers(q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, mp_ptr, smp_n, smp_h, ck_ptr,
+                       sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n, scnt_h,
+                       sf, x_scale, G, topk, inv_sigma, req, h, slot0, tok_m, g_m, row_ok, unit_ok, ncand,
+                       QT: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr,
+                       EST_DIAG: tl.constexpr, TL: tl.constexpr):
+    """Route the ``QT`` tokens of a tile for KV head h (router ``kv_head``) with every candidate in one
+    ``[QT * G_PAD, BLOCK_N]`` score tile (``scores_in_registers``): the scores stay in registers for the entmax and
+    the cap (``route_tile``'s ONE_TILE with X_GIVEN), mp is stored by candidate (``mp_ptr``), the kept blocks and
+    counts as ``_prefill_route_kernel`` writes them (slot ``slot0 + u``; the count at ``u scnt_n + h scnt_h``).
+    Rows (``tiles.tile_rows``): token ``tok_m``, head ``g_m`` of the group, real where ``row_ok``."""
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    cm = offs_n < ncand
+    qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, h * G + g_m, row_ok, sf, offs_d)
+    x = summary_scores(qs, bt_ptr + req.to(tl.int64) * sbt_n, summ_ptr, ss_b, h, ss_h, offs_n, cm, x_scale, offs_d,
+                       PS, BS)
+    m = tl.reshape(tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1), [QT, G_PAD])
+    slot_u = slot0 + tl.arange(0, QT)
+    nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
+    m = tl.where(unit_ok[:, None] & (tl.arange(0, G_PAD) < nrows)[None, :] & (ncand > 0), m, 0.0)
+    route_tile(
+        mp_ptr, slot_u * smp_n, 0, nrows, tl.where(unit_ok, ncand, 0), m,  # (x_ptr, x_unit: unused with X_GIVEN)
+        mp_ptr, slot_u * smp_n + h * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
+        sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + h * ssel_h, sel_cap,
+        count_ptr, slot_u * scnt_n + h * scnt_h, topk, inv_sigma,
+        QT=QT, NH_PAD=G_PAD, TC=BLOCK_N, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+        ONE_TILE=True, X_IN_REGS=True, LIST=False, TL=TL, X_GIVEN=True, x_regs=tl.reshape(x, [QT, G_PAD, BLOCK_N]),
+    )
 
 def recompute_routing(params: DashParams, n: int, max_cand: int, hq: int, hkv: int, d: int, itemsize: int,
                       config: PrefillConfig, route_heads: Optional[int] = None) -> bool:
@@ -448,6 +478,29 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
         BLOCK_N=block_n, TC=tc, TS=ts, TL=max(1, min(pow2(max_cand), config.route_list_budget // qt)),
         NPIV=npiv, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared, X_REGS=x_regs,
     )
+
+
+def route_fused(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch, tiles: int) -> bool:
+    """Whether the attention launch of a wave of ``tiles`` tiles of ``plan`` routes them itself
+    (``PrefillConfig.fuse_route``; the attention kernel's ``ROUTE``, ``route_in_registers``): where the route
+    kernel would keep the scores in registers (``scores_in_registers``: short tables, router ``kv_head``), with no
+    summary copy, and the Triton kernel attends the wave (not ``GluonConfig.wanted``: routing in the union launch
+    before the Gluon attention takes longer than a route launch before it)."""
+    cfg = plan.config
+    return (cfg.fuse_route and scratch.summary_copy is None and not cfg.gluon.wanted(plan.max_cand, tiles)
+            and scores_in_registers(plan.qt, q.shape[1], hkv, q.shape[2], plan.max_cand, params, cfg))
+
+
+def fused_route_arguments(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch) -> tuple:
+    """``(trailing arguments, constexprs)`` of the routing an attention launch runs (``route_fused``), as
+    ``bind_route`` would give the route kernel's registers path (the arguments are passed, unused, by a launch
+    that does not route)."""
+    t, hq, d = q.shape
+    s = scratch
+    rc = _route_constexprs(plan.qt, hq, hkv, d, plan.max_cand, params, plan.config, True)
+    args = (s.mp, s.mp.stride(0), s.mp.stride(1), s.mp_cand, s.sel_blk, s.sel_idx.shape[2], params.scaling_factor,
+            0.5 / math.sqrt(d), params.topk if params.topk is not None else 0, 1.0 / params.sigma)
+    return args, dict(ROUTE=True, **{k: rc[k] for k in ("BLOCK_N", "TS", "NPIV", "HAS_TOPK", "EST_DIAG", "TL")})
 
 
 def stages_queries(g: int, q: torch.Tensor, scratch) -> bool:
