@@ -340,8 +340,7 @@ def _build_kv_descriptors(cache: PagedKVCache, block_u: int) -> Optional[tuple]:
     return None
 
 
-ATTN_LEAD = 24  # the attention kernel's leading arguments, a call's own: queries, K/V, output, descriptors, table,
-# summaries
+ATTN_LEAD = 24  # the attention kernel's leading arguments, a call's own: queries, K/V, output, table, summaries
 
 
 def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
