@@ -403,6 +403,7 @@ def route_in_registers(q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, m
         ONE_TILE=True, X_IN_REGS=True, LIST=False, TL=TL, X_GIVEN=True, x_regs=tl.reshape(x, [QT, G_PAD, BLOCK_N]),
     )
 
+
 def recompute_routing(params: DashParams, n: int, max_cand: int, hq: int, hkv: int, d: int, itemsize: int,
                       config: PrefillConfig, route_heads: Optional[int] = None) -> bool:
     """Whether a call routes without a score scratch (``_route_recompute``): router ``kv_head``, no indexer, block
