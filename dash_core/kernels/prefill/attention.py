@@ -358,9 +358,9 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
     shared = params.router == "shared"
     s = scratch
     g_pad = pow2(g)
-    block_u = cfg.attn_keys if d <= 128 else min(bs, 32)
+    block_u = cfg.union_keys(d, bs)
     one_block = block_u < 2 * bs  # a tile within one block: one base address, no gather
-    gluon_wanted = one_block and cfg.gluon.wanted(plan.max_cand, tiles)
+    gluon_wanted = cfg.gluon_attends(d, bs, plan.max_cand, tiles)
     ssel, scnt = s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, spos = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride()
     qk_scale = LOG2E_F / math.sqrt(d)

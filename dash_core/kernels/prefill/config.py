@@ -119,6 +119,16 @@ class PrefillConfig:
         if self.scratch_bytes <= 0:
             raise ValueError(f"PrefillConfig.scratch_bytes = {self.scratch_bytes}: expected > 0")
 
+    def union_keys(self, d: int, bs: int) -> int:
+        """Keys of one union tile of the Triton attention at head dim ``d``, block size ``bs``."""
+        return self.attn_keys if d <= 128 else min(bs, 32)
+
+    def gluon_attends(self, d: int, bs: int, max_cand: int, tiles: int) -> bool:
+        """Whether the Gluon launch attends a wave of ``tiles`` tiles over tables of ``max_cand`` candidates
+        (``GluonConfig.wanted``, union tiles within one block), where ``gluon.ws_supported`` says it runs; else the
+        Triton kernel attends it."""
+        return self.union_keys(d, bs) < 2 * bs and self.gluon.wanted(max_cand, tiles)
+
     @staticmethod
     def for_device(device) -> "PrefillConfig":
         """The defaults for ``device``'s architecture (``ARCH_DEFAULTS``; ``PrefillConfig()`` elsewhere)."""

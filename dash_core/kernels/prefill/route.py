@@ -485,10 +485,11 @@ def route_fused(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch, ti
     """Whether the attention launch of a wave of ``tiles`` tiles of ``plan`` routes them itself
     (``PrefillConfig.fuse_route``; the attention kernel's ``ROUTE``, ``route_in_registers``): where the route
     kernel would keep the scores in registers (``scores_in_registers``: short tables, router ``kv_head``), with no
-    summary copy, and the Triton kernel attends the wave (not ``GluonConfig.wanted``: routing in the union launch
-    before the Gluon attention takes longer than a route launch before it)."""
+    summary copy, and the Triton kernel attends the wave (not ``PrefillConfig.gluon_attends``: routing in the union
+    launch before the Gluon attention takes longer than a route launch before it)."""
     cfg = plan.config
-    return (cfg.fuse_route and scratch.summary_copy is None and not cfg.gluon.wanted(plan.max_cand, tiles)
+    return (cfg.fuse_route and scratch.summary_copy is None
+            and not cfg.gluon_attends(q.shape[2], params.block_size, plan.max_cand, tiles)
             and scores_in_registers(plan.qt, q.shape[1], hkv, q.shape[2], plan.max_cand, params, cfg))
 
 
