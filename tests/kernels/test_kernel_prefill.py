@@ -603,6 +603,22 @@ def test_gluon_launch_on_long_tables_or_long_waves(monkeypatch, min_cand, min_ti
     assert dataclasses.replace(config.gluon, enabled=False).wanted(plan.max_cand, tiles) is False
 
 
+@pytest.mark.parametrize("bs, gluon_attends", [(64, True), (16, False)])
+def test_one_predicate_says_which_launch_attends_a_wave(bs, gluon_attends):
+    """``PrefillConfig.gluon_attends`` answers for the attention launch and for ``route.route_fused`` alike: with the
+    Gluon launch wanted (``GluonConfig.wanted``), a wave whose union tiles span one block (64 keys at block size 64)
+    goes to it and keeps its route launch; at block size 16 a union tile spans several blocks, so the Triton kernel
+    attends the wave and routes it in the same launch."""
+    p = DashParams(block_size=bs, topk=4, scaling_factor=2.0)
+    case = make_prefill_case(7, [(160, 96)], hq=8, hkv=2, d=128, bs=bs, params=p).to(DEV)
+    config = PrefillConfig(scratch_bytes=1 << 40, gluon=GluonConfig(min_candidates=0))
+    plan, scratch = plan_and_scratch(case, config)
+    (tile0, tiles), = plan.waves()
+    assert config.gluon.wanted(plan.max_cand, tiles)
+    assert config.gluon_attends(128, bs, plan.max_cand, tiles) is gluon_attends
+    assert pf_route.route_fused(case.q, 2, p, plan, scratch, tiles) is not gluon_attends
+
+
 def test_waves_take_every_tile_once_from_the_last():
     """``PrefillPlan.waves``: consecutive tiles, each in one wave, the partial last wave issued first (or, without
     ``waves_last_first``, in tile order)."""
