@@ -359,7 +359,7 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
     s = scratch
     g_pad = pow2(g)
     block_u = cfg.union_keys(d, bs)
-    one_block = block_u < 2 * bs  # a tile within one block: one base address, no gather
+    one_block = cfg.union_in_one_block(d, bs)
     gluon_wanted = cfg.gluon_attends(d, bs, plan.max_cand, tiles)
     ssel, scnt = s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, spos = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride()

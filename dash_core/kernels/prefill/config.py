@@ -123,11 +123,15 @@ class PrefillConfig:
         """Keys of one union tile of the Triton attention at head dim ``d``, block size ``bs``."""
         return self.attn_keys if d <= 128 else min(bs, 32)
 
+    def union_in_one_block(self, d: int, bs: int) -> bool:
+        """Whether a union tile (``union_keys``) lies within one block: one base address, no gather."""
+        return self.union_keys(d, bs) < 2 * bs
+
     def gluon_attends(self, d: int, bs: int, max_cand: int, tiles: int) -> bool:
         """Whether the Gluon launch attends a wave of ``tiles`` tiles over tables of ``max_cand`` candidates
         (``GluonConfig.wanted``, union tiles within one block), where ``gluon.ws_supported`` says it runs; else the
         Triton kernel attends it."""
-        return self.union_keys(d, bs) < 2 * bs and self.gluon.wanted(max_cand, tiles)
+        return self.union_in_one_block(d, bs) and self.gluon.wanted(max_cand, tiles)
 
     @staticmethod
     def for_device(device) -> "PrefillConfig":
