@@ -9,8 +9,9 @@ import torch
 
 from ...layout import PagedKVCache
 from ...params import DashParams
-from ..common import cdiv, sm_count
+from ..common import cdiv, clusters_supported, pow2, sm_count
 from .config import DecodeConfig
+from .route import CLUSTER_ROUNDS
 
 
 @dataclass
@@ -58,6 +59,7 @@ class DecodeBuffers:
     sel_count: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
+    xch: Optional[torch.Tensor] = None
     indexer_heads: Optional[int] = None
     config: DecodeConfig = DecodeConfig()
 
@@ -77,6 +79,12 @@ class DecodeBuffers:
         """``(score_splits, attn_splits)`` for a batch of ``n`` rows."""
         return self._splits(n, self.num_kv_heads, self.max_cand, self.sel_idx.shape[2], self.params.local_blocks,
                             self.num_sms, self.fixed_splits, self.config)
+
+    def cluster(self, n: int) -> int:
+        """Programs a cluster routing one unit for a batch of ``n`` rows (``DecodeConfig.cluster_share``), or 1: the
+        two routing launches."""
+        return _cluster_size(n, self.num_kv_heads, self.max_cand, self.num_sms, self.params, self.indexer_heads,
+                             self.xch, self.config)
 
     def attn_stages(self, n: int) -> int:
         """``num_stages`` of the split attention for a batch of ``n`` rows: ``config.attn_stages_wide`` where its
@@ -127,8 +135,20 @@ class DecodeBuffers:
             sel_count=torch.zeros(max_batch, hsel, dtype=i32, device=device),
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
+            xch=cls._exchange(max_batch, num_q_heads, num_kv_heads, params, num_sms, indexer_heads, config, device),
             indexer_heads=indexer_heads, config=config,
         )
+
+    @staticmethod
+    def _exchange(max_batch, hq, hkv, params, num_sms, indexer_heads, config, device) -> Optional[torch.Tensor]:
+        """The cluster route's exchange ``[units, rounds * cluster_max * 3 * G_PAD]`` fp32 for the most units a
+        cluster route takes (two programs each), or None where it never runs."""
+        units = min(max_batch * hkv, num_sms // 2)
+        if (config.cluster_share <= 0 or config.cluster_max < 2 or units < 1 or params.router != "kv_head"
+                or indexer_heads is not None or not clusters_supported(torch.device(device))):
+            return None
+        width = CLUSTER_ROUNDS * config.cluster_max * 3 * max(16, pow2(hq // hkv))
+        return torch.empty(units, width, dtype=torch.float32, device=device)
 
     @classmethod
     def for_step(cls, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, params: DashParams,
@@ -169,6 +189,20 @@ class DecodeBuffers:
                             "select reads a unit's list in groups of 4), as allocate makes them")
         if problems:
             raise ValueError("buffers do not fit this decode step: " + "; ".join(problems))
+
+
+def _cluster_size(n: int, hkv: int, max_cand: int, num_sms: int, params: DashParams, indexer_heads, xch,
+                  config: DecodeConfig) -> int:
+    if (config.cluster_share <= 0 or params.router != "kv_head" or indexer_heads is not None or xch is None
+            or not clusters_supported(xch.device)):
+        return 1
+    units = max(1, n * hkv)
+    c = min(pow2(cdiv(max_cand, config.cluster_share)), config.cluster_max)
+    while c > 1 and units * c > num_sms:
+        c //= 2
+    if c < 2 or cdiv(max_cand, c) > config.cluster_share_max or units > xch.shape[0]:
+        return 1
+    return c
 
 
 def _wide(n: int, hkv: int, num_sms: int) -> bool:
