@@ -193,16 +193,21 @@ class DecodeBuffers:
 
 def _cluster_size(n: int, hkv: int, max_cand: int, num_sms: int, params: DashParams, indexer_heads, xch,
                   config: DecodeConfig) -> int:
-    if (config.cluster_share <= 0 or params.router != "kv_head" or indexer_heads is not None or xch is None
+    if (params.router != "kv_head" or indexer_heads is not None or xch is None or n * hkv > xch.shape[0]
             or not clusters_supported(xch.device)):
         return 1
-    units = max(1, n * hkv)
-    c = min(pow2(cdiv(max_cand, config.cluster_share)), config.cluster_max)
-    while c > 1 and units * c > num_sms:
-        c //= 2
-    if c < 2 or cdiv(max_cand, c) > config.cluster_share_max or units > xch.shape[0]:
+    return cluster_programs(n * hkv, max_cand, num_sms, config)
+
+
+def cluster_programs(units: int, max_cand: int, num_sms: int, config: DecodeConfig) -> int:
+    """Programs a cluster of the cluster route takes for ``units`` units of up to ``max_cand`` candidates on
+    ``num_sms`` multiprocessors (``DecodeConfig.cluster_share``), or 1: the two routing launches."""
+    if config.cluster_share <= 0:
         return 1
-    return c
+    c = min(pow2(cdiv(max_cand, config.cluster_share)), config.cluster_max)
+    while c > 1 and max(1, units) * c > num_sms:
+        c //= 2
+    return c if c >= 2 and cdiv(max_cand, c) <= config.cluster_share_max else 1
 
 
 def _wide(n: int, hkv: int, num_sms: int) -> bool:
