@@ -34,6 +34,7 @@ from dash_core import DashParams
 from dash_core.kernels import kv_write
 from dash_core.kernels.decode import attention as decode_attention, buffers as decode_buffers, route as decode_route
 from dash_core.kernels.decode.buffers import DecodeBuffers
+from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.decode.launch import paged_dash_decode_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels._ptxas import ptxas_usage, sass_lines
@@ -91,7 +92,7 @@ def record_launches() -> dict:
         saved[name] = getattr(mod, name)
         setattr(mod, name, _Recorder(name, saved[name], calls))
     clusters = decode_buffers.clusters_supported
-    decode_buffers.clusters_supported = lambda device: True  # record the cluster route's launches too
+    decode_buffers.clusters_supported = lambda device: True  # the cluster route's launches too (configs below)
     try:
         configs = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
             (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64)),
@@ -113,8 +114,9 @@ def record_launches() -> dict:
                 seq = torch.ones(n, dtype=torch.int32)
                 slots = torch.zeros(n, dtype=torch.int64)
                 hc = torch.zeros(hkv, d, dtype=dtype)
-                bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132)
-                paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
+                for config in (DecodeConfig(), DecodeConfig(cluster_share=128)):
+                    bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132, config=config)
+                    paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
             kv_write.write_prefill(k, k, cache, slots, p, hc)
         for hi in (4, 16, 64):  # indexer models: iq [n, Hi, D] routes over the 1-head ik store (router shared)
             p = DashParams(block_size=64, topk=64)

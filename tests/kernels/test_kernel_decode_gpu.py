@@ -165,7 +165,8 @@ def test_cluster_route_matches_the_oracle(topk, est, sf, q_scale):
     sc = make_scenario(5, [16 * 1005 + 9, 16 * 300 + 1, 16 * 3 + 2, 0], hq=8, hkv=2, d=128, params=p,
                        q_scale=q_scale).to("cuda")
     longest = 0
-    for share in (DecodeConfig().cluster_share, 0):
+    clustered = DecodeConfig(cluster_share=128)
+    for share in (clustered.cluster_share, 0):
         bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, config=DecodeConfig(cluster_share=share))
         assert (bufs.cluster(sc.n) > 1) == (share > 0)
         bufs.sel_count.fill_(-1)
@@ -176,7 +177,8 @@ def test_cluster_route_matches_the_oracle(topk, est, sf, q_scale):
         longest = max(longest, int((rt.mp > 0).sum(-1).max()))
     if sf < 1:  # the flat scores' lists are longer than the rank takes
         assert longest > DecodeConfig().cap_rank_max
-    checked, bad = row_errors(sc, decode_op(sc, buffers=DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p)))
+    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, config=clustered)
+    checked, bad = row_errors(sc, decode_op(sc, buffers=bufs))
     assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"
 
 

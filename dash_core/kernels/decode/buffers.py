@@ -81,8 +81,10 @@ class DecodeBuffers:
                             self.num_sms, self.fixed_splits, self.config)
 
     def cluster(self, n: int) -> int:
-        """Programs a cluster routing one unit for a batch of ``n`` rows (``DecodeConfig.cluster_share``), or 1: the
-        two routing launches."""
+        """Programs a cluster routing one unit for a batch of ``n`` rows (``DecodeConfig.cluster_share``; head dims up
+        to 128, whose share of summaries a program holds), or 1: the two routing launches."""
+        if self.head_dim > 128:
+            return 1
         return _cluster_size(n, self.num_kv_heads, self.max_cand, self.num_sms, self.params, self.indexer_heads,
                              self.xch, self.config)
 

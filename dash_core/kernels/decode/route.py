@@ -8,6 +8,10 @@
   the write fused, Hkv more programs a request write the step's new K/V (``kv_write.write_token``) beside the
   selection, off the chain of scores -> selection that bounds a small batch's step: this step's routing never reads
   them (the block the new token completes is in the local window), and the attention launch that does comes after.
+
+Or, where ``DecodeBuffers.cluster`` says so (``DecodeConfig.cluster_share``; off by default), one launch:
+``_decode_cluster_route_kernel`` spreads each unit over a cluster of programs that score their shares into registers
+and merge the entmax's sums through an exchange scratch between cluster barriers (``common.cluster_sync``).
 """
 
 from __future__ import annotations
