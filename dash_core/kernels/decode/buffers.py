@@ -11,7 +11,7 @@ from ...layout import PagedKVCache
 from ...params import DashParams
 from ..common import cdiv, clusters_supported, pow2, sm_count
 from .config import DecodeConfig
-from .route import CLUSTER_ROUNDS
+from .route import cluster_exchange_width
 
 
 @dataclass
@@ -81,12 +81,12 @@ class DecodeBuffers:
                             self.num_sms, self.fixed_splits, self.config)
 
     def cluster(self, n: int) -> int:
-        """Programs a cluster routing one unit for a batch of ``n`` rows (``DecodeConfig.cluster_share``; head dims up
-        to 128, whose share of summaries a program holds), or 1: the two routing launches."""
-        if self.head_dim > 128:
+        """Programs a cluster routing one unit for a batch of ``n`` rows (``DecodeConfig.cluster_share``; only where
+        the buffers hold the cluster route's exchange, ``_exchange``), or 1: the two routing launches."""
+        units = n * self.num_kv_heads
+        if self.xch is None or units > self.xch.shape[0]:
             return 1
-        return _cluster_size(n, self.num_kv_heads, self.max_cand, self.num_sms, self.params, self.indexer_heads,
-                             self.xch, self.config)
+        return cluster_programs(units, self.max_cand, self.num_sms, self.config)
 
     def attn_stages(self, n: int) -> int:
         """``num_stages`` of the split attention for a batch of ``n`` rows: ``config.attn_stages_wide`` where its
@@ -137,20 +137,23 @@ class DecodeBuffers:
             sel_count=torch.zeros(max_batch, hsel, dtype=i32, device=device),
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
-            xch=cls._exchange(max_batch, num_q_heads, num_kv_heads, params, num_sms, indexer_heads, config, device),
+            xch=cls._exchange(max_batch, num_q_heads, num_kv_heads, head_dim, params, num_sms, indexer_heads, config,
+                              device),
             indexer_heads=indexer_heads, config=config,
         )
 
     @staticmethod
-    def _exchange(max_batch, hq, hkv, params, num_sms, indexer_heads, config, device) -> Optional[torch.Tensor]:
-        """The cluster route's exchange ``[units, rounds * cluster_max * 3 * G_PAD]`` fp32 for the most units a
-        cluster route takes (two programs each), or None where it never runs."""
+    def _exchange(max_batch, hq, hkv, head_dim, params, num_sms, indexer_heads, config,
+                  device) -> Optional[torch.Tensor]:
+        """The cluster route's exchange ``[units, route.cluster_exchange_width]`` fp32 for the most units a cluster
+        route takes (two programs each), or None where it never runs: off, router ``shared`` or an indexer, head
+        dims above 128 (a program holds its share of summaries), no clusters on the device."""
         units = min(max_batch * hkv, num_sms // 2)
         if (config.cluster_share <= 0 or config.cluster_max < 2 or units < 1 or params.router != "kv_head"
-                or indexer_heads is not None or not clusters_supported(torch.device(device))):
+                or indexer_heads is not None or head_dim > 128 or not clusters_supported(torch.device(device))):
             return None
-        width = CLUSTER_ROUNDS * config.cluster_max * 3 * max(16, pow2(hq // hkv))
-        return torch.empty(units, width, dtype=torch.float32, device=device)
+        return torch.empty(units, cluster_exchange_width(hq // hkv, config.cluster_max), dtype=torch.float32,
+                           device=device)
 
     @classmethod
     def for_step(cls, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, params: DashParams,
@@ -191,14 +194,6 @@ class DecodeBuffers:
                             "select reads a unit's list in groups of 4), as allocate makes them")
         if problems:
             raise ValueError("buffers do not fit this decode step: " + "; ".join(problems))
-
-
-def _cluster_size(n: int, hkv: int, max_cand: int, num_sms: int, params: DashParams, indexer_heads, xch,
-                  config: DecodeConfig) -> int:
-    if (params.router != "kv_head" or indexer_heads is not None or xch is None or n * hkv > xch.shape[0]
-            or not clusters_supported(xch.device)):
-        return 1
-    return cluster_programs(n * hkv, max_cand, num_sms, config)
 
 
 def cluster_programs(units: int, max_cand: int, num_sms: int, config: DecodeConfig) -> int:

@@ -162,6 +162,12 @@ def _select_unit(
 CLUSTER_ROUNDS = 5
 
 
+def cluster_exchange_width(group: int, cluster_max: int) -> int:
+    """Elements of one unit's row of the cluster route's exchange scratch for ``group`` query heads a KV head and
+    clusters of up to ``cluster_max`` programs: ``CLUSTER_ROUNDS`` rounds of three ``[G_PAD]`` vectors a program."""
+    return CLUSTER_ROUNDS * cluster_max * 3 * max(16, pow2(group))
+
+
 @cached_launch
 @triton.jit
 def _decode_cluster_route_kernel(
@@ -263,13 +269,10 @@ def _route_share(
     ok = cm[None, :]
     zero = tl.zeros([1], tl.int32)
     npos, key_min, key_max = mp_key_range(mp, ok, zero, zero + INF_BITS, zero)
-    zw = tl.zeros([G_PAD], tl.float32)
-    n_all, lo_all, hi_all = _share3(xch + 4 * rnd, rank, zw + tl.sum(npos, axis=0).to(tl.float32),
-                                    (zw.to(tl.int32, bitcast=True) + tl.sum(key_min, axis=0)).to(tl.float32,
-                                                                                                  bitcast=True),
-                                    (zw.to(tl.int32, bitcast=True) + tl.sum(key_max, axis=0)).to(tl.float32,
-                                                                                                 bitcast=True),
-                                    C, G_PAD)
+    zw = tl.zeros([G_PAD], tl.int32)  # each value broadcast over a round's [G_PAD] slot (the keys as their bits)
+    n_all, lo_all, hi_all = _share3(xch + 4 * rnd, rank, (zw + tl.sum(npos, axis=0)).to(tl.float32),
+                                    (zw + tl.sum(key_min, axis=0)).to(tl.float32, bitcast=True),
+                                    (zw + tl.sum(key_max, axis=0)).to(tl.float32, bitcast=True), C, G_PAD)
     n_r = tl.max(n_all, axis=1).to(tl.int32)  # [C]: each share's list length
     before = tl.sum(tl.where(tl.arange(0, C) < rank, n_r, 0), axis=0)
     mp_unit = zero.to(tl.int64) + i64 * smp_n + h * smp_h
@@ -314,8 +317,8 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
     writes the score scratch and ``pmax`` only: no selection, no K/V).
     cluster: ``C > 1`` routes in one launch instead (``_decode_cluster_route_kernel``, router ``kv_head``), each unit
-    spread over a cluster of C programs, exchanging through ``xch`` (fp32, rows of at least ``CLUSTER_ROUNDS * C *
-    3 * G_PAD`` for each of the ``n * Hsel`` units); ``DecodeBuffers.cluster`` decides (the score scratch unused).
+    spread over a cluster of C programs, exchanging through ``xch`` (fp32, a row of at least ``cluster_exchange_width``
+    for each of the ``n * Hsel`` units); ``DecodeBuffers.cluster`` decides (the score scratch unused).
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
@@ -370,7 +373,7 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         ts = max(16, pow2(max_cand))
         npiv = max(1, min(config.select_pivots, budget // ts))
     else:
-        ts = max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
+        ts = _pivot_tile(max_cand, budget, config)
         npiv = config.select_pivots
     topk = params.topk if params.topk is not None else 0
     x_in_regs = one_tile and tc == ts  # then each unit's positive mp go to a list, read in tiles of list_tile
@@ -390,6 +393,11 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
     )
 
 
+def _pivot_tile(max_cand: int, budget: int, config: DecodeConfig) -> int:
+    """Candidates of one tile of the cap's pivot search over tiles (``[select_pivots, tile]`` within ``budget``)."""
+    return max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
+
+
 def _cluster_launch(q, summaries, block_table, seq_lens, params, page_size, xch, mp, mp_cand, sel_idx, sel_blk,
                     sel_bias, sel_count, cluster, max_cand, config: DecodeConfig, pdl: bool, write,
                     write_summarize) -> None:
@@ -397,7 +405,7 @@ def _cluster_launch(q, summaries, block_table, seq_lens, params, page_size, xch,
     hkv = summaries.shape[1]
     units = n * hkv
     writers = -(-units // cluster) * cluster if write is not None else 0
-    pivot_tile = max(16, min(pow2(max_cand), config.select_tile_budget // (2 * config.select_pivots)))
+    pivot_tile = _pivot_tile(max_cand, config.select_tile_budget, config)
     _decode_cluster_route_kernel[(units * cluster + writers,)](
         q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
         block_table, block_table.stride(0), seq_lens, block_table.shape[1] * page_size,
