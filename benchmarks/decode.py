@@ -342,7 +342,7 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             ms = graph_ms([lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, bufs)
                            for lay in layers], it, wu)
             add(common, "dash-triton", "route-only", ms, sb / bw * 1e3, kv_frac, sb, graph=True)
-            for only in ("scores", "select") if bufs.cluster(b) == 1 else ():  # the two routing launches apart
+            for only in ("scores", "select"):  # the two routing launches apart
                 ms = graph_ms([lambda lay=lay, only=only: decode_launch.route(q, lay.cache, lay.block_table, seq,
                                                                                params, bufs, only=only)
                                for lay in layers], it, wu)

@@ -75,21 +75,6 @@ def pdl_launch(on: bool) -> dict:
     return {"launch_pdl": True} if on else {}
 
 
-def clusters_supported(device) -> bool:
-    """Clusters of programs (``launcher.CachedLaunch``'s ``cluster`` launches, ``cluster_sync``): NVIDIA Hopper or
-    later, compiled."""
-    return pdl_supported(device)
-
-
-@triton.jit
-def cluster_sync():
-    """Wait until every thread of this program's cluster arrives here: what each wrote to memory before it is
-    visible to all after it (release and acquire at cluster scope). Every thread of every program of the cluster
-    must call it, equally often."""
-    tl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-                              "\n\tmov.u32 $0, 0;", "=r,~{memory}", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def decode_bounds(seq_lens_ptr, req, max_tokens, LOCAL_BLOCKS: tl.constexpr, BS: tl.constexpr):
     """(length, position, current block, first local block, candidates) of a decode row.

@@ -79,15 +79,8 @@ class CachedLaunch:
         return args + tuple(map(kwargs.get, self._names[nargs:], self._defaults[nargs:]))
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        """Launch on the current device and stream; returns the compiled kernel (None under the interpreter).
-
-        The keyword ``cluster`` (a power of two up to 16; the kernel compiled for one program a cluster) launches
-        ``grid[0]`` programs (a multiple of it) in clusters of that many consecutive programs, which the kernel
-        synchronises with ``common.cluster_sync``; never through Triton's launch, which would run them apart."""
-        cluster = kwargs.get("cluster", 1)
-        if self._through_triton() and (cluster == 1 or self._interpreted):
-            if cluster != 1:
-                raise RuntimeError(f"{self.fn.__name__}: a cluster launch cannot run under the interpreter")
+        """Launch on the current device and stream; returns the compiled kernel (None under the interpreter)."""
+        if self._through_triton():
             return self.fn[grid](*args, **kwargs)
         full = self._full(args, kwargs)
         device = torch.cuda.current_device()
@@ -102,12 +95,9 @@ class CachedLaunch:
             tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
             if tensors:  # its identity would key the cache: a miss, and a kept variant, at every call
                 raise TypeError(f"{self.fn.__name__}: pass tensors positionally, not as keywords {tensors}")
-            if cluster == 1:
-                kernel = self._compiled[key] = self.fn[grid](*args, **kwargs)
-                return kernel
-            kw = {k: v for k, v in kwargs.items() if k != "cluster"}
-            kernel = self._compiled[key] = self.fn.warmup(*args, grid=grid, **kw)  # compiled, not launched
-        _run(kernel, grid, device, full, cluster)
+            kernel = self._compiled[key] = self.fn[grid](*args, **kwargs)
+            return kernel
+        _run(kernel, grid, device, full)
         return kernel
 
     def bind(self, grid, lead: int, tail: tuple, **options) -> "BoundLaunch":
@@ -158,32 +148,25 @@ class BoundLaunch:
                 self._variants[key or self._key(device, k._backends[device], args, more)] = (compiled, rest)
             return
         compiled, rest = found
-        _run(compiled, self.grid, device, args + rest, self.options.get("cluster", 1))
+        _run(compiled, self.grid, device, args + rest)
 
 
-def _run(kernel, grid, device: int, full: tuple, cluster: int = 1) -> None:
+def _run(kernel, grid, device: int, full: tuple) -> None:
     """Launch the compiled ``kernel`` on ``grid`` (1 to 3 ints) on the current stream of ``device``, with every
-    parameter's value ``full``: straight through its C launcher where ``_direct`` knows the launcher's form;
-    ``cluster`` > 1: ``grid[0]`` programs in clusters of ``cluster`` (the launcher's ``num_ctas``)."""
+    parameter's value ``full``: straight through its C launcher where ``_direct`` knows the launcher's form."""
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    meta = kernel.packed_metadata
-    if cluster != 1:  # (num_warps, num_ctas, shared): the C launcher makes grid[0] // cluster clusters of cluster
-        if len(grid) > 1 and (g1 != 1 or g2 != 1) or grid[0] % cluster or meta[1] != 1:
-            raise ValueError(f"a cluster launch takes a 1-D grid of whole clusters of {cluster}, got {grid}")
-        meta = (meta[0], cluster, meta[2])
-        grid = (grid[0] // cluster,)
     stream = torch._C._cuda_getCurrentRawStream(device)
     direct = _DIRECT.get(kernel)
     if direct is None:
         direct = _DIRECT[kernel] = _direct(kernel)
     if direct is False:
-        kernel.run(grid[0], g1, g2, stream, kernel.function, meta, None, None, None, *full)
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
         return
     launch, options, descs = direct
     if descs:
         full = _expand_descriptors(full, descs)
-    launch(grid[0], g1, g2, stream, kernel.function, *options, meta, None, None, None, *full)
+    launch(grid[0], g1, g2, stream, kernel.function, *options, kernel.packed_metadata, None, None, None, *full)
 
 
 _DIRECT: Dict[Any, Any] = {}  # compiled kernel -> _direct(kernel)

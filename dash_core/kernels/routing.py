@@ -234,9 +234,7 @@ def select_kept(
     reads the lists, never the other candidates, up to ``npos`` rounded up to 4 (each unit's rows must have
     room for that many). Without it ``key_min``, ``key_max`` and ``ck_ptr`` are unused.
     LIST with ONE_TILE (one unit, its mp in registers: decode): a list of at most ``RK`` keys is ranked
-    (``rank_kth``), a longer one takes the radix select over the keys in registers. LIST without ONE_TILE, one unit
-    and ``RK > 0`` (the decode cluster route): a list of at most ``RK`` keys is ranked, a longer one takes the pivot
-    search over its tiles.
+    (``rank_kth``), a longer one takes the radix select over the keys in registers.
     Tiles: ``[QT, NPIV, TS]`` for the pivot counts, ``[QT, TL]`` for the ties and the compaction, ``[RCH, RK]`` for
     the ranks.
     """
@@ -275,7 +273,7 @@ def select_kept(
             else:
                 key_all = tl.load(mp_ptr + mp_unit[:, None] + offs_s[None, :], mask=offs_s[None, :] < ncand[:, None],
                                   other=0.0).to(tl.int32, bitcast=True)
-        if (ONE_TILE and QT == 1 and (LIST or TS >= RADIX_MIN)) or (LIST and QT == 1 and RK > 0):  # one unit
+        if ONE_TILE and QT == 1 and (LIST or TS >= RADIX_MIN):  # one unit: its topk-th largest key
             if capped:  # (else lo_k, hi_k = 0, 1)
                 n_list = tl.sum(npos, axis=0)
                 kth = n_list * 0
@@ -287,16 +285,12 @@ def select_kept(
                         kth, n_gt, n_eq = rank_kth(mp_ptr + tl.multiple_of(mp_unit, 4), n_list, topk, RK=RK, CH=RCH)
                         rank_gt += n_gt
                         rank_eq += n_eq
-                if ONE_TILE and (TS > RK or not LIST):  # a longer list (in a tile wider than RK), or no list: radix,
-                    if not ranked:  # 8 bits a pass
+                if TS > RK or not LIST:  # a longer list (in a tile wider than RK), or no list: radix, 8 bits a pass
+                    if not ranked:
                         keys = tl.reshape(key_all, [TS])
                         kth = radix_kth(keys, (offs_s < tl.sum(ncand, axis=0)) & (keys > 0), n_list * 0 + topk)
-                if ONE_TILE:
-                    lo_k = tl.where(need, kth, lo_k)
-                    hi_k = lo_k + 1
-                else:  # a list longer than RK: the pivot search below, over its tiles
-                    hi_k = tl.where(need & ranked, kth + 1, hi_k)
-                    lo_k = tl.where(need & ranked, kth, lo_k)
+                lo_k = tl.where(need, kth, lo_k)
+                hi_k = lo_k + 1
         # Multi-pivot search (tiles, or several units). Invariant: >= topk keys are >= lo_k, < topk are >= hi_k
         # (until a pivot splits them exactly: below).
         if not ONE_TILE:

@@ -10,7 +10,6 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton import knobs  # noqa: E402
 
-from dash_core.kernels.common import cluster_sync  # noqa: E402
 from dash_core.kernels.launcher import cached_launch  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -205,44 +204,3 @@ def test_direct_launches_encode_each_descriptor_once_and_match_torch():
     c = torch.randn(4 * block, block, device="cuda")
     _tile_copy_kernel[(4,)](TensorDescriptor.from_tensor(c, [block, block]), out, -1.0, BLOCK=block)
     torch.testing.assert_close(out, -c)
-
-
-@cached_launch
-@triton.jit
-def _cluster_ring_kernel(x_ptr, out_ptr, C: tl.constexpr, W: tl.constexpr):
-    """Program p stores ``x[p]`` (``[W]``) at its slot, synchronises its cluster, and writes the sum over its
-    cluster's slots (every program of cluster ``p // C``), and its next neighbour's slot, to ``out[p]``."""
-    p = tl.program_id(0)
-    offs = tl.arange(0, W)
-    tl.store(out_ptr + p * 2 * W + offs, tl.load(x_ptr + p * W + offs))
-    cluster_sync()
-    first = p // C * C
-    every = out_ptr + (first + tl.arange(0, C))[:, None] * 2 * W + offs[None, :]
-    total = tl.sum(tl.load(every, cache_modifier=".cg"), axis=0)
-    nxt = tl.load(out_ptr + (first + (p + 1) % C) * 2 * W + offs, cache_modifier=".cg")
-    cluster_sync()  # every program has read the slots before any is overwritten
-    tl.store(out_ptr + p * 2 * W + offs, total)
-    tl.store(out_ptr + p * 2 * W + W + offs, nxt)
-
-
-@pytest.mark.parametrize("cluster", [2, 8, 16])
-def test_cluster_launch_synchronises_clusters_of_consecutive_programs(cluster):
-    """``cluster=C``: ``grid[0]`` programs in clusters of C consecutive ones, each seeing what the others of its
-    cluster wrote before ``cluster_sync``; launched directly at the first call too, and replayed from a graph."""
-    w, clusters = 64, 12
-    x = torch.randn(clusters * cluster, w, device="cuda")
-    ref_sum = x.view(clusters, cluster, w).sum(1).repeat_interleave(cluster, 0)
-    ref_next = x.view(clusters, cluster, w).roll(-1, 1).reshape(-1, w)
-    for _ in range(2):  # the first launch compiles
-        out = torch.zeros(clusters * cluster, 2, w, device="cuda")
-        _cluster_ring_kernel[(clusters * cluster,)](x, out, C=cluster, W=w, cluster=cluster)
-        torch.testing.assert_close(out[:, 0], ref_sum, rtol=1e-6, atol=1e-5)
-        assert torch.equal(out[:, 1], ref_next)
-    graph = torch.cuda.CUDAGraph()
-    out.zero_()
-    with torch.cuda.graph(graph):
-        _cluster_ring_kernel[(clusters * cluster,)](x, out, C=cluster, W=w, cluster=cluster)
-    graph.replay()
-    assert torch.equal(out[:, 1], ref_next)
-    with pytest.raises(ValueError, match="whole clusters"):
-        _cluster_ring_kernel[(clusters * cluster + 1,)](x, out, C=cluster, W=w, cluster=cluster)

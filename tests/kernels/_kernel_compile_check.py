@@ -32,9 +32,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from dash_core import DashParams
 from dash_core.kernels import kv_write
-from dash_core.kernels.decode import attention as decode_attention, buffers as decode_buffers, route as decode_route
+from dash_core.kernels.decode import attention as decode_attention, route as decode_route
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.decode.launch import paged_dash_decode_triton
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries
 from tests.kernels._ptxas import ptxas_usage, sass_lines
@@ -44,7 +43,7 @@ MAX_SHARED = 227 * 1024  # H200: dynamic shared memory per block
 DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 KERNELS = {  # module, attribute
     "_kv_write_kernel": kv_write, "_kv_rows_kernel": kv_write, "_decode_scores_kernel": decode_route,
-    "_decode_select_kernel": decode_route, "_decode_cluster_route_kernel": decode_route,
+    "_decode_select_kernel": decode_route,
     "_decode_attn_split_kernel": decode_attention, "_merge_kernel": decode_attention,
 }
 
@@ -56,7 +55,6 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kw):
             opts = {k: kw.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
-            kw.pop("cluster", None)  # a launch option: the kernel compiles as one program
             sig, attrs = {}, {}
             names = self.fn.arg_names
             nospec = set(getattr(self.fn, "do_not_specialize", ()))  # names or indices
@@ -91,8 +89,6 @@ def record_launches() -> dict:
     for name, mod in KERNELS.items():
         saved[name] = getattr(mod, name)
         setattr(mod, name, _Recorder(name, saved[name], calls))
-    clusters = decode_buffers.clusters_supported
-    decode_buffers.clusters_supported = lambda device: True  # the cluster route's launches too (configs below)
     try:
         configs = [  # (dtype, Hq, Hkv, D, bs, page_size, max_pages, DashParams kwargs)
             (torch.bfloat16, 32, 8, 128, 64, 64, 2048, dict(topk=64)),
@@ -114,9 +110,8 @@ def record_launches() -> dict:
                 seq = torch.ones(n, dtype=torch.int32)
                 slots = torch.zeros(n, dtype=torch.int64)
                 hc = torch.zeros(hkv, d, dtype=dtype)
-                for config in (DecodeConfig(), DecodeConfig(cluster_share=128)):
-                    bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132, config=config)
-                    paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
+                bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132)
+                paged_dash_decode_triton(q, k, k, cache, bt, seq, slots, hc, p, buffers=bufs)
             kv_write.write_prefill(k, k, cache, slots, p, hc)
         for hi in (4, 16, 64):  # indexer models: iq [n, Hi, D] routes over the 1-head ik store (router shared)
             p = DashParams(block_size=64, topk=64)
@@ -132,7 +127,6 @@ def record_launches() -> dict:
                 bufs = DecodeBuffers.for_step(q, cache, bt, p, num_sms=132, indexer_heads=hi)
                 paged_dash_decode_triton(q, None, None, cache, bt, seq, None, None, p, buffers=bufs, iq=iq)
     finally:
-        decode_buffers.clusters_supported = clusters
         for name, mod in KERNELS.items():
             setattr(mod, name, saved[name])
     return calls

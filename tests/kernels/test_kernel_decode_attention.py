@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from dash_core import DashParams
 from dash_core.kernels.decode import launch as decode_launch
-from dash_core.kernels.decode.buffers import DecodeBuffers, cluster_programs
+from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.reference import Routing, attend
 from tests.kernels._kernel_env import KERNEL_DEVICE
@@ -111,23 +111,3 @@ def test_wide_batches_take_the_deeper_attention_pipeline():
     bufs = DecodeBuffers.allocate(3, 4, 2, 128, 16, 4, DashParams(block_size=16, topk=4), "cpu", num_sms=4)
     assert bufs.config.attn_maxnreg > 0
     assert [bufs.attn_maxnreg(n) for n in (1, 2, 3)] == [bufs.config.attn_maxnreg] * 2 + [0]
-
-
-def test_cluster_route_size_follows_units_and_candidates():
-    """``buffers.cluster_programs``: shares of about ``cluster_share`` candidates, a power of two up to
-    ``cluster_max``, halved while the programs outnumber the multiprocessors; 1 (the two routing launches) where one
-    share suffices or a share would pass ``cluster_share_max``. Without clusters (here: no GPU) the buffers hold no
-    exchange and take the two launches."""
-    assert DecodeConfig().cluster_share == 0  # off by default
-    c = DecodeConfig(cluster_share=128)
-    assert (c.cluster_max, c.cluster_share_max) == (8, 256)
-    assert cluster_programs(8, 2048, 132, c) == 8  # B 1 at 128k, Hkv 8: shares of 256
-    assert cluster_programs(8, 512, 132, c) == 4  # B 1 at 32k: shares of 128
-    assert cluster_programs(64, 512, 132, c) == 2  # B 8 at 32k: 128 programs
-    assert cluster_programs(64, 2048, 132, c) == 1  # B 8 at 128k: shares of 1024
-    assert cluster_programs(8, 128, 132, c) == 1  # one share
-    assert cluster_programs(8, 2048, 132, DecodeConfig(cluster_share=128, cluster_max=16)) == 16
-    assert cluster_programs(8, 2048, 132, DecodeConfig()) == 1
-    if not torch.cuda.is_available():
-        bufs = DecodeBuffers.allocate(1, 32, 8, 128, 64, 2048, DashParams(topk=64), "cpu", config=c)
-        assert bufs.xch is None and bufs.cluster(1) == 1

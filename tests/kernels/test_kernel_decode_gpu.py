@@ -13,9 +13,8 @@ import torch
 from dash_core import DashParams, dash_reference, ops
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
-from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.kv_write import write_kv_and_summaries
-from tests.kernels._kernel_scenarios import (assert_few_differ, forget_summaries_from, make_scenario, oracle_route,
+from tests.kernels._kernel_scenarios import (assert_few_differ, forget_summaries_from, make_scenario,
                                              summary_tolerance, truncated)
 from tests.kernels.test_kernel_decode_attention import TOL, check_attention
 from tests.kernels.test_kernel_decode_e2e import row_errors
@@ -95,21 +94,18 @@ def test_wide_batch_attention_launch_equals_the_narrow_one():
     assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-@pytest.mark.parametrize("steps, config", [(70, DecodeConfig()), (1000, DecodeConfig()),
-                                           (210, DecodeConfig(cluster_share=16))])
-def test_cuda_graph_replay_equals_eager(steps, config):
+@pytest.mark.parametrize("steps", [70, 1000])
+def test_cuda_graph_replay_equals_eager(steps):
     """One captured decode step (its launches programmatic dependents on sm_90+) replayed over ``steps`` steps whose
     lengths cross block boundaries, a page table entry that moves mid-way and a padded row: every replay equals the
-    eager op bit for bit, and sampled steps match the oracle. ``cluster_share`` 16: the routing in clusters
-    (``DecodeBuffers.cluster``), its launch writing the K/V."""
+    eager op bit for bit, and sampled steps match the oracle."""
     p = DashParams(block_size=64, topk=8, scaling_factor=3.0)
     start = [1000, 0, 3000, 63]
     full = make_scenario(5, [s + steps if s else 0 for s in start], hq=8, hkv=2, d=128, bs=64, pages_per_block=2,
                          params=p, extra_pages=6).to("cuda")
     forget_summaries_from(full, start)
     spare = _spare_pages(full)
-    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p, config=config)
-    assert (bufs.cluster(full.n) > 1) == (config.cluster_share == 16)
+    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p)
     static = truncated(full, start, seed=0)
     q_s, k_s, v_s = static.q.clone(), static.k_new.clone(), static.v_new.clone()
     sl_s, slot_s = static.seq_lens.clone(), static.slot_mapping.clone()
@@ -144,41 +140,12 @@ def test_cuda_graph_replay_equals_eager(steps, config):
             dst.copy_(src)
         graph.replay()
         replayed = out_s.clone()
-        eager = decode_op(sc, buffers=DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, config=config))
+        eager = decode_op(sc, buffers=DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p))
         assert torch.equal(replayed, eager), f"step {t}: replay differs from eager"
         assert torch.equal(replayed[1], torch.zeros_like(replayed[1])), "padded row must be zeros"
         if t % (steps // 7) == 0 or t == steps:
             c, b = row_errors(sc, replayed)
             checked, bad = checked + c, bad + b
-    assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"
-
-
-@pytest.mark.parametrize("topk, est, sf, q_scale", [(40, False, 3.0, 1.5), (7, True, 3.0, 1.5), (None, False, 3.0, 1.5),
-                                                  (40, False, 0.05, 0.2)])
-def test_cluster_route_matches_the_oracle(topk, est, sf, q_scale):
-    """The routing in one launch, each (request, KV head) over a cluster of programs (``DecodeBuffers.cluster``),
-    against the oracle and beside the two launches on the same step: requests of 1005, 300 and 3 blocks (fewer
-    candidates than the cluster has programs) and a padded row; lists of positive mp up to ``cap_rank_max`` (ranked)
-    and longer (the pivot search over the list: sf 0.05), as the oracle's supports show. Then the whole step
-    against the oracle."""
-    p = DashParams(block_size=16, topk=topk, scaling_factor=sf, estimate_diagonal=est, sigma=1.0)
-    sc = make_scenario(5, [16 * 1005 + 9, 16 * 300 + 1, 16 * 3 + 2, 0], hq=8, hkv=2, d=128, params=p,
-                       q_scale=q_scale).to("cuda")
-    longest = 0
-    clustered = DecodeConfig(cluster_share=128)
-    for share in (clustered.cluster_share, 0):
-        bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, config=DecodeConfig(cluster_share=share))
-        assert (bufs.cluster(sc.n) > 1) == (share > 0)
-        bufs.sel_count.fill_(-1)
-        decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
-        check_routing(sc, bufs)
-    for i in range(sc.n - 1):
-        rt, _, _ = oracle_route(sc, i)
-        longest = max(longest, int((rt.mp > 0).sum(-1).max()))
-    if sf < 1:  # the flat scores' lists are longer than the rank takes
-        assert longest > DecodeConfig().cap_rank_max
-    bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, config=clustered)
-    checked, bad = row_errors(sc, decode_op(sc, buffers=bufs))
     assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
@@ -143,18 +142,3 @@ def test_descriptor_arguments_are_expanded_in_place_and_encoded_once_per_descrip
     assert plain == ("q", x, 64, 32) and plain[1] is x and len(encoded) == 4
     launcher._expand_descriptors(("q", desc), ((1, None),))
     assert len(encoded) == 5  # made again: never kept
-
-
-def test_a_cluster_launch_is_refused_under_the_interpreter():
-    """Programs of a cluster wait for each other (``common.cluster_sync``): the interpreter, which runs them one after
-    the other, cannot run them."""
-    if not launcher.interpreting():
-        pytest.skip("compiled: tests/gpu/test_launcher_gpu.py runs cluster launches")
-
-    @launcher.cached_launch
-    @triton.jit
-    def k(x_ptr):
-        tl.store(x_ptr + tl.program_id(0), 1.0)
-
-    with pytest.raises(RuntimeError, match="interpreter"):
-        k[(2,)](torch.zeros(2), cluster=2)

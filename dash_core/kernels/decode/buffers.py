@@ -9,9 +9,8 @@ import torch
 
 from ...layout import PagedKVCache
 from ...params import DashParams
-from ..common import cdiv, clusters_supported, pow2, sm_count
+from ..common import cdiv, sm_count
 from .config import DecodeConfig
-from .route import cluster_exchange_width
 
 
 @dataclass
@@ -59,7 +58,6 @@ class DecodeBuffers:
     sel_count: torch.Tensor
     o_part: torch.Tensor
     lse_part: torch.Tensor
-    xch: Optional[torch.Tensor] = None
     indexer_heads: Optional[int] = None
     config: DecodeConfig = DecodeConfig()
 
@@ -79,14 +77,6 @@ class DecodeBuffers:
         """``(score_splits, attn_splits)`` for a batch of ``n`` rows."""
         return self._splits(n, self.num_kv_heads, self.max_cand, self.sel_idx.shape[2], self.params.local_blocks,
                             self.num_sms, self.fixed_splits, self.config)
-
-    def cluster(self, n: int) -> int:
-        """Programs a cluster routing one unit for a batch of ``n`` rows (``DecodeConfig.cluster_share``; only where
-        the buffers hold the cluster route's exchange, ``_exchange``), or 1: the two routing launches."""
-        units = n * self.num_kv_heads
-        if self.xch is None or units > self.xch.shape[0]:
-            return 1
-        return cluster_programs(units, self.max_cand, self.num_sms, self.config)
 
     def attn_stages(self, n: int) -> int:
         """``num_stages`` of the split attention for a batch of ``n`` rows: ``config.attn_stages_wide`` where its
@@ -137,23 +127,8 @@ class DecodeBuffers:
             sel_count=torch.zeros(max_batch, hsel, dtype=i32, device=device),
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
-            xch=cls._exchange(max_batch, num_q_heads, num_kv_heads, head_dim, params, num_sms, indexer_heads, config,
-                              device),
             indexer_heads=indexer_heads, config=config,
         )
-
-    @staticmethod
-    def _exchange(max_batch, hq, hkv, head_dim, params, num_sms, indexer_heads, config,
-                  device) -> Optional[torch.Tensor]:
-        """The cluster route's exchange ``[units, route.cluster_exchange_width]`` fp32 for the most units a cluster
-        route takes (two programs each), or None where it never runs: off, router ``shared`` or an indexer, head
-        dims above 128 (a program holds its share of summaries), no clusters on the device."""
-        units = min(max_batch * hkv, num_sms // 2)
-        if (config.cluster_share <= 0 or config.cluster_max < 2 or units < 1 or params.router != "kv_head"
-                or indexer_heads is not None or head_dim > 128 or not clusters_supported(torch.device(device))):
-            return None
-        return torch.empty(units, cluster_exchange_width(hq // hkv, config.cluster_max), dtype=torch.float32,
-                           device=device)
 
     @classmethod
     def for_step(cls, q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, params: DashParams,
@@ -194,17 +169,6 @@ class DecodeBuffers:
                             "select reads a unit's list in groups of 4), as allocate makes them")
         if problems:
             raise ValueError("buffers do not fit this decode step: " + "; ".join(problems))
-
-
-def cluster_programs(units: int, max_cand: int, num_sms: int, config: DecodeConfig) -> int:
-    """Programs a cluster of the cluster route takes for ``units`` units of up to ``max_cand`` candidates on
-    ``num_sms`` multiprocessors (``DecodeConfig.cluster_share``), or 1: the two routing launches."""
-    if config.cluster_share <= 0:
-        return 1
-    c = min(pow2(cdiv(max_cand, config.cluster_share)), config.cluster_max)
-    while c > 1 and max(1, units) * c > num_sms:
-        c //= 2
-    return c if c >= 2 and cdiv(max_cand, c) <= config.cluster_share_max else 1
 
 
 def _wide(n: int, hkv: int, num_sms: int) -> bool:

@@ -47,14 +47,6 @@ class DecodeConfig:
         the radix select over every candidate.
     cap_rank_chunk: keys each thread compares its key with at a time while ranking.
     list_tile: width of the tiles in which the cap's ties pass and the compaction read a unit's list of positive mp.
-    cluster_share: where a step's (request, KV head) units are few (router ``kv_head``, Hopper or later, compiled),
-        one launch scores and routes each unit over a cluster of programs, each scoring a share of about this many
-        candidates into its registers (``decode/route.py``'s cluster route): the cluster's size is the shares a
-        unit's candidates make, a power of two up to ``cluster_max``, halved while the programs would outnumber the
-        multiprocessors; a unit whose shares would still pass ``cluster_share_max`` candidates, or that needs no
-        second share, routes in the two launches. 0 (the default): never; the cluster route has not yet been timed
-        against the two launches (``benchmarks/decode.py --tune cluster_share=128``), and its GPU tests set it.
-    cluster_max, cluster_share_max: those bounds. cluster_warps: ``num_warps`` of a cluster route program.
     pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): each launch of a step (the
         score launch too, after whatever kernel ran before the step) starts while the kernel before it ends, and
         waits for its results on the device.
@@ -83,8 +75,4 @@ class DecodeConfig:
     cap_rank_max: int = 256
     cap_rank_chunk: int = 32
     list_tile: int = 256
-    cluster_share: int = 0
-    cluster_max: int = 8
-    cluster_share_max: int = 256
-    cluster_warps: int = 8
     pdl: bool = True

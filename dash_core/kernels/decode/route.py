@@ -8,10 +8,6 @@
   the write fused, Hkv more programs a request write the step's new K/V (``kv_write.write_token``) beside the
   selection, off the chain of scores -> selection that bounds a small batch's step: this step's routing never reads
   them (the block the new token completes is in the local window), and the attention launch that does comes after.
-
-Or, where ``DecodeBuffers.cluster`` says so (``DecodeConfig.cluster_share``; off by default), one launch:
-``_decode_cluster_route_kernel`` spreads each unit over a cluster of programs that score their shares into registers
-and merge the entmax's sums through an exchange scratch between cluster barriers (``common.cluster_sync``).
 """
 
 from __future__ import annotations
@@ -24,12 +20,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..common import (cluster_sync, decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query,
-                      summary_scores)
+from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
 from ..kv_write import write_token
 from ..launcher import cached_launch
-from ..routing import (INF_BITS, append_positive, halley_step, halley_sums, load_scores, mp_key_range, positive_part,
-                       radix_min_keys, route_tile, score_rows, select_kept)
+from ..routing import load_scores, radix_min_keys, route_tile, score_rows
 from .config import DecodeConfig
 
 
@@ -158,137 +152,6 @@ def _select_unit(
     )
 
 
-# exchanges of the cluster route: row maxima, three Halley steps' sums, the list lengths and key ranges
-CLUSTER_ROUNDS = 5
-
-
-def cluster_exchange_width(group: int, cluster_max: int) -> int:
-    """Elements of one unit's row of the cluster route's exchange scratch for ``group`` query heads a KV head and
-    clusters of up to ``cluster_max`` programs: ``CLUSTER_ROUNDS`` rounds of three ``[G_PAD]`` vectors a program."""
-    return CLUSTER_ROUNDS * cluster_max * 3 * max(16, pow2(group))
-
-
-@cached_launch
-@triton.jit
-def _decode_cluster_route_kernel(
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens, sf, x_scale, G, HSEL, NUNITS,
-    xch_ptr, sxch_u, mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
-    count_ptr, scnt_n, topk, inv_sigma,
-    w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
-    w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
-    w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-    C: tl.constexpr, TS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, NPIV: tl.constexpr, TP: tl.constexpr, TL: tl.constexpr, RK: tl.constexpr,
-    RCH: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, FUSE_WRITE: tl.constexpr,
-    WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
-):
-    """Grid ``(NUNITS * C [+ write programs],)`` in clusters of ``C`` (router ``kv_head``): the C programs of
-    cluster u score and route unit u (request ``u // HSEL``, KV head ``u % HSEL``), program r its r-th share of the
-    unit's candidates, kept in registers; the entmax's sums and the cap's list are merged across the cluster
-    (``_share3``), and the cluster's first program finds the cap and writes the selection (``select_kept``) as the
-    select launch does. FUSE_WRITE: programs past the units' write the new K/V of unit ``p - NUNITS * C`` (and the
-    summary of the block it completes). PDL: every program waits for the kernel before it first.
-    """
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    p = tl.program_id(0)
-    unit = p // C
-    if unit < NUNITS:
-        _route_share(q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens, sf, x_scale,
-                     G, xch_ptr + unit.to(tl.int64) * sxch_u, mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr,
-                     sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n, topk, inv_sigma,
-                     unit // HSEL, unit % HSEL, p % C,
-                     C=C, TS=TS, G_PAD=G_PAD, D=D, BS=BS, PS=PS, LOCAL_BLOCKS=LOCAL_BLOCKS, NPIV=NPIV, TP=TP, TL=TL,
-                     RK=RK, RCH=RCH, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG)
-    elif FUSE_WRITE:
-        w = p - NUNITS * C
-        if w < NUNITS:
-            write_token(w // HSEL, w % HSEL, w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
-                        w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
-                        w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-                        D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
-
-
-@triton.jit
-def _share3(slot_ptr, rank, a, b, c, C: tl.constexpr, W: tl.constexpr):
-    """Every program's ``a, b, c`` (``[W]`` fp32 each) as three ``[C, W]`` tiles, row r program r's: this program's
-    stored at its slot of the exchange round at ``slot_ptr``, the cluster synchronised, every slot read back (from
-    L2: another multiprocessor wrote it)."""
-    offs = tl.arange(0, W)
-    mine = slot_ptr + rank * (3 * W) + offs
-    tl.store(mine, a)
-    tl.store(mine + W, b)
-    tl.store(mine + 2 * W, c)
-    cluster_sync()
-    every = slot_ptr + tl.arange(0, C)[:, None] * (3 * W) + offs[None, :]
-    return (tl.load(every, cache_modifier=".cg"), tl.load(every + W, cache_modifier=".cg"),
-            tl.load(every + 2 * W, cache_modifier=".cg"))
-
-
-@triton.jit
-def _route_share(
-    q_ptr, sq_n, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, seq_lens_ptr, max_tokens, sf, x_scale, G,
-    xch, mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
-    count_ptr, scnt_n, topk, inv_sigma, i, h, rank,
-    C: tl.constexpr, TS: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
-    LOCAL_BLOCKS: tl.constexpr, NPIV: tl.constexpr, TP: tl.constexpr, TL: tl.constexpr, RK: tl.constexpr,
-    RCH: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
-):
-    """Program ``rank`` of the cluster routing request i, KV head h (``_decode_cluster_route_kernel``): its share
-    of the candidates ``[TS]`` scored into registers, the entmax's row maxima and sums merged over the cluster
-    (every program takes the same steps), the share's positive mp appended to the unit's list after the shares
-    before it (the list stays in candidate order), then, in program 0, the cap and the selection."""
-    _, _, _, _, ncand = decode_bounds(seq_lens_ptr, i, max_tokens, LOCAL_BLOCKS, BS)
-    per = tl.cdiv(ncand, C)
-    offs = tl.arange(0, TS)
-    c = rank * per + offs
-    cm = (offs < per) & (c < ncand)
-    q, _, g_ok, offs_d = load_group_query(q_ptr, i, sq_n, sq_h, h, G, G_PAD, D)
-    i64 = i.to(tl.int64)
-    x = summary_scores(scaled_query(q, sf), bt_ptr + i64 * sbt_n, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d,
-                       PS, BS)
-    x = tl.where(g_ok[:, None] & cm[None, :], x, float("-inf"))
-    rnd: tl.constexpr = C * 3 * G_PAD  # elements of one exchange round
-
-    # 1.5-entmax threshold (routing.route_tile's steps) from the sums of every share
-    m_loc = tl.max(x, axis=1)
-    m_all, _, _ = _share3(xch, rank, m_loc, m_loc, m_loc, C, G_PAD)
-    m = tl.where(g_ok & (ncand > 0), tl.max(m_all, axis=0), 0.0)
-    lo = m - 1.0
-    hi = m
-    tau = (lo + hi) * 0.5
-    for k in tl.static_range(3):
-        ssq, sdf, cnt = halley_sums(x, tau[:, None])
-        ssq, sdf, cnt = _share3(xch + (1 + k) * rnd, rank, ssq, sdf, cnt, C, G_PAD)
-        tau, lo, hi = halley_step(tl.sum(ssq, axis=0), tl.sum(sdf, axis=0), tl.sum(cnt, axis=0), tau, lo, hi)
-
-    # group mean -> this share's positive mp, appended to the unit's list after the earlier shares'
-    diff = positive_part(x - tau[:, None])
-    mp = tl.reshape(tl.sum(diff * diff, axis=0) / (G * 1.0), [1, TS])  # (a layout the list's scan compiles for)
-    ok = cm[None, :]
-    zero = tl.zeros([1], tl.int32)
-    npos, key_min, key_max = mp_key_range(mp, ok, zero, zero + INF_BITS, zero)
-    zw = tl.zeros([G_PAD], tl.int32)  # each value broadcast over a round's [G_PAD] slot (the keys as their bits)
-    n_all, lo_all, hi_all = _share3(xch + 4 * rnd, rank, (zw + tl.sum(npos, axis=0)).to(tl.float32),
-                                    (zw + tl.sum(key_min, axis=0)).to(tl.float32, bitcast=True),
-                                    (zw + tl.sum(key_max, axis=0)).to(tl.float32, bitcast=True), C, G_PAD)
-    n_r = tl.max(n_all, axis=1).to(tl.int32)  # [C]: each share's list length
-    before = tl.sum(tl.where(tl.arange(0, C) < rank, n_r, 0), axis=0)
-    mp_unit = zero.to(tl.int64) + i64 * smp_n + h * smp_h
-    append_positive(mp, c, ok, mp_ptr, ck_ptr, mp_unit, zero + before)
-    cluster_sync()  # every share's list written
-    if rank == 0:
-        total = zero + tl.sum(n_r, axis=0)
-        select_kept(mp_ptr, mp_unit, zero + ncand, ncand, total, bt_ptr, zero.to(tl.int64) + i64 * sbt_n,
-                    sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, zero.to(tl.int64) + i64 * ssel_n + h * ssel_h, sel_cap,
-                    count_ptr, zero.to(tl.int64) + i64 * scnt_n + h, topk, inv_sigma, total,
-                    zero + tl.min(lo_all.to(tl.int32, bitcast=True)), zero + tl.max(hi_all.to(tl.int32, bitcast=True)),
-                    ck_ptr,
-                    QT=1, TS=TP, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=False,
-                    X_IN_REGS=False, TC=TP, LIST=True, TL=TL, RK=RK, RCH=RCH)
-
-
 def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
     """Placeholders for the select kernel's write arguments (never dereferenced)."""
     return (q, q, 0, 0, 0, 0, q, q, 0, 0, 0, 0, 0, 0, q, 0, 0, q, 0, dummy, 0, 1.0)
@@ -299,8 +162,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
                  mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                  sel_count: torch.Tensor,
                  *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
-                 write_summarize: bool = False, only: Optional[str] = None, cluster: int = 1,
-                 xch: Optional[torch.Tensor] = None) -> None:
+                 write_summarize: bool = False, only: Optional[str] = None) -> None:
     """Route one decode token per request (two launches, no host synchronisation).
 
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
@@ -316,9 +178,6 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     the summaries they complete when ``write_summarize``) in the select launch.
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
     writes the score scratch and ``pmax`` only: no selection, no K/V).
-    cluster: ``C > 1`` routes in one launch instead (``_decode_cluster_route_kernel``, router ``kv_head``), each unit
-    spread over a cluster of C programs, exchanging through ``xch`` (fp32, a row of at least ``cluster_exchange_width``
-    for each of the ``n * Hsel`` units); ``DecodeBuffers.cluster`` decides (the score scratch unused).
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
@@ -327,10 +186,6 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     if n == 0:
         return
     pdl = config.pdl and pdl_supported(q.device)
-    if cluster > 1 and only is None:
-        _cluster_launch(q, summaries, block_table, seq_lens, params, page_size, xch, mp, mp_cand, sel_idx, sel_blk,
-                        sel_bias, sel_count, cluster, max_cand, config, pdl, write, write_summarize)
-        return
     if only != "select":  # alone, the score launch has no dependent to let start
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
                       pdl and only is None, config)
@@ -373,7 +228,7 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         ts = max(16, pow2(max_cand))
         npiv = max(1, min(config.select_pivots, budget // ts))
     else:
-        ts = _pivot_tile(max_cand, budget, config)
+        ts = max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
         npiv = config.select_pivots
     topk = params.topk if params.topk is not None else 0
     x_in_regs = one_tile and tc == ts  # then each unit's positive mp go to a list, read in tiles of list_tile
@@ -390,33 +245,4 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         RADIX_MIN=radix_min_keys(config.select_warps),
         FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
         num_warps=config.select_warps, **pdl_launch(pdl),
-    )
-
-
-def _pivot_tile(max_cand: int, budget: int, config: DecodeConfig) -> int:
-    """Candidates of one tile of the cap's pivot search over tiles (``[select_pivots, tile]`` within ``budget``)."""
-    return max(16, min(pow2(max_cand), budget // (2 * config.select_pivots)))
-
-
-def _cluster_launch(q, summaries, block_table, seq_lens, params, page_size, xch, mp, mp_cand, sel_idx, sel_blk,
-                    sel_bias, sel_count, cluster, max_cand, config: DecodeConfig, pdl: bool, write,
-                    write_summarize) -> None:
-    n, hq, d = q.shape
-    hkv = summaries.shape[1]
-    units = n * hkv
-    writers = -(-units // cluster) * cluster if write is not None else 0
-    pivot_tile = _pivot_tile(max_cand, config.select_tile_budget, config)
-    _decode_cluster_route_kernel[(units * cluster + writers,)](
-        q, q.stride(0), q.stride(1), summaries, summaries.stride(0), summaries.stride(1),
-        block_table, block_table.stride(0), seq_lens, block_table.shape[1] * page_size,
-        params.scaling_factor, 0.5 / math.sqrt(d), hq // hkv, hkv, units, xch, xch.stride(0),
-        mp, mp_cand, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
-        sel_idx.shape[2], sel_count, sel_count.stride(0), params.topk if params.topk is not None else 0,
-        1.0 / params.sigma, *(write if write is not None else _NO_WRITE(q, seq_lens)),
-        C=cluster, TS=max(16, pow2(-(-max_cand // cluster))), G_PAD=max(16, pow2(hq // hkv)), D=d,
-        BS=params.block_size, PS=page_size, LOCAL_BLOCKS=params.local_blocks, NPIV=config.select_pivots,
-        TP=pivot_tile, TL=min(pivot_tile, config.list_tile), RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
-        HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, FUSE_WRITE=write is not None,
-        WRITE_SUMMARIZE=write_summarize, PDL=pdl, cluster=cluster, num_warps=config.cluster_warps,
-        **pdl_launch(pdl),
     )
