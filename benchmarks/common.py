@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -144,16 +145,63 @@ def capture(fn) -> "torch.cuda.CUDAGraph":
     return capture_graph(fn, warmup=1)
 
 
+def _graph_of_calls(fns: list, min_calls: int) -> tuple:
+    """``(graph, calls)``: a CUDA graph holding every ``fns`` call in turn, repeated up to ``min_calls`` calls."""
+    calls = fns * -(-min_calls // len(fns))
+    return capture(lambda: [f() for f in calls]), len(calls)
+
+
 def graph_ms(fns: list, iters: int, warmup: int, min_calls: int = 8) -> float:
     """Median milliseconds of one call replayed from a CUDA graph, as a model's decode graph runs its layers: one graph
     holds every ``fns`` call in turn (one per rotated layer), repeated up to ``min_calls`` calls, and its replay time
     is divided by the calls it holds. A graph of one short call would time the host's launch of the graph instead
     (``min_calls=1`` where a call is already a whole step of several layers)."""
-    calls = fns * -(-min_calls // len(fns))
-    graph = capture(lambda: [f() for f in calls])
-    ms = time_calls([graph.replay], iters, warmup, True) / len(calls)
+    graph, ncalls = _graph_of_calls(fns, min_calls)
+    ms = time_calls([graph.replay], iters, warmup, True) / ncalls
     del graph
     return ms
+
+
+def graph_timeline(fns: list, min_calls: int = 8) -> list:
+    """``launch_timeline`` of one replay, under ``torch.profiler``, of the graph ``graph_ms`` replays (each call a
+    step of the same launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph, ncalls = _graph_of_calls(fns, min_calls)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    del graph
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    return launch_timeline(events, ncalls)
+
+
+def launch_timeline(events: list, steps: int) -> list:
+    """When each launch of a step starts and ends, ``[(kernel name, start, end)]`` in us from the end of the step
+    before: the median over ``steps - 1`` steps (all but the first, which has none before it). ``events``: the
+    kernels of ``steps`` consecutive steps of the same launches, each a dict with ``name``, ``ts`` (start) and
+    ``dur`` in us (a ``torch.profiler`` trace's kernel events). A launch that is the programmatic dependent of the one
+    before it starts while that one runs, and waits: its end is what the step's chain follows."""
+    ev = sorted(events, key=lambda e: e["ts"])
+    if steps < 2 or not ev or len(ev) % steps:
+        raise ValueError(f"{len(ev)} kernels are not {steps} >= 2 steps of the same launches")
+    per = len(ev) // steps
+    names = [e["name"] for e in ev[:per]]
+    if any([e["name"] for e in ev[s * per:(s + 1) * per]] != names for s in range(1, steps)):
+        raise ValueError(f"the {steps} steps do not run the same launches in the same order")
+    spans = []
+    for s in range(1, steps):
+        before = ev[s * per - 1]
+        t0 = before["ts"] + before["dur"]
+        spans.append([(e["ts"] - t0, e["ts"] + e["dur"] - t0) for e in ev[s * per:(s + 1) * per]])
+    return [(ev[k]["name"], statistics.median(sp[k][0] for sp in spans), statistics.median(sp[k][1] for sp in spans))
+            for k in range(per)]
 
 
 def floor_ms(nbytes: float, bw: float, flops: float = 0.0, peak_flops: float = float("inf")) -> float:

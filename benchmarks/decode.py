@@ -20,6 +20,7 @@ Writes JSON records to ``docs/perf/decode.json`` (merged by case); ``benchmarks/
     python benchmarks/decode.py --preset required --layout vllm --peers flashinfer  # + zero-copy rows
     python benchmarks/decode.py --batch 1,8,32 --context 8192,32768 --hkv 8,2 --topk 16,64,256,none
     python benchmarks/decode.py --profile ncu --batch 1 --context 131072   # one step for Nsight Compute
+    python benchmarks/decode.py --batch 32 --context 131072 --timeline --tune score_stages=5 --peers none
     TRITON_INTERPRET=1 python benchmarks/decode.py --smoke  # CPU check of the code paths (tiny shapes)
 """
 
@@ -41,8 +42,8 @@ if "--smoke" in sys.argv:  # the interpreter fixes of the kernel tests, applied 
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import (L2_BYTES, SDPA_PEERS, add_output_args, add_shape_args, device_name, flash_attn_varlen, graph_ms,
-                    import_published, log, merge_records, open_device, parse_topks, peers_of, run_fields, run_id,
-                    sdpa_fn, shown_command, time_calls, tune_configs)
+                    graph_timeline, import_published, log, merge_records, open_device, parse_topks, peers_of,
+                    run_fields, run_id, sdpa_fn, shown_command, time_calls, tune_configs)
 from dash_core import DashParams, ops, segments_paged
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
@@ -256,6 +257,15 @@ def dense_rows(add, common, method, variant, fn, floor, nbytes, it, wu, cuda, gr
     add(common, method, variant, ms, floor, 1.0, nbytes, graph=True, note=note)
 
 
+def log_timeline(a, fns: list, tag: str) -> None:
+    """With ``--timeline``: when each launch of the captured step starts and ends inside it
+    (``common.graph_timeline``), logged."""
+    if a.timeline:
+        spans = graph_timeline(fns)
+        log(f"  timeline{tag or ' (defaults)'}, us into the step: "
+            + "  ".join(f"{n.strip('_').removesuffix('_kernel')} {t0:.1f}-{t1:.1f}" for n, t0, t1 in spans))
+
+
 def step_inputs(a, b, ctx, hkv, layer, sf, device, dtype) -> tuple:
     """``(q [B, Hq, D], k_new, v_new [B, Hkv, D], seq_lens [B], sf)`` of a decode step at ``ctx`` tokens (the same
     draws for every shape of a run); ``sf`` None: calibrated on ``layer`` to ``--target-fraction``."""
@@ -329,10 +339,12 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             for write in (False, True):
                 ms = graph_ms([dash_fn(layer, write) for layer in layers], it, wu)
                 add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write, graph=True)
+            log_timeline(a, [dash_fn(layer, True) for layer in layers], "")
             for tag, config in a.tunings[1:]:  # --tune: the captured step with the K/V write, and its routing
                 tuned = DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params, config=config)
                 ms = graph_ms([dash_fn(layer, True, bufs=tuned) for layer in layers], it, wu)
                 add(common, "dash-triton", "zero-copy" + tag, ms, floor, kv_frac, nbytes, write=True, graph=True)
+                log_timeline(a, [dash_fn(layer, True, bufs=tuned) for layer in layers], tag)
                 ms = graph_ms([lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, tuned)
                                for lay in layers], it, wu)
                 add(common, "dash-triton", "route-only" + tag, ms, floor, kv_frac, nbytes, graph=True)
@@ -478,6 +490,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="append", default=[],
                     help="DecodeConfig settings to time beside the defaults, e.g. --tune score_split_min_candidates=32 "
                          "(repeatable; captured steps with the write, and their routing)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="log when each launch of the captured step (with the write; each --tune's too) starts and "
+                         "ends inside the step, from torch.profiler")
     ap.add_argument("--profile", choices=["ncu"],
                     help="one step of the first shape between cudaProfilerStart and Stop, timing nothing "
                          "(ci/gpu.sh decode profile runs ncu)")
