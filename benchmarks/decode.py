@@ -337,14 +337,16 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
             add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write)
         if graphs_on:
             for write in (False, True):
-                ms = graph_ms([dash_fn(layer, write) for layer in layers], it, wu)
+                steps = [dash_fn(layer, write) for layer in layers]
+                ms = graph_ms(steps, it, wu)
                 add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write, graph=True)
-            log_timeline(a, [dash_fn(layer, True) for layer in layers], "")
+            log_timeline(a, steps, "")  # the steps with the write
             for tag, config in a.tunings[1:]:  # --tune: the captured step with the K/V write, and its routing
                 tuned = DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params, config=config)
-                ms = graph_ms([dash_fn(layer, True, bufs=tuned) for layer in layers], it, wu)
+                steps = [dash_fn(layer, True, bufs=tuned) for layer in layers]
+                ms = graph_ms(steps, it, wu)
                 add(common, "dash-triton", "zero-copy" + tag, ms, floor, kv_frac, nbytes, write=True, graph=True)
-                log_timeline(a, [dash_fn(layer, True, bufs=tuned) for layer in layers], tag)
+                log_timeline(a, steps, tag)
                 ms = graph_ms([lambda lay=lay: decode_launch.route(q, lay.cache, lay.block_table, seq, params, tuned)
                                for lay in layers], it, wu)
                 add(common, "dash-triton", "route-only" + tag, ms, floor, kv_frac, nbytes, graph=True)
