@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from dash_core import DashParams
 from dash_core.kernels.decode.buffers import DecodeBuffers
+from dash_core.kernels.decode.config import DecodeConfig
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_ops import kernel_decode
 from tests.kernels._kernel_scenarios import forget_summaries_from, make_scenario, oracle_decode_rows, truncated
@@ -101,5 +102,33 @@ def test_decode_steps_cross_block_boundaries():
     for t in range(steps + 1):  # row 0 crosses 64 and 80, row 1 crosses 48 and 64
         sc = truncated(full, [s + t if s else 0 for s in start], seed=t)
         c, b = row_errors(sc, decode(sc, buffers=bufs))
+        checked, bad = checked + c, bad + b
+    assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"
+
+
+def test_halved_step_equals_the_whole_batch():
+    """A wide batch as two halves (``DecodeConfig.overlap_halves``; wide forced by buffers sized for one
+    multiprocessor): at fixed splits each row equals the whole batch's step bit for bit (rows are independent; the
+    second half's partial outputs sit after the first half's), odd batches too; at the halves' own splits the rows
+    match the oracle."""
+    halves = DecodeConfig(overlap_halves=True)
+    checked = bad = 0
+    for n, (lens, pk, sk) in enumerate(CASES):
+        p = DashParams(block_size=16, **pk)
+        sc = make_scenario(200 + n, lens, params=p, **sk).to(DEV)
+        whole = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 3), num_sms=1)
+        split = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 3), num_sms=1, config=halves)
+        own = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, num_sms=1, config=halves)
+        assert not whole.halved(sc.n) and split.halved(sc.n) == (sc.n >= 2)
+        if sc.n >= 2:  # the halves' views are disjoint: the second half's rows and partials after the first's
+            h, (a, b) = sc.n // 2, own.halves(sc.n)
+            for f in ("scores", "pmax", "mp", "mp_cand", "sel_idx", "sel_blk", "sel_bias", "sel_count"):
+                assert getattr(b, f).data_ptr() == getattr(own, f)[h].data_ptr() and getattr(a, f).shape[0] == h
+            parts = [m * own.splits(m)[1] for m in (h, sc.n - h)]
+            assert b.o_part.data_ptr() == own.o_part[parts[0]].data_ptr() and b.o_part.shape[0] >= parts[1]
+            assert b.lse_part.data_ptr() == own.lse_part[parts[0]].data_ptr() and b.lse_part.shape[0] >= parts[1]
+        expect = decode(sc, buffers=whole)
+        assert torch.equal(decode(sc, buffers=split), expect)  # (each call writes the same K/V again)
+        c, b = row_errors(sc, decode(sc, buffers=own))
         checked, bad = checked + c, bad + b
     assert bad <= MAX_DIFFERING_ROWS * checked, f"{bad} of {checked} rows differ from the oracle"

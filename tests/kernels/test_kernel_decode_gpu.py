@@ -13,6 +13,7 @@ import torch
 from dash_core import DashParams, dash_reference, ops
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
+from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from tests.kernels._kernel_scenarios import (assert_few_differ, forget_summaries_from, make_scenario,
                                              summary_tolerance, truncated)
@@ -94,18 +95,21 @@ def test_wide_batch_attention_launch_equals_the_narrow_one():
     assert bad <= 0.05 * checked, f"{bad} of {checked} rows differ from the oracle"
 
 
-@pytest.mark.parametrize("steps", [70, 1000])
-def test_cuda_graph_replay_equals_eager(steps):
+@pytest.mark.parametrize("steps, halves", [(70, False), (1000, False), (70, True)])
+def test_cuda_graph_replay_equals_eager(steps, halves):
     """One captured decode step (its launches programmatic dependents on sm_90+) replayed over ``steps`` steps whose
     lengths cross block boundaries, a page table entry that moves mid-way and a padded row: every replay equals the
-    eager op bit for bit, and sampled steps match the oracle."""
+    eager op bit for bit, and sampled steps match the oracle. ``halves``: the batch as two halves on two streams
+    (``DecodeConfig.overlap_halves``, wide forced by buffers sized for one multiprocessor), captured and eager."""
     p = DashParams(block_size=64, topk=8, scaling_factor=3.0)
     start = [1000, 0, 3000, 63]
     full = make_scenario(5, [s + steps if s else 0 for s in start], hq=8, hkv=2, d=128, bs=64, pages_per_block=2,
                          params=p, extra_pages=6).to("cuda")
     forget_summaries_from(full, start)
     spare = _spare_pages(full)
-    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p)
+    sized = dict(num_sms=1, config=DecodeConfig(overlap_halves=True)) if halves else {}
+    bufs = DecodeBuffers.for_step(full.q, full.cache, full.block_table, p, **sized)
+    assert bufs.halved(full.n) == halves
     static = truncated(full, start, seed=0)
     q_s, k_s, v_s = static.q.clone(), static.k_new.clone(), static.v_new.clone()
     sl_s, slot_s = static.seq_lens.clone(), static.slot_mapping.clone()
@@ -140,7 +144,7 @@ def test_cuda_graph_replay_equals_eager(steps):
             dst.copy_(src)
         graph.replay()
         replayed = out_s.clone()
-        eager = decode_op(sc, buffers=DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p))
+        eager = decode_op(sc, buffers=DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, **sized))
         assert torch.equal(replayed, eager), f"step {t}: replay differs from eager"
         assert torch.equal(replayed[1], torch.zeros_like(replayed[1])), "padded row must be zeros"
         if t % (steps // 7) == 0 or t == steps:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,7 +33,10 @@ class DecodeBuffers:
     With an indexer (``indexer_heads = Hi``) routing is ``shared`` over the Hi indexer queries:
     scores and pmax have ``max(Hq, Hi)`` head rows and the selection one unit.
 
-    The split counts depend only on the batch rows ``n`` (a shape): ``splits(n)``.
+    The split counts depend only on the batch rows ``n`` (a shape): ``splits(n)``. A wide batch may run as two
+    halves (``config.overlap_halves``, ``halved(n)``): each half's launches on views of these buffers
+    (``halves(n)``), the second half's on ``side``, a stream of the buffers' own (None on the CPU: one after the
+    other).
 
     Example::
 
@@ -60,6 +64,7 @@ class DecodeBuffers:
     lse_part: torch.Tensor
     indexer_heads: Optional[int] = None
     config: DecodeConfig = DecodeConfig()
+    side: Optional[torch.cuda.Stream] = None
 
     @staticmethod
     def _splits(n: int, hkv: int, max_cand: int, cap: int, local_blocks: int, num_sms: int,
@@ -77,6 +82,24 @@ class DecodeBuffers:
         """``(score_splits, attn_splits)`` for a batch of ``n`` rows."""
         return self._splits(n, self.num_kv_heads, self.max_cand, self.sel_idx.shape[2], self.params.local_blocks,
                             self.num_sms, self.fixed_splits, self.config)
+
+    def halved(self, n: int) -> bool:
+        """Whether a batch of ``n`` rows runs as two halves: ``config.overlap_halves`` where its (request, KV head)
+        rows outnumber the multiprocessors."""
+        return self.config.overlap_halves and n >= 2 and _wide(n, self.num_kv_heads, self.num_sms)
+
+    def halves(self, n: int) -> tuple:
+        """The buffers of rows ``[0, n // 2)`` and ``[n // 2, n)``: views, the second half's partial outputs after
+        the first half's."""
+        h = n // 2
+        first_parts = h * self.splits(h)[1]
+        return self._rows(0, h, 0), self._rows(h, n - h, first_parts)
+
+    def _rows(self, row0: int, rows: int, part0: int) -> "DecodeBuffers":
+        per_row = ("scores", "pmax", "mp", "mp_cand", "sel_idx", "sel_blk", "sel_bias", "sel_count")
+        return dataclasses.replace(
+            self, max_batch=rows, **{f: getattr(self, f)[row0:row0 + rows] for f in per_row},
+            o_part=self.o_part[part0:], lse_part=self.lse_part[part0:])
 
     def attn_stages(self, n: int) -> int:
         """``num_stages`` of the split attention for a batch of ``n`` rows: ``config.attn_stages_wide`` where its
@@ -112,6 +135,9 @@ class DecodeBuffers:
         for n in range(1, max_batch + 1):
             nsr, nsa = cls._splits(n, num_kv_heads, max_cand, cap, params.local_blocks, num_sms, splits, config)
             nsr_max, parts = max(nsr_max, nsr), max(parts, n * nsa)
+            if config.overlap_halves and n >= 2 and _wide(n, num_kv_heads, num_sms):  # both halves' partials
+                parts = max(parts, sum(m * cls._splits(m, num_kv_heads, max_cand, cap, params.local_blocks, num_sms,
+                                                       splits, config)[1] for m in (n // 2, n - n // 2)))
         f32, i32 = torch.float32, torch.int32
         mp_row = cdiv(max_cand, 4) * 4  # a unit's list is read in whole groups of 4
         score_rows = max(num_q_heads, indexer_heads or 0)
@@ -128,6 +154,7 @@ class DecodeBuffers:
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
             indexer_heads=indexer_heads, config=config,
+            side=torch.cuda.Stream(device) if config.overlap_halves and device.type == "cuda" else None,
         )
 
     @classmethod

@@ -50,6 +50,10 @@ class DecodeConfig:
     pdl: programmatic dependent launch where the GPU has it (``common.pdl_supported``): each launch of a step (the
         score launch too, after whatever kernel ran before the step) starts while the kernel before it ends, and
         waits for its results on the device.
+    overlap_halves: where a batch has more (request, KV head) rows than the GPU has multiprocessors, the step runs
+        as two half batches, the second half's launches on a second stream from the end of the first half's scores,
+        so that its routing runs beside the first half's attention (``DecodeBuffers.halves``; a step with an
+        indexer runs whole).
     """
 
     score_split_min_candidates: int = 64
@@ -76,3 +80,4 @@ class DecodeConfig:
     cap_rank_chunk: int = 32
     list_tile: int = 256
     pdl: bool = True
+    overlap_halves: bool = False

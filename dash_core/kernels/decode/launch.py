@@ -13,6 +13,10 @@ results on the device), and a fifth first where a block's keys are too large to 
     split-KV attention over local window + kept blocks                      attention.py
     LSE merge of the splits                                                 attention.py
 
+A wide batch may run as two halves (``DecodeConfig.overlap_halves``): the first half's four launches on the current
+stream, the second half's on a stream of the buffers' own from the end of the first half's scores, so that the
+second half's routing, bound by latency, runs beside the first half's attention, bound by DRAM.
+
 The op (``dash_core.ops.paged_dash_decode``) validates the arguments, and chooses the attention stage: this
 module's, or a segment backend fed by the same routing (``write_and_route`` then ``dash_core.segments``).
 """
@@ -34,14 +38,15 @@ from .route import route_decode
 
 def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
           params: DashParams, buffers: DecodeBuffers, write: Optional[tuple] = None,
-          only: Optional[str] = None) -> None:
+          only: Optional[str] = None, **launch) -> None:
     """Routing (stage 2 + prior) into ``buffers.sel_*``; ``write``: ``kv_write.write_args(...)`` of the new K/V,
-    written by the same launch; ``only``: ``"scores"`` / ``"select"`` (stage timings)."""
+    written by the same launch; ``only``: ``"scores"`` / ``"select"`` (stage timings); ``launch``: ``scored``,
+    ``score_pdl`` of ``route_decode``."""
     nsr, _ = buffers.splits(q.shape[0])
     b = buffers
     route_decode(q, cache.summaries, block_table, seq_lens, params, cache.page_size, b.scores, b.pmax, b.mp,
                  b.mp_cand, b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr, config=b.config, write=write,
-                 write_summarize=cache.summaries is not None, only=only)
+                 write_summarize=cache.summaries is not None, only=only, **launch)
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -60,9 +65,10 @@ def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_
 def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: PagedKVCache,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: Optional[torch.Tensor],
                     head_cls: Optional[torch.Tensor], params: DashParams, buffers: DecodeBuffers,
-                    iq: Optional[torch.Tensor] = None) -> None:
+                    iq: Optional[torch.Tensor] = None, **launch) -> None:
     """Write the new ``k, v [n, Hkv, D]`` at ``slot_mapping [n]`` (None: already written) and route each request's
-    token into ``buffers.sel_*`` (``iq [n, Hi, D]``: the indexer's queries route instead of q, router ``shared``)."""
+    token into ``buffers.sel_*`` (``iq [n, Hi, D]``: the indexer's queries route instead of q, router ``shared``;
+    ``launch``: ``scored``, ``score_pdl`` of ``route_decode``)."""
     params = params.routed_by(iq is not None)
     fused = None
     if k is not None:
@@ -70,7 +76,7 @@ def write_and_route(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torc
             fused = write_args(k, v, cache, slot_mapping, head_cls)
         else:
             write_kv_and_summaries(k, v, cache, slot_mapping, head_cls, params.block_size, decode=True)
-    route(q if iq is None else iq, cache, block_table, seq_lens, params, buffers, write=fused)
+    route(q if iq is None else iq, cache, block_table, seq_lens, params, buffers, write=fused, **launch)
 
 
 def step_buffers(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, params: DashParams,
@@ -107,5 +113,28 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
     ``out [n, Hq, D]`` in ``q.dtype``.
     """
     buffers, out = step_buffers(q, cache, block_table, params, buffers, out, iq)
-    write_and_route(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, buffers, iq=iq)
-    return attend(q, cache, block_table, seq_lens, params.routed_by(iq is not None), buffers, out)
+    n = q.shape[0]
+    if iq is not None or not buffers.halved(n):  # (an indexer's step routes its batch whole)
+        write_and_route(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, buffers, iq=iq)
+        return attend(q, cache, block_table, seq_lens, params.routed_by(iq is not None), buffers, out)
+    first, second = buffers.halves(n)
+    side = buffers.side
+    scored = None if side is None else torch.cuda.Event()
+
+    def half(rows: slice, bufs: DecodeBuffers, **launch) -> None:
+        def cut(x):
+            return None if x is None else x[rows]
+        write_and_route(q[rows], cut(k), cut(v), cache, block_table[rows], seq_lens[rows], cut(slot_mapping),
+                        head_cls, params, bufs, **launch)
+        attend(q[rows], cache, block_table[rows], seq_lens[rows], params, bufs, out[rows])
+
+    half(slice(0, n // 2), first, scored=scored)
+    if side is None:  # the CPU: one half after the other
+        half(slice(n // 2, n), second)
+        return out
+    main = torch.cuda.current_stream(q.device)
+    side.wait_event(scored)
+    with torch.cuda.stream(side):
+        half(slice(n // 2, n), second, score_pdl=False)
+    main.wait_stream(side)
+    return out

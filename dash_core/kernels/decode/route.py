@@ -162,7 +162,8 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
                  mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                  sel_count: torch.Tensor,
                  *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
-                 write_summarize: bool = False, only: Optional[str] = None) -> None:
+                 write_summarize: bool = False, only: Optional[str] = None,
+                 scored: Optional[torch.cuda.Event] = None, score_pdl: bool = True) -> None:
     """Route one decode token per request (two launches, no host synchronisation).
 
     q: ``[n, Hq, D]``; summaries: ``[num_slots // bs, Hkv, D]`` (query dtype); block_table:
@@ -178,6 +179,9 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     the summaries they complete when ``write_summarize``) in the select launch.
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
     writes the score scratch and ``pmax`` only: no selection, no K/V).
+    scored: an event recorded between the two launches (another stream may start once the scores are written).
+    score_pdl: with ``config.pdl``, the score launch is the programmatic dependent of the kernel before it on the
+    stream (False where an event wait, not a kernel, comes before it); the select launch is its dependent either way.
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
@@ -188,7 +192,9 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     pdl = config.pdl and pdl_supported(q.device)
     if only != "select":  # alone, the score launch has no dependent to let start
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
-                      pdl and only is None, config)
+                      pdl and only is None, pdl and only is None and score_pdl, config)
+    if scored is not None:
+        scored.record()
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
@@ -197,7 +203,9 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
 
 
 def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
-                  pdl: bool, config: DecodeConfig) -> None:
+                  pdl: bool, dependent: bool, config: DecodeConfig) -> None:
+    """pdl: the kernel waits for the kernel before it and lets the select launch start (``PDL``); dependent: it is
+    launched as the programmatic dependent of the kernel before it."""
     n, hq, d = q.shape
     hkv = summaries.shape[1]
     g = hq // hkv
@@ -210,7 +218,7 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
         scores, scores.stride(0), scores.stride(1), pmax, pmax.stride(0), pmax.stride(1),
         params.scaling_factor, 0.5 / math.sqrt(d), g, num_splits,
         G_PAD=max(16, pow2(g)), D=d, BS=bs, PS=page_size, LOCAL_BLOCKS=params.local_blocks, BLOCK_N=block_n,
-        PDL=pdl, num_warps=config.score_warps, num_stages=config.score_stages, **pdl_launch(pdl),
+        PDL=pdl, num_warps=config.score_warps, num_stages=config.score_stages, **pdl_launch(dependent),
     )
 
 
