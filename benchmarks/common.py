@@ -186,21 +186,22 @@ def launch_timeline(events: list, steps: int) -> list:
     """When each launch of a step starts and ends, ``[(kernel name, start, end)]`` in us from the end of the step
     before: the median over ``steps - 1`` steps (all but the first, which has none before it). ``events``: the
     kernels of ``steps`` consecutive steps of the same launches, each a dict with ``name``, ``ts`` (start) and
-    ``dur`` in us (a ``torch.profiler`` trace's kernel events). A launch that is the programmatic dependent of the one
-    before it starts while that one runs, and waits: its end is what the step's chain follows."""
+    ``dur`` in us, and ``tid`` (its stream) where a step's launches run on several streams (a ``torch.profiler``
+    trace's kernel events); a step's launches are listed by stream, then start. A launch that is the programmatic
+    dependent of the one before it starts while that one runs, and waits: its end is what the step's chain follows."""
     ev = sorted(events, key=lambda e: e["ts"])
     if steps < 2 or not ev or len(ev) % steps:
         raise ValueError(f"{len(ev)} kernels are not {steps} >= 2 steps of the same launches")
     per = len(ev) // steps
-    names = [e["name"] for e in ev[:per]]
-    if any([e["name"] for e in ev[s * per:(s + 1) * per]] != names for s in range(1, steps)):
+    chunks = [sorted(ev[s * per:(s + 1) * per], key=lambda e: (str(e.get("tid", "")), e["ts"])) for s in range(steps)]
+    names = [e["name"] for e in chunks[0]]
+    if any([e["name"] for e in c] != names for c in chunks[1:]):
         raise ValueError(f"the {steps} steps do not run the same launches in the same order")
     spans = []
-    for s in range(1, steps):
-        before = ev[s * per - 1]
-        t0 = before["ts"] + before["dur"]
-        spans.append([(e["ts"] - t0, e["ts"] + e["dur"] - t0) for e in ev[s * per:(s + 1) * per]])
-    return [(ev[k]["name"], statistics.median(sp[k][0] for sp in spans), statistics.median(sp[k][1] for sp in spans))
+    for before, step in zip(chunks, chunks[1:]):
+        t0 = max(e["ts"] + e["dur"] for e in before)
+        spans.append([(e["ts"] - t0, e["ts"] + e["dur"] - t0) for e in step])
+    return [(names[k], statistics.median(sp[k][0] for sp in spans), statistics.median(sp[k][1] for sp in spans))
             for k in range(per)]
 
 

@@ -35,6 +35,18 @@ def test_launch_timeline_measures_from_the_end_of_the_step_before(common):
     assert common.launch_timeline(_steps(2, late_b=1), 2) == [("A", 70, 80), ("B", 72, 101), ("C", 100, 106)]
 
 
+def test_launch_timeline_lists_a_step_by_stream(common):
+    """A step on two streams (a halved decode step): its launches interleave differently from step to step, and are
+    listed by stream, then start."""
+    ev = []
+    for s in range(3):
+        t, lag = 100 * s, 5 * s  # the second stream's launch starts later at each step: after A, then after B
+        ev += [dict(name="A", ts=t, dur=10, tid=1), dict(name="B", ts=t + 12, dur=10, tid=1),
+               dict(name="P", ts=t + 4 + lag, dur=20, tid=2)]
+    # from the end of the step before, its latest (P's: 24, then 129): A 76 and 71, B 88 and 83, P 85 and 85
+    assert common.launch_timeline(ev, 3) == [("A", 73.5, 83.5), ("B", 85.5, 95.5), ("P", 85, 105)]
+
+
 def test_launch_timeline_refuses_traces_that_are_not_whole_steps(common):
     with pytest.raises(ValueError, match="steps"):
         common.launch_timeline(_steps(3)[:-1], 3)  # a kernel missing
