@@ -86,7 +86,7 @@ class DecodeBuffers:
     def halved(self, n: int) -> bool:
         """Whether a batch of ``n`` rows runs as two halves: ``config.overlap_halves`` where its (request, KV head)
         rows outnumber the multiprocessors."""
-        return self.config.overlap_halves and n >= 2 and _wide(n, self.num_kv_heads, self.num_sms)
+        return _halved(n, self.num_kv_heads, self.num_sms, self.config)
 
     def halves(self, n: int) -> tuple:
         """The buffers of rows ``[0, n // 2)`` and ``[n // 2, n)``: views, the second half's partial outputs after
@@ -135,7 +135,7 @@ class DecodeBuffers:
         for n in range(1, max_batch + 1):
             nsr, nsa = cls._splits(n, num_kv_heads, max_cand, cap, params.local_blocks, num_sms, splits, config)
             nsr_max, parts = max(nsr_max, nsr), max(parts, n * nsa)
-            if config.overlap_halves and n >= 2 and _wide(n, num_kv_heads, num_sms):  # both halves' partials
+            if _halved(n, num_kv_heads, num_sms, config):  # both halves' partials
                 parts = max(parts, sum(m * cls._splits(m, num_kv_heads, max_cand, cap, params.local_blocks, num_sms,
                                                        splits, config)[1] for m in (n // 2, n - n // 2)))
         f32, i32 = torch.float32, torch.int32
@@ -202,3 +202,8 @@ def _wide(n: int, hkv: int, num_sms: int) -> bool:
     """A batch of ``n`` rows has more (request, KV head) rows than the GPU has multiprocessors: the score launch
     splits less and the split attention takes the deeper pipeline."""
     return n * hkv > num_sms
+
+
+def _halved(n: int, hkv: int, num_sms: int, config: DecodeConfig) -> bool:
+    """A batch of ``n`` rows runs as two halves (``DecodeBuffers.halved``)."""
+    return config.overlap_halves and n >= 2 and _wide(n, hkv, num_sms)

@@ -191,8 +191,9 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
         return
     pdl = config.pdl and pdl_supported(q.device)
     if only != "select":  # alone, the score launch has no dependent to let start
+        chained = pdl and only is None
         _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
-                      pdl and only is None, pdl and only is None and score_pdl, config)
+                      chained, chained and score_pdl, config)
     if scored is not None:
         scored.record()
     if only == "scores":
