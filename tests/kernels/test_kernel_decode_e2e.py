@@ -111,12 +111,13 @@ def test_halved_step_equals_the_whole_batch():
     multiprocessor): at fixed splits each row equals the whole batch's step bit for bit (rows are independent; the
     second half's partial outputs sit after the first half's), odd batches too; at the halves' own splits the rows
     match the oracle."""
-    halves = DecodeConfig(overlap_halves=True)
+    halves, whole_batch = DecodeConfig(overlap_halves=True), DecodeConfig(overlap_halves=False)
     checked = bad = 0
     for n, (lens, pk, sk) in enumerate(CASES):
         p = DashParams(block_size=16, **pk)
         sc = make_scenario(200 + n, lens, params=p, **sk).to(DEV)
-        whole = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 3), num_sms=1)
+        whole = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 3), num_sms=1,
+                                       config=whole_batch)
         split = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(2, 3), num_sms=1, config=halves)
         own = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, num_sms=1, config=halves)
         assert not whole.halved(sc.n) and split.halved(sc.n) == (sc.n >= 2)

@@ -80,4 +80,4 @@ class DecodeConfig:
     cap_rank_chunk: int = 32
     list_tile: int = 256
     pdl: bool = True
-    overlap_halves: bool = False
+    overlap_halves: bool = True

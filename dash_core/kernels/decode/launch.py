@@ -13,7 +13,7 @@ results on the device), and a fifth first where a block's keys are too large to 
     split-KV attention over local window + kept blocks                      attention.py
     LSE merge of the splits                                                 attention.py
 
-A wide batch may run as two halves (``DecodeConfig.overlap_halves``): the first half's four launches on the current
+A wide batch runs as two halves (``DecodeConfig.overlap_halves``): the first half's four launches on the current
 stream, the second half's on a stream of the buffers' own from the end of the first half's scores, so that the
 second half's routing, bound by latency, runs beside the first half's attention, bound by DRAM.
 
