@@ -340,7 +340,8 @@ def run_shape(a, b, ctx, hkv, topks, sf, device, bw, records, dtype=torch.bfloat
                 steps = [dash_fn(layer, write) for layer in layers]
                 ms = graph_ms(steps, it, wu)
                 add(common, "dash-triton", "zero-copy", ms, floor, kv_frac, nbytes, write=write, graph=True)
-            log_timeline(a, steps, "")  # the steps with the write
+                if write:  # the timeline of the steps with the write
+                    log_timeline(a, steps, "")
             for tag, config in a.tunings[1:]:  # --tune: the captured step with the K/V write, and its routing
                 tuned = DecodeBuffers.for_step(q, layers[0].cache, layers[0].block_table, params, config=config)
                 steps = [dash_fn(layer, True, bufs=tuned) for layer in layers]
