@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -35,8 +35,8 @@ class DecodeBuffers:
 
     The split counts depend only on the batch rows ``n`` (a shape): ``splits(n)``. A wide batch may run as two
     halves (``config.overlap_halves``, ``halved(n)``): each half's launches on views of these buffers
-    (``halves(n)``), the second half's on ``side``, a stream of the buffers' own (None on the CPU: one after the
-    other).
+    (``halves(n)``, kept per ``n``), the second half's on ``side``, a stream of the buffers' own, forked at
+    ``scored``, their event (both None on the CPU: one half after the other).
 
     Example::
 
@@ -65,6 +65,8 @@ class DecodeBuffers:
     indexer_heads: Optional[int] = None
     config: DecodeConfig = DecodeConfig()
     side: Optional[torch.cuda.Stream] = None
+    scored: Optional[torch.cuda.Event] = None
+    _halves: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @staticmethod
     def _splits(n: int, hkv: int, max_cand: int, cap: int, local_blocks: int, num_sms: int,
@@ -91,9 +93,10 @@ class DecodeBuffers:
     def halves(self, n: int) -> tuple:
         """The buffers of rows ``[0, n // 2)`` and ``[n // 2, n)``: views, the second half's partial outputs after
         the first half's."""
-        h = n // 2
-        first_parts = h * self.splits(h)[1]
-        return self._rows(0, h, 0), self._rows(h, n - h, first_parts)
+        if n not in self._halves:
+            h = n // 2
+            self._halves[n] = self._rows(0, h, 0), self._rows(h, n - h, h * self.splits(h)[1])
+        return self._halves[n]
 
     def _rows(self, row0: int, rows: int, part0: int) -> "DecodeBuffers":
         per_row = ("scores", "pmax", "mp", "mp_cand", "sel_idx", "sel_blk", "sel_bias", "sel_count")
@@ -141,6 +144,7 @@ class DecodeBuffers:
         f32, i32 = torch.float32, torch.int32
         mp_row = cdiv(max_cand, 4) * 4  # a unit's list is read in whole groups of 4
         score_rows = max(num_q_heads, indexer_heads or 0)
+        two_streams = config.overlap_halves and device.type == "cuda"
         return cls(
             max_batch, num_q_heads, num_kv_heads, head_dim, max_cand, params, num_sms, splits,
             scores=torch.empty(max_batch, score_rows, max_cand, dtype=f32, device=device),
@@ -154,7 +158,8 @@ class DecodeBuffers:
             o_part=torch.empty(parts, num_q_heads, head_dim, dtype=f32, device=device),
             lse_part=torch.empty(parts, num_q_heads, dtype=f32, device=device),
             indexer_heads=indexer_heads, config=config,
-            side=torch.cuda.Stream(device) if config.overlap_halves and device.type == "cuda" else None,
+            side=torch.cuda.Stream(device) if two_streams else None,
+            scored=torch.cuda.Event() if two_streams else None,
         )
 
     @classmethod

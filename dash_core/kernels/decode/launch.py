@@ -118,8 +118,7 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
         write_and_route(q, k, v, cache, block_table, seq_lens, slot_mapping, head_cls, params, buffers, iq=iq)
         return attend(q, cache, block_table, seq_lens, params.routed_by(iq is not None), buffers, out)
     first, second = buffers.halves(n)
-    side = buffers.side
-    scored = None if side is None else torch.cuda.Event()
+    side, scored = buffers.side, buffers.scored
 
     def half(rows: slice, bufs: DecodeBuffers, **launch) -> None:
         def cut(x):
