@@ -108,6 +108,11 @@ class DashParams:
         without ``topk``."""
         return num_candidates if self.topk is None else min(self.topk, num_candidates)
 
+    def cap_binds(self, num_candidates: int) -> bool:
+        """Whether the ``topk`` cap can drop a block of tables of ``num_candidates``: only with more candidates than
+        ``topk`` (kernels compile the cap where it can)."""
+        return self.topk is not None and self.topk < num_candidates
+
     def selection_units(self, num_kv_heads: int) -> int:
         """Selections per token: one per KV head (router ``kv_head``) or one for all heads (``shared``)."""
         return 1 if self.router == "shared" else num_kv_heads

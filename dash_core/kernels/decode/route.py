@@ -248,7 +248,7 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
         *(write if write is not None else _NO_WRITE(q, seq_lens)),
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
-        HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
+        HAS_TOPK=params.cap_binds(max_cand), EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
         TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
         RADIX_MIN=radix_min_keys(config.select_warps),

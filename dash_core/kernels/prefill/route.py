@@ -477,7 +477,7 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
     return dict(
         QT=qt, G_PAD=pow2(g), NH_PAD=nh_pad, D=d, BS=params.block_size, LOCAL_BLOCKS=params.local_blocks,
         BLOCK_N=block_n, TC=tc, TS=ts, TL=max(1, min(pow2(max_cand), config.route_list_budget // qt)),
-        NPIV=npiv, HAS_TOPK=params.topk is not None, EST_DIAG=params.estimate_diagonal, SHARED=shared, X_REGS=x_regs,
+        NPIV=npiv, HAS_TOPK=params.cap_binds(max_cand), EST_DIAG=params.estimate_diagonal, SHARED=shared, X_REGS=x_regs,
     )
 
 
