@@ -110,7 +110,11 @@ class DashParams:
 
     def cap_binds(self, num_candidates: int) -> bool:
         """Whether the ``topk`` cap can drop a block of tables of ``num_candidates``: only with more candidates than
-        ``topk`` (kernels compile the cap where it can)."""
+        ``topk`` (kernels compile the cap where it can).
+
+        >>> DashParams(topk=64).cap_binds(64), DashParams(topk=64).cap_binds(65), DashParams().cap_binds(4096)
+        (False, True, False)
+        """
         return self.topk is not None and self.topk < num_candidates
 
     def selection_units(self, num_kv_heads: int) -> int:
