@@ -94,8 +94,8 @@ class DecodeBuffers:
         """The buffers of rows ``[0, n // 2)`` and ``[n // 2, n)``: views, the second half's partial outputs after
         the first half's."""
         if n not in self._halves:
-            h = n // 2
-            self._halves[n] = self._rows(0, h, 0), self._rows(h, n - h, h * self.splits(h)[1])
+            h, rest = _half_rows(n)
+            self._halves[n] = self._rows(0, h, 0), self._rows(h, rest, h * self.splits(h)[1])
         return self._halves[n]
 
     def _rows(self, row0: int, rows: int, part0: int) -> "DecodeBuffers":
@@ -140,7 +140,7 @@ class DecodeBuffers:
             nsr_max, parts = max(nsr_max, nsr), max(parts, n * nsa)
             if _halved(n, num_kv_heads, num_sms, config):  # both halves' partials
                 parts = max(parts, sum(m * cls._splits(m, num_kv_heads, max_cand, cap, params.local_blocks, num_sms,
-                                                       splits, config)[1] for m in (n // 2, n - n // 2)))
+                                                       splits, config)[1] for m in _half_rows(n)))
         f32, i32 = torch.float32, torch.int32
         mp_row = cdiv(max_cand, 4) * 4  # a unit's list is read in whole groups of 4
         score_rows = max(num_q_heads, indexer_heads or 0)
@@ -207,6 +207,11 @@ def _wide(n: int, hkv: int, num_sms: int) -> bool:
     """A batch of ``n`` rows has more (request, KV head) rows than the GPU has multiprocessors: the score launch
     splits less and the split attention takes the deeper pipeline."""
     return n * hkv > num_sms
+
+
+def _half_rows(n: int) -> tuple:
+    """Rows of the two halves of a batch of ``n`` rows: ``(n // 2, n - n // 2)``."""
+    return n // 2, n - n // 2
 
 
 def _halved(n: int, hkv: int, num_sms: int, config: DecodeConfig) -> bool:

@@ -127,13 +127,14 @@ def paged_dash_decode_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opti
                         head_cls, params, bufs, **launch)
         attend(q[rows], cache, block_table[rows], seq_lens[rows], params, bufs, out[rows])
 
-    half(slice(0, n // 2), first, scored=scored)
+    h = first.max_batch  # the first half's rows, as the views hold them
+    half(slice(0, h), first, scored=scored)
     if side is None:  # the CPU: one half after the other
-        half(slice(n // 2, n), second)
+        half(slice(h, n), second)
         return out
     main = torch.cuda.current_stream(q.device)
     side.wait_event(scored)
     with torch.cuda.stream(side):
-        half(slice(n // 2, n), second, score_pdl=False)
+        half(slice(h, n), second, score_pdl=False)
     main.wait_stream(side)
     return out
