@@ -293,14 +293,17 @@ if HAVE_GLUON:
                                           sv_p, sv_r, bt_row, h * sk_h, h * sv_h, first_local, last_local,
                                           p_hi - 1, a0 + r_s // G_PAD, qk_scale, m_i, l_i, acc, R, D, BS, PPB,
                                           ld_layout)
-            # the output: acc / l, zero where no key was attended (l = 0)
+            # the output: acc / l, zero where no key was attended (l = 0); through the queries' shared memory into
+            # the loads' layout, so that each thread stores 16 contiguous bytes of a row (the accumulator's layout
+            # gives it pairs of columns)
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-            o = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
-            tok_o, g_o, in_o = _tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, G, R, G_PAD,
-                                          gl.SliceLayout(1, o_layout))
-            cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-            gl.store(o_ptr + (tok_o.to(gl.int64) * so_t + (h * G + g_o) * so_h)[:, None] + cols[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=in_o[:, None])
+            o = acc * (1.0 / gl.where(l_o > 0, l_o, 1.0))[:, None]
+            gl.thread_barrier()  # every warp's MMAs are done with the queries
+            q_s.store(o.to(q_s.dtype))
+            gl.thread_barrier()
+            cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld_layout))
+            gl.store(o_ptr + (tok_ld.to(gl.int64) * so_t + (h * G + g_ld) * so_h)[:, None] + cols[None, :],
+                     q_s.load(ld_layout).to(o_ptr.dtype.element_ty), mask=in_ld[:, None])
         return nu
 
     @gluon.jit
