@@ -10,7 +10,7 @@ A wave is then two launches. The Triton kernel builds each tile's union tables a
 ``prefill_attn_ws`` runs the union blocks by TMA, then the local window (causal, pointer loads: the request's last
 block may hold rows never written) and writes the output. The same arithmetic as the Triton loop (log2 domain, each
 row's log prior for a block added to its raw products times the scale); the local window comes after the union
-blocks, so the sums round in another order.
+blocks, so the sums round in another order, and the output is the sums times ``1 / l`` (the Triton kernel divides).
 
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
 bf16 or fp16, pages whose rows one 2-D TMA descriptor describes (``kv_rows``: SGLang's layout and vLLM's), block tables
