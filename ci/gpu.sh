@@ -33,7 +33,8 @@
 # The profile (prefill profile): ncu on `benchmarks/prefill.py --profile ncu --context 131072 --topk 64 ARGS`,
 # the route launch, the Triton attention launch (which only builds the unions where the Gluon one runs) and the Gluon
 # attention launch of one wave, after SKIP (default 90) launches of these kernels: 3 x the wave index (128k, topk 64
-# runs 42 waves; a SKIP past the last launch profiles nothing). It needs a runtime that lets ncu read the counters.
+# runs 42 waves; a SKIP past the last launch profiles nothing). A serving step's one wave: SKIP 0 and ARGS
+# `--preset serving --serving-cases 16x1024`. It needs a runtime that lets ncu read the counters.
 # Outputs: profile_summary.txt (speed of light, memory, occupancy, launch, scheduler and warp-state sections of each
 # kernel), profile_route.csv, profile_attn.csv, profile_attn_ws.csv (stall samples and instructions per source line
 # and SASS instruction). Clocks are left alone (--clock-control none).
