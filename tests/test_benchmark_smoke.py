@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from dash_core.kernels.prefill.config import GluonConfig
 from tests._benchmarks import BENCHMARKS
 
 pytest.importorskip("triton")
@@ -85,3 +86,20 @@ def test_host_time_launches_every_kernel_of_a_layer():
     without = {"_kv_rows_kernel": 1, "_prefill_attn_kernel": 1, "_tile_tables_kernel": 1}
     assert _host_time("--cases", "1x256", "--layers", "1", "--tune", "gluon_min_tiles=0") == {  # a setting beside
         "1 x 256, 1 layers, sglang": without, "1 x 256, 1 layers, sglang gluon_min_tiles=0": with_gluon}
+
+
+def test_kernel_resources_compiles_every_kernel_of_a_step():
+    """``kernel_resources.py`` compiles, for sm_90 and without a GPU, each kernel the 16 x 1k step launches (the
+    kernels ``host_time.py`` counts above, the Gluon attention among them) and reports ptxas's registers: the Gluon
+    program's warpgroups at their register budget, its shared memory within an sm_90 program's 227 KiB."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_resources.py"), "--cases", "16x1024", "--layout",
+                        "vllm"], cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = dict(line.strip().split(": ", 1) for line in r.stdout.splitlines()[1:])
+    assert {name.split(" (")[0] for name in lines} == {"_kv_rows_kernel", "_prefill_route_kernel",
+                                                       "_prefill_attn_kernel", "_tile_tables_kernel",
+                                                       "prefill_attn_ws"}
+    ws = lines["prefill_attn_ws (1)"]
+    assert ws.startswith(f"{GluonConfig().regs} registers, ")
+    assert 0 < int(ws.split(", ")[-1].split(" bytes")[0]) <= 227 * 1024

@@ -1,0 +1,101 @@
+"""Registers, spills and shared memory of each kernel a prefill step launches, compiled for sm_90 on any machine (no
+GPU needed): what ptxas reports for the kernels of ``ops.paged_dash_prefill`` on the Hopper paths.
+
+The step is ``host_time.py``'s (``--cases``: requests x tokens; bf16, Hq 32, Hkv 8, D 128, block and page 64, topk
+64; one layer), with its stand-ins for a GPU, except that each kernel's first launch compiles it for real (Triton
+then ptxas, as on an H100 or H200) instead of standing in. A kernel edit can so be checked for spills, and for
+compiling at all, before a GPU run; a Gluon kernel cannot run under ``TRITON_INTERPRET=1``.
+
+    python benchmarks/kernel_resources.py                               # 16 x 1k and 1 x 32k
+    python benchmarks/kernel_resources.py --cases 1x131072 --tune gluon_regs=160
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import host_time  # noqa: E402  (sets up the path to dash_core)
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+from common import tune_configs  # noqa: E402
+from dash_core.kernels.prefill.config import PrefillConfig  # noqa: E402
+
+SM = 90
+
+
+class _Hopper:
+    """The parts of Triton's active driver that compiling asks for: an sm_90 target on device 0."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", SM, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def ptxas_resources(ptx: str) -> str:
+    """ptxas's resource lines for ``ptx`` (registers, spill stores and loads, stack frame)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([get_ptxas(SM).path, "-v", f"--gpu-name=sm_{SM}a", src, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return (f"{used.group(1) if used else '?'} registers, "
+            f"{'{} / {} bytes spilled (stores / loads)'.format(*spill.groups()) if spill else 'no spill line'}")
+
+
+def compile_launches() -> dict:
+    """Make each kernel's first launch compile it for sm_90 and record its resources (launching nothing): returns
+    the record, ``{"name (n)": line}`` for the n-th variant of a kernel compiled, filled as the op launches."""
+    seen: dict = {}
+    variants: collections.Counter = collections.Counter()  # kernel name -> variants compiled
+    compile_run = JITFunction.run
+
+    def first_launch(fn, *args, grid=None, warmup=False, **kwargs):
+        kernel = compile_run(fn, *args, grid=grid, warmup=True, **kwargs)
+        variants[fn.__name__] += 1
+        seen[f"{fn.__name__} ({variants[fn.__name__]})"] = (
+            f"{ptxas_resources(kernel.asm['ptx'])}, {kernel.metadata.shared} bytes of shared memory")
+        return host_time._Compiled(fn.__name__)
+
+    host_time.stand_in_for_a_gpu()
+    driver.set_active(_Hopper())
+    JITFunction.run = first_launch
+    return seen
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="16x1024,1x32768", help="requests x tokens each, e.g. 1x2048,16x1024")
+    ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang")
+    ap.add_argument("--tune", default="", help="PrefillConfig settings, e.g. gluon_regs=160,attn_stages=2")
+    a = ap.parse_args(argv)
+    config = tune_configs([a.tune] if a.tune else [], PrefillConfig())[-1][1]
+    seen = compile_launches()
+    for case in a.cases.split(","):
+        batch, n = (int(x) for x in case.split("x"))
+        before = set(seen)
+        host_time.step(*host_time.build(batch, n, 1, a.layout), config)
+        print(f"{batch} x {n}, {a.layout}{' ' + a.tune if a.tune else ''}:")
+        for key in sorted(set(seen) - before):
+            print(f"  {key}: {seen[key]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
