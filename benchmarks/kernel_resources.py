@@ -8,6 +8,7 @@ compiling at all, before a GPU run; a Gluon kernel cannot run under ``TRITON_INT
 
     python benchmarks/kernel_resources.py                               # 16 x 1k and 1 x 32k
     python benchmarks/kernel_resources.py --cases 1x131072 --tune gluon_regs=160
+    python benchmarks/kernel_resources.py --sass out/sass                  # and each kernel's SASS, a file each
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 import host_time  # noqa: E402  (sets up the path to dash_core)
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
+from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
@@ -59,9 +61,22 @@ def ptxas_resources(ptx: str) -> str:
             f"{'{} / {} bytes spilled (stores / loads)'.format(*spill.groups()) if spill else 'no spill line'}")
 
 
-def compile_launches() -> dict:
+def write_sass(cubin: bytes, path: str) -> None:
+    """The SASS of ``cubin`` (cuobjdump's listing) into ``path``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = os.path.join(tmp, "kernel.cubin")
+        with open(binary, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", binary], capture_output=True, text=True,
+                              check=True).stdout
+    with open(path, "w") as f:
+        f.write(sass)
+
+
+def compile_launches(sass_dir=None) -> dict:
     """Make each kernel's first launch compile it for sm_90 and record its resources (launching nothing): returns
-    the record, ``{"name (n)": line}`` for the n-th variant of a kernel compiled, filled as the op launches."""
+    the record, ``{"name (n)": line}`` for the n-th variant of a kernel compiled, filled as the op launches; with
+    ``sass_dir``, each variant's SASS also goes to ``sass_dir/name_n.sass``."""
     seen: dict = {}
     variants: collections.Counter = collections.Counter()  # kernel name -> variants compiled
     compile_run = JITFunction.run
@@ -71,6 +86,8 @@ def compile_launches() -> dict:
         variants[fn.__name__] += 1
         seen[f"{fn.__name__} ({variants[fn.__name__]})"] = (
             f"{ptxas_resources(kernel.asm['ptx'])}, {kernel.metadata.shared} bytes of shared memory")
+        if sass_dir:
+            write_sass(kernel.asm["cubin"], os.path.join(sass_dir, f"{fn.__name__}_{variants[fn.__name__]}.sass"))
         return host_time._Compiled(fn.__name__)
 
     host_time.stand_in_for_a_gpu()
@@ -84,9 +101,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="16x1024,1x32768", help="requests x tokens each, e.g. 1x2048,16x1024")
     ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang")
     ap.add_argument("--tune", default="", help="PrefillConfig settings, e.g. gluon_regs=160,attn_stages=2")
+    ap.add_argument("--sass", metavar="DIR", help="also write each kernel's SASS to DIR/NAME_N.sass")
     a = ap.parse_args(argv)
     config = tune_configs([a.tune] if a.tune else [], PrefillConfig())[-1][1]
-    seen = compile_launches()
+    if a.sass:
+        os.makedirs(a.sass, exist_ok=True)
+    seen = compile_launches(a.sass)
     for case in a.cases.split(","):
         batch, n = (int(x) for x in case.split("x"))
         before = set(seen)

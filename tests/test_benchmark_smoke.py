@@ -88,13 +88,15 @@ def test_host_time_launches_every_kernel_of_a_layer():
         "1 x 256, 1 layers, sglang": without, "1 x 256, 1 layers, sglang gluon_min_tiles=0": with_gluon}
 
 
-def test_kernel_resources_compiles_every_kernel_of_a_step():
+def test_kernel_resources_compiles_every_kernel_of_a_step(tmp_path):
     """``kernel_resources.py`` compiles, for sm_90 and without a GPU, each kernel the 16 x 1k step launches (the
     kernels ``host_time.py`` counts above, the Gluon attention among them) and reports ptxas's registers: the Gluon
-    program's warpgroups at their register budget, its shared memory within an sm_90 program's 227 KiB."""
+    program's warpgroups at their register budget, its shared memory within an sm_90 program's 227 KiB; ``--sass``
+    writes each kernel's SASS (the Gluon one with Hopper's warpgroup MMAs and TMA loads)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_resources.py"), "--cases", "16x1024", "--layout",
-                        "vllm"], cwd=BENCHMARKS.parent, env=env, capture_output=True, text=True, timeout=600)
+                        "vllm", "--sass", str(tmp_path)], cwd=BENCHMARKS.parent, env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = dict(line.strip().split(": ", 1) for line in r.stdout.splitlines()[1:])
     assert {name.split(" (")[0] for name in lines} == {"_kv_rows_kernel", "_prefill_route_kernel",
@@ -103,3 +105,7 @@ def test_kernel_resources_compiles_every_kernel_of_a_step():
     ws = lines["prefill_attn_ws (1)"]
     assert ws.startswith(f"{GluonConfig().regs} registers, ")
     assert 0 < int(ws.split(", ")[-1].split(" bytes")[0]) <= 227 * 1024
+    assert {p.name for p in tmp_path.iterdir()} == {f"{name.split(' (')[0]}_{name.split('(')[1][:-1]}.sass"
+                                                    for name in lines}
+    sass = (tmp_path / "prefill_attn_ws_1.sass").read_text()
+    assert "HGMMA.64x64x16.F32.BF16" in sass and "UTMALDG.2D" in sass
