@@ -1,14 +1,18 @@
-"""Registers, spills and shared memory of each kernel a prefill step launches, compiled for sm_90 on any machine (no
-GPU needed): what ptxas reports for the kernels of ``ops.paged_dash_prefill`` on the Hopper paths.
+"""Registers, spills and shared memory of each kernel a prefill or decode step launches, compiled for sm_90 on any
+machine (no GPU needed): what ptxas reports for the kernels of ``ops.paged_dash_prefill`` and ``ops.paged_dash_decode``
+on the Hopper paths.
 
-The step is ``host_time.py``'s (``--cases``: requests x tokens; bf16, Hq 32, Hkv 8, D 128, block and page 64, topk
-64; one layer), with its stand-ins for a GPU, except that each kernel's first launch compiles it for real (Triton
-then ptxas, as on an H100 or H200) instead of standing in. A kernel edit can so be checked for spills, and for
-compiling at all, before a GPU run; a Gluon kernel cannot run under ``TRITON_INTERPRET=1``.
+The prefill step is ``host_time.py``'s (``--cases``: requests x tokens; bf16, Hq 32, Hkv 8, D 128, block and page 64,
+topk 64; one layer), the decode step ``decode.py``'s (``--decode-cases``: batch x context, the same shape, with the
+K/V write), with ``host_time.py``'s stand-ins for a GPU, except that each kernel's first launch compiles it for real
+(Triton then ptxas, as on an H100 or H200) instead of standing in. Each case lists the kernel variants it compiled
+first. A kernel edit can so be checked for spills, and for compiling at all, before a GPU run; a Gluon kernel cannot
+run under ``TRITON_INTERPRET=1``.
 
-    python benchmarks/kernel_resources.py                               # 16 x 1k and 1 x 32k
-    python benchmarks/kernel_resources.py --cases 1x131072 --tune gluon_regs=160
-    python benchmarks/kernel_resources.py --sass out/sass                  # and each kernel's SASS, a file each
+    python benchmarks/kernel_resources.py                            # 16 x 1k, 1 x 32k; decode B 1 and 8 at 32k
+    python benchmarks/kernel_resources.py --cases 1x131072 --tune gluon_regs=160 --decode-cases ""
+    python benchmarks/kernel_resources.py --decode-cases 1x131072 --decode-tune attn_maxnreg=0 --cases ""
+    python benchmarks/kernel_resources.py --sass out/sass               # and each kernel's SASS, a file each
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 import tempfile
 
 import host_time  # noqa: E402  (sets up the path to dash_core)
+import torch
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton import knobs
@@ -29,7 +34,11 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 from common import tune_configs  # noqa: E402
+from dash_core import DashParams, ops  # noqa: E402
+from dash_core.kernels.decode.buffers import DecodeBuffers  # noqa: E402
+from dash_core.kernels.decode.config import DecodeConfig  # noqa: E402
 from dash_core.kernels.prefill.config import PrefillConfig  # noqa: E402
+from decode import Layer  # noqa: E402
 
 SM = 90
 
@@ -96,22 +105,44 @@ def compile_launches(sass_dir=None) -> dict:
     return seen
 
 
+def decode_step(batch: int, context: int, layout: str, config: DecodeConfig) -> None:
+    """One decode step with the K/V write, as ``decode.py`` builds it (its ``Layer``: Hq 32, Hkv 8, D 128, block and
+    page 64, topk 64, bf16), on the CPU."""
+    hq, hkv, d, bs = 32, 8, 128, 64
+    layer = Layer(batch, context, hkv, d, bs, bs, torch.bfloat16, host_time.CPU, seed=1, layout=layout)
+    g = torch.Generator().manual_seed(7)
+    q, k_new, v_new = (torch.randn(batch, h, d, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
+    seq = torch.full((batch,), context, dtype=torch.int32)
+    params = DashParams(block_size=bs, topk=64, scaling_factor=1.0)
+    bufs = DecodeBuffers.for_step(q, layer.cache, layer.block_table, params, config=config)
+    ops.paged_dash_decode(q, k_new, v_new, layer.cache, layer.block_table, seq, layer.slot_mapping, layer.head_cls,
+                          params, out=torch.empty_like(q), buffers=bufs)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="16x1024,1x32768", help="requests x tokens each, e.g. 1x2048,16x1024")
     ap.add_argument("--layout", choices=["sglang", "vllm"], default="sglang")
     ap.add_argument("--tune", default="", help="PrefillConfig settings, e.g. gluon_regs=160,attn_stages=2")
+    ap.add_argument("--decode-cases", default="1x32768,8x32768", help="decode steps, batch x context each")
+    ap.add_argument("--decode-tune", default="", help="DecodeConfig settings, e.g. attn_maxnreg=0")
     ap.add_argument("--sass", metavar="DIR", help="also write each kernel's SASS to DIR/NAME_N.sass")
     a = ap.parse_args(argv)
     config = tune_configs([a.tune] if a.tune else [], PrefillConfig())[-1][1]
+    decode_config = tune_configs([a.decode_tune] if a.decode_tune else [], DecodeConfig())[-1][1]
     if a.sass:
         os.makedirs(a.sass, exist_ok=True)
     seen = compile_launches(a.sass)
-    for case in a.cases.split(","):
-        batch, n = (int(x) for x in case.split("x"))
+    steps = [(f"prefill {case}, {a.layout}{' ' + a.tune if a.tune else ''}",
+              lambda b, n: host_time.step(*host_time.build(b, n, 1, a.layout), config), case)
+             for case in filter(None, a.cases.split(","))]
+    steps += [(f"decode {case}, {a.layout}{' ' + a.decode_tune if a.decode_tune else ''}",
+               lambda b, n: decode_step(b, n, a.layout, decode_config), case)
+              for case in filter(None, a.decode_cases.split(","))]
+    for title, run, case in steps:
         before = set(seen)
-        host_time.step(*host_time.build(batch, n, 1, a.layout), config)
-        print(f"{batch} x {n}, {a.layout}{' ' + a.tune if a.tune else ''}:")
+        run(*(int(x) for x in case.split("x")))
+        print(f"{title}:")
         for key in sorted(set(seen) - before):
             print(f"  {key}: {seen[key]}", flush=True)
     return 0

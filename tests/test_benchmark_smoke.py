@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.kernels.prefill.config import GluonConfig
 from tests._benchmarks import BENCHMARKS
 
@@ -89,23 +90,35 @@ def test_host_time_launches_every_kernel_of_a_layer():
 
 
 def test_kernel_resources_compiles_every_kernel_of_a_step(tmp_path):
-    """``kernel_resources.py`` compiles, for sm_90 and without a GPU, each kernel the 16 x 1k step launches (the
-    kernels ``host_time.py`` counts above, the Gluon attention among them) and reports ptxas's registers: the Gluon
-    program's warpgroups at their register budget, its shared memory within an sm_90 program's 227 KiB; ``--sass``
-    writes each kernel's SASS (the Gluon one with Hopper's warpgroup MMAs and TMA loads)."""
+    """``kernel_resources.py`` compiles, for sm_90 and without a GPU, each kernel the 16 x 1k prefill step launches
+    (the kernels ``host_time.py`` counts above, the Gluon attention among them) and each of a B 1 decode step's, and
+    reports ptxas's registers: the Gluon program's warpgroups at their register budget, its shared memory within an
+    sm_90 program's 227 KiB, the decode split attention at its register cap without spilling; ``--sass`` writes each
+    kernel's SASS (the Gluon one with Hopper's warpgroup MMAs and TMA loads)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_resources.py"), "--cases", "16x1024", "--layout",
-                        "vllm", "--sass", str(tmp_path)], cwd=BENCHMARKS.parent, env=env, capture_output=True,
-                       text=True, timeout=600)
+                        "vllm", "--decode-cases", "1x4096", "--sass", str(tmp_path)], cwd=BENCHMARKS.parent, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    lines = dict(line.strip().split(": ", 1) for line in r.stdout.splitlines()[1:])
-    assert {name.split(" (")[0] for name in lines} == {"_kv_rows_kernel", "_prefill_route_kernel",
-                                                       "_prefill_attn_kernel", "_tile_tables_kernel",
-                                                       "prefill_attn_ws"}
-    ws = lines["prefill_attn_ws (1)"]
+    sections: dict = {}  # "prefill 16x1024" -> {"kernel (n)": resources}
+    kernels: dict = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("  "):
+            name, resources = line.strip().split(": ", 1)
+            kernels[name] = resources
+        else:
+            kernels = sections.setdefault(line.split(",")[0], {})
+    assert {title: {name.split(" (")[0] for name in names} for title, names in sections.items()} == {
+        "prefill 16x1024": {"_kv_rows_kernel", "_prefill_route_kernel", "_prefill_attn_kernel", "_tile_tables_kernel",
+                            "prefill_attn_ws"},
+        "decode 1x4096": {"_decode_scores_kernel", "_decode_select_kernel", "_decode_attn_split_kernel",
+                          "_merge_kernel"}}
+    ws = sections["prefill 16x1024"]["prefill_attn_ws (1)"]
     assert ws.startswith(f"{GluonConfig().regs} registers, ")
     assert 0 < int(ws.split(", ")[-1].split(" bytes")[0]) <= 227 * 1024
-    assert {p.name for p in tmp_path.iterdir()} == {f"{name.split(' (')[0]}_{name.split('(')[1][:-1]}.sass"
-                                                    for name in lines}
+    split = sections["decode 1x4096"]["_decode_attn_split_kernel (1)"]
+    assert split.startswith(f"{DecodeConfig().attn_maxnreg} registers, 0 / 0 bytes spilled")
+    names = [name for compiled in sections.values() for name in compiled]
+    assert {p.name for p in tmp_path.iterdir()} == {f"{n.split(' (')[0]}_{n.split('(')[1][:-1]}.sass" for n in names}
     sass = (tmp_path / "prefill_attn_ws_1.sass").read_text()
     assert "HGMMA.64x64x16.F32.BF16" in sass and "UTMALDG.2D" in sass
