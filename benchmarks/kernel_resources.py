@@ -57,7 +57,8 @@ class _Hopper:
 
 
 def ptxas_resources(ptx: str) -> str:
-    """ptxas's resource lines for ``ptx`` (registers, spill stores and loads, stack frame)."""
+    """What ptxas reports for ``ptx`` compiled as Triton compiles it (its ``.maxnreg`` included): registers, and
+    bytes of spill stores and loads."""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
