@@ -24,8 +24,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
-import host_time  # noqa: E402  (sets up the path to dash_core)
+import host_time  # first: it puts the repository on the path, for dash_core and tests
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
@@ -33,12 +34,12 @@ from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from common import tune_configs  # noqa: E402
-from dash_core import DashParams, ops  # noqa: E402
-from dash_core.kernels.decode.buffers import DecodeBuffers  # noqa: E402
-from dash_core.kernels.decode.config import DecodeConfig  # noqa: E402
-from dash_core.kernels.prefill.config import PrefillConfig  # noqa: E402
-from decode import Layer  # noqa: E402
+from common import tune_configs
+from dash_core import DashParams, ops
+from dash_core.kernels.decode.buffers import DecodeBuffers
+from dash_core.kernels.decode.config import DecodeConfig
+from dash_core.kernels.prefill.config import PrefillConfig
+from decode import Layer, step_inputs
 
 SM = 90
 
@@ -109,12 +110,11 @@ def compile_launches(sass_dir=None) -> dict:
 def decode_step(batch: int, context: int, layout: str, config: DecodeConfig) -> None:
     """One decode step with the K/V write, as ``decode.py`` builds it (its ``Layer``: Hq 32, Hkv 8, D 128, block and
     page 64, topk 64, bf16), on the CPU."""
-    hq, hkv, d, bs = 32, 8, 128, 64
-    layer = Layer(batch, context, hkv, d, bs, bs, torch.bfloat16, host_time.CPU, seed=1, layout=layout)
-    g = torch.Generator().manual_seed(7)
-    q, k_new, v_new = (torch.randn(batch, h, d, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv))
-    seq = torch.full((batch,), context, dtype=torch.int32)
-    params = DashParams(block_size=bs, topk=64, scaling_factor=1.0)
+    hkv, bs, dtype = 8, 64, torch.bfloat16
+    layer = Layer(batch, context, hkv, 128, bs, bs, dtype, host_time.CPU, seed=1, layout=layout)
+    q, k_new, v_new, seq, sf = step_inputs(SimpleNamespace(hq=32, head_dim=128), batch, context, hkv, layer, 1.0,
+                                           host_time.CPU, dtype)
+    params = DashParams(block_size=bs, topk=64, scaling_factor=sf)
     bufs = DecodeBuffers.for_step(q, layer.cache, layer.block_table, params, config=config)
     ops.paged_dash_decode(q, k_new, v_new, layer.cache, layer.block_table, seq, layer.slot_mapping, layer.head_cls,
                           params, out=torch.empty_like(q), buffers=bufs)
