@@ -262,13 +262,15 @@ if HAVE_GLUON:
         p_lo = gl.load(info + INFO_P_LO)
         p_hi = gl.load(info + INFO_P_HI)
         nu = gl.where(p_lo < p_hi, gl.load(nu_ptr + w * HKV + h), 0)
-        if p_lo < p_hi:  # tiles past the last one do nothing
-            ok = gl.load(info + INFO_OK)
-            tok_base = gl.load(info + INFO_TOK_BASE)
-            a0 = gl.load(info + INFO_A0)
-            first_local = gl.load(info + INFO_FIRST_LOCAL)
-            last_local = gl.load(info + INFO_LAST_LOCAL)
-            req = gl.load(info + INFO_REQ)
+        # the row's other fields in the same round trip (every tile of the wave has its row); the live test reads
+        # them too, through conditions that always hold, else the compiler sinks their loads below it
+        ok = gl.load(info + INFO_OK)
+        tok_base = gl.load(info + INFO_TOK_BASE)
+        a0 = gl.load(info + INFO_A0)
+        first_local = gl.load(info + INFO_FIRST_LOCAL)
+        last_local = gl.load(info + INFO_LAST_LOCAL)
+        req = gl.load(info + INFO_REQ)
+        if (p_lo < p_hi) & (ok >= 0) & (a0 >= 0) & (req >= 0) & (tok_base != -2147483648):  # live tiles only
             ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
             o_layout: gl.constexpr = wgmma_layout(D)
             s_layout: gl.constexpr = wgmma_layout(BS)
@@ -313,13 +315,13 @@ if HAVE_GLUON:
         tile (the launch order of the Triton kernel: neighbouring tiles of a head, which share most of their
         blocks, run at the same time), the wave's last tile first with LAST_FIRST."""
         n0 = 0
-        item = gl.atomic_add(counter, 1)
+        item = gl.atomic_add(counter, 1, sem="relaxed")  # a ticket: no ordering needed (acq_rel fences the GPU)
         while item < items:
             w = item % tiles
             if LAST_FIRST:
                 w = tiles - 1 - w
             n0 += _tile(c, w, item // tiles, n0, rt, QT, G_PAD, D, BS, PPB, KST, VST)
-            item = gl.atomic_add(counter, 1)
+            item = gl.atomic_add(counter, 1, sem="relaxed")
 
     @cached_launch
     @gluon.jit(do_not_specialize=["tiles", "num_tokens", "G"])  # no compile per prompt length
