@@ -221,6 +221,14 @@ WS_CASES = [  # (dtype, Hq, Hkv, page_size, totals, news, DashParams kwargs, rou
     # vLLM's head-major pages, two blocks a page, a head slot more than the KV heads
     (torch.bfloat16, 12, 4, 128, [9000, 1500, 257], [2500, 1500, 100], dict(topk=16, scaling_factor=3.0), None,
      "vllm"),
+    # tables of at most 64 candidates the cap cannot cut (the route launch's registers path, no cap), in one wave or
+    # several; the estimated-diagonal prior on vLLM's pages
+    (torch.bfloat16, 32, 8, 64, [4000, 2000, 1030, 300], [4000, 1500, 1030, 300], dict(topk=64, scaling_factor=3.0),
+     None, "sglang"),
+    (torch.bfloat16, 32, 8, 64, [4000, 2000, 1030, 300], [4000, 1500, 1030, 300], dict(topk=64, scaling_factor=3.0),
+     2 << 20, "sglang"),
+    (torch.bfloat16, 12, 4, 128, [3000, 1000, 90], [1000, 1000, 90], dict(scaling_factor=2.0, estimate_diagonal=True),
+     None, "vllm"),
 ]
 
 
