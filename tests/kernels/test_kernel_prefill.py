@@ -582,6 +582,46 @@ def test_union_launch_stores_the_gluon_rows(monkeypatch):
     assert checked > 2 * tiles
 
 
+@pytest.mark.parametrize("topk, est", [(None, False), (64, False), (None, True)])
+def test_union_from_mp_equals_union_from_lists(monkeypatch, topk, est):
+    """Where no cap can bind and the routing stored every candidate's ``mp`` (short tables: ``route.union_from_mp``),
+    the union launch builds each tile's union from the ``mp`` in one pass: the same blocks, in the same order, with
+    the same priors as built from the tokens' kept lists (``PrefillConfig.union_from_mp`` off), on the same routing
+    (uncapped, ``topk`` above the candidates, the estimated-diagonal prior, whose geometric mean may sum in another
+    order on the GPU: close there). The Gluon launch is replaced by a recorder; the union launch then stores the union
+    sizes too."""
+    p = DashParams(block_size=64, topk=topk, scaling_factor=2.0, estimate_diagonal=est)
+    case = make_prefill_case(8, [(700, 300), (400, 400), (90, 90)], hq=8, hkv=2, d=64, bs=64, pages_per_block=2,
+                             layout="vllm", params=p).to(DEV)
+    config = PrefillConfig(scratch_bytes=1 << 40, gluon=GluonConfig(min_candidates=0))
+    plan, scratch = plan_and_scratch(case, config)
+    (tile0, tiles), = plan.waves()
+    assert pf_route.union_from_mp(case.q, 2, p, plan, scratch)
+    pf_route.route_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch, tile0, tiles)
+    _record_gluon_launches(monkeypatch)
+    unions = []
+    for from_mp in (False, True):
+        plan.config = dataclasses.replace(config, union_from_mp=from_mp)
+        pf_attention.attend_wave(case.q, case.cache, case.block_table, case.cu, case.seq_lens, p, plan, scratch,
+                                 torch.empty_like(case.q), tile0, tiles)
+        unions.append((scratch.union_count.clone(), scratch.union_blk.clone(), scratch.union_prior.clone()))
+    (cnt, blk, prior), (cnt2, blk2, prior2) = unions
+    info, checked = scratch.tile_info, 0
+    for w in range(tiles):
+        if info[w, gluon.INFO_P_LO.value] >= info[w, gluon.INFO_P_HI.value]:
+            continue  # a tile past the last one: no union
+        for h in range(2):
+            n = int(cnt[w, h])
+            assert int(cnt2[w, h]) == n, (w, h)
+            assert torch.equal(blk2[w, h, :n], blk[w, h, :n]), (w, h)
+            if est:  # the log-mean of up to 64 logs under 100 in another order: a few fp32 ulps, over sigma
+                torch.testing.assert_close(prior2[w, h, :n], prior[w, h, :n], rtol=1e-6, atol=1e-3 / p.sigma)
+            else:
+                assert torch.equal(prior2[w, h, :n], prior[w, h, :n]), (w, h)
+            checked += n
+    assert checked > 2 * tiles
+
+
 @pytest.mark.parametrize("min_cand, min_tiles, want", [(0, 1 << 30, True), (1 << 30, 1, True),
                                                        (1 << 30, 1 << 30, False)])
 def test_gluon_launch_on_long_tables_or_long_waves(monkeypatch, min_cand, min_tiles, want):

@@ -28,7 +28,7 @@ from ..common import LOG2E, LOG2E_F, block_page, cdiv, max_or_zero, pow2, raise_
 from ..launcher import bind_launch, cached_launch
 from . import gluon
 from .config import PrefillConfig
-from .route import fused_route_arguments, route_in_registers
+from .route import fused_route_arguments, registers_block_n, route_in_registers, union_from_mp
 from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
                     INFO_TOK_BASE, tile_bounds, tile_rows, wave_tile)
 
@@ -91,6 +91,38 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
     return nu
 
 
+@triton.jit
+def _tile_union_from_mp(ncand, unit_ok, slot0, h, bt_row, mp_ptr, smp_n, smp_h, inv_sigma, uprior_row, ublk_row,
+                        ublk_page, ublk_step, ublk_head, QT: tl.constexpr, TC: tl.constexpr, PS: tl.constexpr,
+                        BS: tl.constexpr, EST_DIAG: tl.constexpr):
+    """``_tile_union`` in one pass where the tile's routing kept every positive ``mp`` (no ``topk`` cap can bind) and
+    stored it by candidate (``route.route_in_registers``: ``mp [slot, h, c]``, every candidate in one ``[QT, TC]``
+    tile): the union is the candidates some token's ``mp`` is positive (above ``PRIOR_EPS`` with EST_DIAG), each
+    token's prior ``log mp`` (over the geometric mean, times ``inv_sigma``, with EST_DIAG), as
+    ``routing.select_kept`` computes it from the same ``mp``; no selection list is read."""
+    offs_u = tl.arange(0, QT)
+    offs_c = tl.arange(0, TC)
+    mp = tl.load(mp_ptr + (slot0 + offs_u)[:, None] * smp_n + h * smp_h + offs_c[None, :],
+                 mask=unit_ok[:, None] & (offs_c < ncand)[None, :], other=0.0)
+    if EST_DIAG:
+        keep = mp > 1e-20
+        logmp = tl.log(tl.where(keep, mp, 1.0))
+        log_g = tl.sum(tl.where(keep, logmp, 0.0), axis=1) / tl.maximum(tl.sum(keep.to(tl.float32), axis=1), 1.0)
+        bias = (logmp - log_g[:, None]) * inv_sigma
+    else:
+        keep = mp > 0
+        bias = tl.log(tl.where(keep, mp, 1.0))
+    kept = tl.max(keep.to(tl.int32), axis=0)
+    j = tl.cumsum(kept, axis=0) - kept
+    ppb_u: tl.constexpr = PS // BS
+    page = tl.load(bt_row + offs_c // ppb_u, mask=kept > 0, other=0)
+    tl.store(ublk_row + j, page * ublk_page + (offs_c % ppb_u) * ublk_step + h * ublk_head, mask=kept > 0)
+    tl.store(uprior_row + j[None, :] * QT + offs_u[:, None], tl.where(keep, bias * LOG2E, float("-inf")),
+             mask=(kept > 0)[None, :])
+    tl.debug_barrier()  # the union lists are read back by other threads
+    return tl.sum(kept, axis=0)
+
+
 @cached_launch
 @triton.jit(do_not_specialize=["tile0", "n", "nt", "max_tokens", "num_tokens", "G"])
 def _prefill_attn_kernel(
@@ -107,11 +139,13 @@ def _prefill_attn_kernel(
     UNION_ONLY: tl.constexpr = False, LAST_FIRST: tl.constexpr = False,
     ROUTE: tl.constexpr = False, BLOCK_N: tl.constexpr = 16, TS: tl.constexpr = 16, NPIV: tl.constexpr = 1,
     HAS_TOPK: tl.constexpr = False, EST_DIAG: tl.constexpr = False, TL: tl.constexpr = 16,
+    FROM_MP: tl.constexpr = False, TCU: tl.constexpr = 16,
 ):
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
 
-    1. Union (``_tile_union``): the candidates some token of the tile kept (``sel_* [slot, Hsel, cap]``,
+    1. Union (``_tile_union``; with FROM_MP ``_tile_union_from_mp``, from ``mp`` by candidate in ``[QT, TCU]``):
+       the candidates some token of the tile kept (``sel_* [slot, Hsel, cap]``,
        ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``), marked in ``upos [w, h, c]`` and compacted, in
        increasing order, into ``ublk [w, h, j]`` (physical block, or for the Gluon launch its first row:
        ``ublk_page``, ``ublk_step``, ``ublk_head``) with every token's log2 prior for it in
@@ -182,9 +216,13 @@ def _prefill_attn_kernel(
         # 1. union of the tile's selections (units: its tokens)
         uprior_row = uprior_ptr + w.to(tl.int64) * spr_w + h * spr_h  # [max_cand, QT] contiguous
         ublk_row = ublk_ptr + w.to(tl.int64) * sub_w + h * sub_h
-        nu = _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr, ssel_n,
-                         ssel_h, upos_ptr + w.to(tl.int64) * spos_w + h * spos_h, uprior_row, ublk_row, ublk_page,
-                         ublk_step, ublk_head, QT, TU, TJ, PS, BS)
+        if FROM_MP:
+            nu = _tile_union_from_mp(ncand, unit_ok, slot0, h, bt_row, mp_ptr, smp_n, smp_h, inv_sigma, uprior_row,
+                                     ublk_row, ublk_page, ublk_step, ublk_head, QT, TCU, PS, BS, EST_DIAG)
+        else:
+            nu = _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr,
+                             ssel_n, ssel_h, upos_ptr + w.to(tl.int64) * spos_w + h * spos_h, uprior_row, ublk_row,
+                             ublk_page, ublk_step, ublk_head, QT, TU, TJ, PS, BS)
         if UNION_ONLY:
             tl.store(nu_ptr + w * tl.num_programs(1) + h, nu)
             return
@@ -365,7 +403,8 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
     spr, sub, spos = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride()
     qk_scale = LOG2E_F / math.sqrt(d)
     route_args, route_kw = fused_route_arguments(q, hkv, params, plan, s)  # (the arguments unused unless route)
-    route_kw = route_kw if route else {}
+    route_kw = route_kw if route else {"EST_DIAG": params.estimate_diagonal}
+    from_mp = union_from_mp(q, hkv, params, plan, s)
     kernel = bind_launch(
         _prefill_attn_kernel, (tiles, hkv), ATTN_LEAD,
         (cu_seqlens_q, seq_lens, plan.tile_req, plan.tile_off, tile0, seq_lens.shape[0], plan.num_tiles,
@@ -378,7 +417,8 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
         TU=max(16, min(pow2(plan.max_cand), cfg.union_tile // plan.qt)),
         TJ=max(16, min(pow2(s.sel_idx.shape[2]), cfg.union_list_tile // plan.qt)),
         UCH=cfg.union_chunk if one_block else max(cfg.union_chunk_gather, block_u // bs), ONE_BLOCK=one_block,
-        LAST_FIRST=cfg.last_tiles_first, num_warps=cfg.attn_warps if d <= 128 else 2 * cfg.attn_warps,
+        LAST_FIRST=cfg.last_tiles_first, FROM_MP=from_mp, TCU=registers_block_n(plan.max_cand),
+        num_warps=cfg.attn_warps if d <= 128 else 2 * cfg.attn_warps,
         num_stages=cfg.attn_stages)
     ws_kernel = None
     if gluon_wanted and gluon.HAVE_GLUON:

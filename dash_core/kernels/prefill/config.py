@@ -76,7 +76,9 @@ class PrefillConfig:
         from registers, so the pipeliner issues them ahead); union_chunk_gather: for tiles of several blocks (ids
         picked by ``tl.gather``, which with 32 ids hit an illegal address compiled with Triton 3.6: keep it at 16).
         attn_tma: union tiles of one block loaded by TMA (Hopper and later). union_tile, union_list_tile: elements
-        of the union-building ``[TU, QT]`` and ``[QT, TJ]`` tiles.
+        of the union-building ``[TU, QT]`` and ``[QT, TJ]`` tiles. union_from_mp: where no cap binds and the
+        routing stored every candidate's ``mp`` (short tables), a tile's union is built from them in one pass
+        (``route.union_from_mp``), else from the tokens' kept lists.
     gluon: the Hopper attention launch (``GluonConfig``).
     """
 
@@ -111,6 +113,7 @@ class PrefillConfig:
     attn_tma: bool = True
     union_tile: int = 4096
     union_list_tile: int = 2048
+    union_from_mp: bool = True
     gluon: GluonConfig = field(default_factory=GluonConfig)
 
     def __post_init__(self) -> None:

@@ -493,6 +493,16 @@ def route_fused(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch, ti
             and scores_in_registers(plan.qt, q.shape[1], hkv, q.shape[2], plan.max_cand, params, cfg))
 
 
+def union_from_mp(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch) -> bool:
+    """Whether the attention launches of ``plan`` build each tile's union from its tokens' ``mp`` by candidate
+    (``attention._tile_union_from_mp``, ``PrefillConfig.union_from_mp``), not from their kept lists: where the
+    routing keeps the scores in registers (``scores_in_registers``, no summary copy: ``route_in_registers`` stores
+    every candidate's ``mp``) and no ``topk`` cap can bind (every positive ``mp`` is kept)."""
+    cfg = plan.config
+    return (cfg.union_from_mp and scratch.summary_copy is None and not params.cap_binds(plan.max_cand)
+            and scores_in_registers(plan.qt, q.shape[1], hkv, q.shape[2], plan.max_cand, params, cfg))
+
+
 def fused_route_arguments(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch) -> tuple:
     """``(trailing arguments, constexprs)`` of the routing an attention launch runs (``route_fused``), as
     ``bind_route`` would give the route kernel's registers path (the arguments are passed, unused, by a launch
