@@ -3,13 +3,13 @@ window (causal) and each union block, loading every K/V block once for the tile.
 
 ``_prefill_attn_kernel``, grid ``(W, Hkv)``: the union of the tile's selected blocks (built in parallel passes: the
 candidates some token kept marked in a table of one int32 a candidate, compacted in increasing order by a scan, then
-every token's prior put at its blocks' union positions), then attention of the ``QT * G`` rows over the local window
-(causal) and each union block; rows that did not select a block get ``-inf`` logits there, the others their log
-prior. Queries of a tile routed to the same block share the load and the MMA (how much depends on how similar
-neighbouring tokens' selections are). On Hopper and later, a union tile of one block is loaded by TMA where the
-cache's layout allows (``_kv_descriptors``), else by pointer loads. On the H200, for the configurations
-``gluon.ws_supported`` names, this launch builds the unions only and the Gluon launch (``gluon.prefill_attn_ws``,
-several warpgroups a program) runs the attention.
+every token's prior put at its blocks' union positions; on short tables with no cap, in one pass from the tokens'
+``mp``), then attention of the ``QT * G`` rows over the local window (causal) and each union block; rows that did
+not select a block get ``-inf`` logits there, the others their log prior. Queries of a tile routed to the same block
+share the load and the MMA (how much depends on how similar neighbouring tokens' selections are). On Hopper and
+later, a union tile of one block is loaded by TMA where the cache's layout allows (``_kv_descriptors``), else by
+pointer loads. On the H200, for the configurations ``gluon.ws_supported`` names, this launch builds the unions only
+and the Gluon launch (``gluon.prefill_attn_ws``, several warpgroups a program) runs the attention.
 """
 
 from __future__ import annotations
