@@ -25,7 +25,7 @@
 # published DashAttention kernels from $DASH_PUBLISHED_DIR or an ignored copy at third_party/dash-attention. The
 # golden cases (tests/kernels/test_kernel_golden.py, in the decode tests) read a copy of the golden files carried as
 # shared/golden (git-ignored; tests/_golden.py).
-# Time limits (seconds): TEST_TIMEOUT (decode 360, prefill 240, segments and model 540), BENCH_TIMEOUT (540 alone,
+# Time limits (seconds): TEST_TIMEOUT (decode 360, prefill 480, segments and model 540), BENCH_TIMEOUT (540 alone,
 # 220 after the tests), PROFILE_TIMEOUT (250). DASH_KERNEL_EXAMPLES (default 6) and DASH_PREFILL_EXAMPLES (default 4)
 # set the hypothesis examples per test (each new shape compiles). GPU_TEST_PATHS replaces the decode tests' paths.
 # SEGMENTS_K narrows the segment tests (pytest -k), e.g. SEGMENTS_K="not graph" when JIT time is tight.
@@ -73,7 +73,7 @@ decode_tests() {
 }
 
 prefill_tests() {
-  gpu_tests prefill_tests "${TEST_TIMEOUT:-240}" tests/kernels/test_kernel_prefill.py \
+  gpu_tests prefill_tests "${TEST_TIMEOUT:-480}" tests/kernels/test_kernel_prefill.py \
     tests/kernels/test_kernel_prefill_gpu.py tests/kernels/test_prefill_ws_layout.py tests/gpu/test_launcher_gpu.py
 }
 
