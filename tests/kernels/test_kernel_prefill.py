@@ -292,7 +292,8 @@ def test_routing_from_the_summary_copy(group, topk, est, tma):
 
 
 def fill_selection(case, plan, scratch) -> list:
-    """The oracle's routing (stored summaries, kernels' ``sf * q``) written into the scratch."""
+    """The oracle's routing (stored summaries, kernels' ``sf * q``) written into the scratch: the kept lists, and
+    ``mp`` by candidate (where ``route.union_from_mp`` holds, the attention launch builds the unions from that)."""
     p = case.params
     slots = token_slots(case, plan)
     hsel = scratch.sel_count.shape[1]
@@ -304,6 +305,8 @@ def fill_selection(case, plan, scratch) -> list:
         for r, pos in enumerate(case.positions(i).tolist() if new else []):
             slot = slots[(i, pos)]
             for u in range(hsel):
+                nc = min(rt.mp.shape[-1], scratch.mp.shape[2])
+                scratch.mp[slot, u, :nc] = rt.mp[u, r, :nc].float().to(DEV)
                 js = torch.nonzero(rt.kept[u, r]).flatten() if rt.kept.shape[-1] else torch.zeros(0, dtype=torch.long)
                 c = js.numel()
                 scratch.sel_count[slot, u] = c
@@ -337,6 +340,8 @@ def check_attention(case) -> None:
        local_blocks=st.integers(1, 3), bs=st.sampled_from([16, 32]), ppb=st.integers(1, 2),
        layout=st.sampled_from(["sglang", "vllm"]), group=st.sampled_from([1, 3, 4]),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+@example(seed=0, reqs=[(17, 17)], router="kv_head", topk=None, est=False, sigma=1.0, local_blocks=1, bs=16, ppb=1,
+         layout="sglang", group=3, dtype=torch.bfloat16)  # the union from mp (no cap, scores in registers)
 def test_attention_matches_oracle(seed, reqs, router, topk, est, sigma, local_blocks, bs, ppb, layout, group, dtype):
     p = DashParams(block_size=bs, topk=topk, local=bs * local_blocks, scaling_factor=2.0, estimate_diagonal=est,
                    sigma=sigma, router=router)
