@@ -34,6 +34,13 @@ from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_
 
 
 @triton.jit
+def _union_entry(page, c, h, ublk_page, ublk_step, ublk_head, PPB: tl.constexpr):
+    """What a union table stores for candidate ``c`` (in page ``page``) of KV head h: ``page ublk_page + (c % PPB)
+    ublk_step + h ublk_head`` (its physical block, or for the Gluon launch its first row: ``gluon.union_rows``)."""
+    return page * ublk_page + (c % PPB) * ublk_step + h * ublk_head
+
+
+@triton.jit
 def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel_idx_ptr, sel_bias_ptr, ssel_n,
                 ssel_h, upos_tile, uprior_row, ublk_row, ublk_page, ublk_step, ublk_head, QT: tl.constexpr,
                 TU: tl.constexpr, TJ: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr):
@@ -72,7 +79,7 @@ def _tile_union(ncand, unit_ok, slot0, h, bt_row, count_ptr, scnt_n, scnt_h, sel
         pages = tl.load(bt_row + (c + TU) // ppb_u, mask=c + TU < ncand, other=0)
         kept_i = kept.to(tl.int32)
         j = nu + tl.cumsum(kept_i, axis=0) - kept_i
-        tl.store(ublk_row + j, page * ublk_page + (c % ppb_u) * ublk_step + h * ublk_head, mask=kept)
+        tl.store(ublk_row + j, _union_entry(page, c, h, ublk_page, ublk_step, ublk_head, ppb_u), mask=kept)
         # position plus one: still nonzero for a thread holding a copy of c that loads it after this store
         tl.store(upos_tile + c, j + 1, mask=kept)
         tl.store(uprior_row + j[:, None] * QT + offs_u[None, :], tl.full([TU, QT], float("-inf"), tl.float32),
@@ -116,7 +123,7 @@ def _tile_union_from_mp(ncand, unit_ok, slot0, h, bt_row, mp_ptr, smp_n, smp_h, 
     j = tl.cumsum(kept, axis=0) - kept
     ppb_u: tl.constexpr = PS // BS
     page = tl.load(bt_row + offs_c // ppb_u, mask=kept > 0, other=0)
-    tl.store(ublk_row + j, page * ublk_page + (offs_c % ppb_u) * ublk_step + h * ublk_head, mask=kept > 0)
+    tl.store(ublk_row + j, _union_entry(page, offs_c, h, ublk_page, ublk_step, ublk_head, ppb_u), mask=kept > 0)
     tl.store(uprior_row + j[None, :] * QT + offs_u[:, None], tl.where(keep, bias * LOG2E, float("-inf")),
              mask=(kept > 0)[None, :])
     tl.debug_barrier()  # the union lists are read back by other threads

@@ -481,6 +481,14 @@ def _route_constexprs(qt: int, hq: int, hkv: int, d: int, max_cand: int, params:
     )
 
 
+def routes_in_registers(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch) -> bool:
+    """Whether the tiles of ``plan`` route from their scores in registers (``scores_in_registers``) with no summary
+    copy in ``scratch``: ``route_in_registers``, which stores every candidate's ``mp`` (``q``: the queries that
+    route)."""
+    return scratch.summary_copy is None and scores_in_registers(plan.qt, q.shape[1], hkv, q.shape[2], plan.max_cand,
+                                                                params, plan.config)
+
+
 def route_fused(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch, tiles: int) -> bool:
     """Whether the attention launch of a wave of ``tiles`` tiles of ``plan`` routes them itself
     (``PrefillConfig.fuse_route``; the attention kernel's ``ROUTE``, ``route_in_registers``): where the route
@@ -488,19 +496,17 @@ def route_fused(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch, ti
     summary copy, and the Triton kernel attends the wave (not ``PrefillConfig.gluon_attends``: routing in the union
     launch before the Gluon attention takes longer than a route launch before it)."""
     cfg = plan.config
-    return (cfg.fuse_route and scratch.summary_copy is None
-            and not cfg.gluon_attends(q.shape[2], params.block_size, plan.max_cand, tiles)
-            and scores_in_registers(plan.qt, q.shape[1], hkv, q.shape[2], plan.max_cand, params, cfg))
+    return (cfg.fuse_route and not cfg.gluon_attends(q.shape[2], params.block_size, plan.max_cand, tiles)
+            and routes_in_registers(q, hkv, params, plan, scratch))
 
 
 def union_from_mp(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch) -> bool:
     """Whether the attention launches of ``plan`` build each tile's union from its tokens' ``mp`` by candidate
     (``attention._tile_union_from_mp``, ``PrefillConfig.union_from_mp``), not from their kept lists: where the
-    routing keeps the scores in registers (``scores_in_registers``, no summary copy: ``route_in_registers`` stores
-    every candidate's ``mp``) and no ``topk`` cap can bind (every positive ``mp`` is kept)."""
-    cfg = plan.config
-    return (cfg.union_from_mp and scratch.summary_copy is None and not params.cap_binds(plan.max_cand)
-            and scores_in_registers(plan.qt, q.shape[1], hkv, q.shape[2], plan.max_cand, params, cfg))
+    routing keeps the scores in registers (``routes_in_registers``: ``route_in_registers`` stores every candidate's
+    ``mp``) and no ``topk`` cap can bind (every positive ``mp`` is kept)."""
+    return (plan.config.union_from_mp and not params.cap_binds(plan.max_cand)
+            and routes_in_registers(q, hkv, params, plan, scratch))
 
 
 def fused_route_arguments(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch) -> tuple:
@@ -544,7 +550,7 @@ def bind_route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, 
     if recompute and (s.scores.shape[1] < hkv or s.scores.shape[2] < plan.max_cand):
         raise RuntimeError(f"this scratch's score storage is {tuple(s.scores.shape[1:])} a slot: routing from the "
                            f"summary copy keeps group sums there, {hkv} rows of at least {plan.max_cand}")
-    x_regs = not recompute and scores_in_registers(plan.qt, hq, hkv, d, plan.max_cand, params, cfg)
+    x_regs = routes_in_registers(q, hkv, params, plan, s)
     if recompute:
         launch = dict(num_warps=cfg.recompute_warps, num_stages=cfg.recompute_stages,
                       **({"maxnreg": cfg.recompute_maxnreg} if cfg.recompute_maxnreg else {}))
