@@ -98,7 +98,8 @@ def test_measure_point_records_every_method_with_the_attention_share(model):
             r = by[m]
             assert (r["phase"], r["batch"], r["context"], r["layers"], r["graph"]) == (phase, b, n, 2, False)
             assert r["ms"] > 0 and r["no_attention_ms"] > 0
-            assert r["attention_ms"] == pytest.approx(r["ms"] - r["no_attention_ms"], abs=1e-3)
+        # one model without attention, timed once a point, is what every method's attention share is taken from
+        assert by["dash"]["no_attention_ms"] == by["dense-sdpa-math"]["no_attention_ms"]
         d = by["dash"]
         assert (d["block_size"], d["topk"], d["local"], d["calibrated"]) == (BS, 2, BS, True)
         assert 0 < d["selected_fraction"] <= 1 and d["scaling_factor"] > 0

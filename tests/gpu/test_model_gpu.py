@@ -44,7 +44,10 @@ def test_measure_point_times_dash_and_the_dense_peers(model, phase, batch, conte
     recs = measure_point(model, phase, batch, context, ["cudnn", "sdpa"], DashSettings(), iters=2,
                          replays=5, log=print)
     by = {r["method"]: r for r in recs}
-    assert by["dash"]["ms"] is not None and by["dash"]["attention_ms"] is not None
+    dash = by["dash"]
+    assert "note" not in dash, dash["note"]
+    assert dash["ms"] > 0 and dash["no_attention_ms"] > 0 and 0 < dash["selected_fraction"] <= 1
     measured = [r for r in recs if r["method"].startswith("dense-sdpa") and r["ms"] is not None]
     assert measured, [r.get("note") for r in recs]
+    assert all(r["ms"] > 0 and r["no_attention_ms"] == dash["no_attention_ms"] for r in measured)
     assert all(r["graph"] == (phase == "tpot") and r["layers"] == SHAPE.layers for r in recs)

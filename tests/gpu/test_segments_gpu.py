@@ -98,8 +98,9 @@ def test_backend_vs_oracle_and_kernel(backend, router, kind):
     assert out.dtype == dtype and not bool(out.isnan().any())
     want = oracle_out(params, q, k, v, pos, routing)
     torch.testing.assert_close(out.double().cpu(), want, atol=TOL[dtype], rtol=0)
-    triton_out = seg.flash_dash_attention(qc, kk, vv, used, bias, "TRITON", params.block_size, params.local)
-    torch.testing.assert_close(out.float(), triton_out.float(), atol=TOL[dtype], rtol=0)
+    if backend != "TRITON":
+        triton_out = seg.flash_dash_attention(qc, kk, vv, used, bias, "TRITON", params.block_size, params.local)
+        torch.testing.assert_close(out.float(), triton_out.float(), atol=TOL[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

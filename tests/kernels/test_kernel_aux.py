@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dash_core import DashParams, limits, ops, paged
-from dash_core.kernels.checks import check_write_config
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries, decode_aux
 from dash_core.reference import block_summaries, dash_rows
@@ -155,10 +154,11 @@ def test_indexer_launch_checks():
         kernel_decode(q, None, None, cache, bt, sl, None, None, p, iq=iq, head_cls_i=hci, buffers=bufs)
 
 
-def test_indexer_write_checks_the_summary_launch_before_writing():
-    """``cache_dash_prefill`` with an indexer on CUDA: a block size the Triton summary kernel does not support is
-    refused before K/V or rows are written (the K/V write itself has no summaries to check, the ik summaries into
-    the 1-head store do; under the interpreter, the check the op runs on CUDA)."""
+def test_indexer_write_checks_the_summary_launch_before_writing(monkeypatch):
+    """``cache_dash_prefill`` with an indexer on the kernels' path: a block size the Triton summary kernel does not
+    support is refused before K/V or rows are written (the K/V write itself has no summaries to check, the ik
+    summaries into the 1-head store do). Under the interpreter the op is made to take the kernels' path, which it
+    takes on CUDA."""
     dtype = torch.bfloat16
     p = DashParams(block_size=256)
     assert p.block_size not in limits.KERNEL_BLOCK_SIZES
@@ -169,12 +169,11 @@ def test_indexer_write_checks_the_summary_launch_before_writing():
                                      aux=alloc_aux_sglang(slots_n, D, dtype, DEV))
     k = torch.ones(256, HKV, D, dtype=dtype, device=DEV)
     rows = torch.ones(256, 2 * D, dtype=dtype, device=DEV)
+    if DEV != "cuda":
+        monkeypatch.setattr(ops, "uses_kernels", lambda device, dtype: True)
     with pytest.raises(ValueError, match="block_size = 256"):
-        if DEV == "cuda":
-            ops.cache_dash_prefill(k, k, cache, torch.arange(256, device=DEV), p, ik=rows[:, :D],
-                                   head_cls_i=torch.ones(D, dtype=dtype, device=DEV))
-        else:
-            check_write_config(cache.indexer_view(), p)
+        ops.cache_dash_prefill(k, k, cache, torch.arange(256, device=DEV), p, ik=rows[:, :D],
+                               head_cls_i=torch.ones(D, dtype=dtype, device=DEV))
     assert not cache.k_pages.any() and not cache.aux.any() and not cache.summaries.any()
 
 
