@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .. import reference
 
-PRIOR_EPS = 1e-20  # docs/semantics.md section 5
+PRIOR_EPS = tl.constexpr(reference.PRIOR_EPS)  # docs/semantics.md section 5
 HALLEY_SLACK = tl.constexpr(reference.HALLEY_SLACK)  # docs/semantics.md section 4 (globals kernels read are constexprs)
 INF_BITS = tl.constexpr(0x7F800000)  # bit pattern of +inf: above every finite mp
 # The one-tile cap's radix select runs on tiles of at least this many keys, and of at least one key a thread of the
@@ -346,13 +346,13 @@ def select_kept(
             ngt += n_gt
             neq += n_eq
             if EST_DIAG:
-                pos = gt & (mpv > 1e-20)
+                pos = gt & (mpv > PRIOR_EPS)
                 slog += tl.sum(tl.where(pos, tl.log(tl.where(pos, mpv, 1.0)), 0.0), axis=1)
                 nlog += tl.sum(pos.to(tl.float32), axis=1)
         ties = tl.where(need, topk - ngt, 0)
         if EST_DIAG:
             v_thr = thr.to(tl.float32, bitcast=True)
-            tie_pos = (ties > 0) & (v_thr > 1e-20)
+            tie_pos = (ties > 0) & (v_thr > PRIOR_EPS)
             slog += tl.where(tie_pos, ties.to(tl.float32) * tl.log(tl.where(tie_pos, v_thr, 1.0)), 0.0)
             nlog += tl.where(tie_pos, ties.to(tl.float32), 0.0)
             log_g = slog / tl.maximum(nlog, 1.0)
@@ -383,7 +383,7 @@ def select_kept(
                 keep = gt | (tie & (tie_rank < ties[:, None]))
                 nties += tl.sum(tie_i, axis=1)
             if EST_DIAG:
-                keep = keep & (mpv > 1e-20)
+                keep = keep & (mpv > PRIOR_EPS)
             keep_i = keep.to(tl.int32)
             j = nkept[:, None] + tl.cumsum(keep_i, axis=1) - keep_i
             n_tile = tl.sum(keep_i, axis=1)

@@ -26,6 +26,7 @@ from ...layout import PagedKVCache
 from ...params import DashParams
 from ..common import LOG2E, LOG2E_F, block_page, cdiv, max_or_zero, pow2, raise_max, sm_count, tma_supported
 from ..launcher import bind_launch, cached_launch
+from ..routing import PRIOR_EPS
 from . import gluon
 from .config import PrefillConfig
 from .route import fused_route_arguments, registers_block_n, route_in_registers, union_from_mp
@@ -112,7 +113,7 @@ def _tile_union_from_mp(ncand, unit_ok, slot0, h, bt_row, mp_ptr, smp_n, smp_h, 
     mp = tl.load(mp_ptr + (slot0 + offs_u)[:, None] * smp_n + h * smp_h + offs_c[None, :],
                  mask=unit_ok[:, None] & (offs_c < ncand)[None, :], other=0.0)
     if EST_DIAG:
-        keep = mp > 1e-20
+        keep = mp > PRIOR_EPS
         logmp = tl.log(tl.where(keep, mp, 1.0))
         log_g = tl.sum(tl.where(keep, logmp, 0.0), axis=1) / tl.maximum(tl.sum(keep.to(tl.float32), axis=1), 1.0)
         bias = (logmp - log_g[:, None]) * inv_sigma
