@@ -6,9 +6,10 @@ chunks on the paged history the earlier chunks wrote (as engines do chunked pref
 summary write. ``--preset serving`` measures what an engine step costs a layer instead: ``B`` requests of ``context``
 tokens each (``variant: "serving"``), eight layers back to back sharing one ``PrefillWorkspace``, each with its own
 cache and inputs, K/V + summary write included, the step's time divided by eight (and ``host_ms``: the host's time
-to issue a layer to an idle GPU, which bounds the eager step where it exceeds the GPU's); and a mixed step (``variant:
-"mixed"``): eight decode tokens at 32k and one 2k prompt chunk in one ``paged_dash_prefill`` call that writes their
-K/V too, as vLLM's chunked prefill and SGLang's mixed chunks batch them and both adapters run them. Dense peers run on
+to issue a layer to an idle GPU, which bounds the eager step where it exceeds the GPU's); and mixed steps (``variant:
+"mixed"``, ``--mixed-cases``): decode tokens and one 2k prompt chunk in one ``paged_dash_prefill`` call that writes
+their K/V too, as vLLM's chunked prefill and SGLang's mixed chunks batch them and both adapters run them: eight
+decode tokens at 32k, and a loaded step's 32 at 16k. Dense peers run on
 the same prompts, steps and layers (``prefill_peers``: cuDNN SDPA, SDPA's FlashAttention backend, FlashInfer,
 FlashAttention 4, each where it imports and runs here); the published DashAttention prefill (its three stages,
 uncapped at the same ``scaling_factor``, if ``$DASH_PUBLISHED_DIR`` holds the authors' repository) runs in a child
@@ -25,7 +26,7 @@ summary, for DASH; the causal triangle for dense) over the H200's dense bf16 pea
 
 Writes JSON records to ``docs/perf/prefill.json`` (merged by case); ``benchmarks/report.py`` makes the tables.
 
-    python benchmarks/prefill.py --preset serving     # 16x1k .. 1x128k, per layer of an 8-layer step, + a mixed step
+    python benchmarks/prefill.py --preset serving     # 16x1k .. 1x128k, per layer of an 8-layer step, + mixed steps
     python benchmarks/prefill.py --preset required    # B 1, 2k..128k, topk 64 and uncapped, 128k in 8k chunks
     python benchmarks/prefill.py --context 32768,131072 --hkv 2 --topk 256,64 --tune attn_stages=2
     python benchmarks/prefill.py --profile ncu --context 131072 --topk 64   # one call for Nsight Compute
@@ -39,6 +40,7 @@ import math
 import multiprocessing
 import os
 import queue
+import re
 import sys
 import time
 from pathlib import Path
@@ -71,7 +73,7 @@ DENSE = ("cudnn", "sdpa", "flashinfer", "flash-attn")  # the dense peers, in the
 SERVING_CASES = ((16, 1024), (1, 2048), (8, 2048), (1, 4096), (4, 4096), (1, 8192), (2, 8192), (1, 16384),
                  (1, 32768), (1, 131072))
 SERVING_LAYERS = 8
-MIXED = (8, 32768, 2048)  # the mixed step: decode tokens, their context, the prompt chunk's tokens
+MIXED_CASES = "8x32768+2048,32x16384+2048"  # mixed steps: decode tokens x their context + the prompt chunk's tokens
 
 
 def synthetic_kv(n, hkv, d, bs, g: torch.Generator) -> tuple:
@@ -536,11 +538,11 @@ class MixedStep:
         return self._contiguous[layer]
 
 
-def run_mixed(a, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat16) -> None:
-    """The mixed step (``a.mixed``: decode tokens, their context, the chunk's tokens) in one ``paged_dash_prefill``
+def run_mixed(a, mixed, hkv, topk, device, bw, records, dense=True, dtype=torch.bfloat16) -> None:
+    """The mixed step ``mixed`` (decode tokens, their context, the chunk's tokens) in one ``paged_dash_prefill``
     call per layer, the layers sharing a workspace; with ``dense``, the dense peers on the same step. Records the
     time per layer."""
-    nd, dctx, nc = a.mixed
+    nd, dctx, nc = mixed
     hq, d, bs, ps, nl = a.hq, a.head_dim, a.block_size, a.page_size, a.layers
     cuda = device.type == "cuda"
     log(f"mixed step: {nd} decode tokens at {dctx} + a {nc}-token prompt chunk, {nl} layers: building")
@@ -766,11 +768,24 @@ def parse_serving_cases(spec: str) -> list:
     return out
 
 
+def parse_mixed_cases(spec: str) -> list:
+    """``"8x32768+2048,..."`` -> ``[(decode tokens, their context, chunk tokens), ...]``."""
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        m = re.fullmatch(r"(\d+)x(\d+)\+(\d+)", item.lower())
+        if m is None or int(m[1]) < 1 or int(m[2]) < 1 or int(m[3]) < 1:
+            raise ValueError(f"--mixed-cases: expected decode tokens x their context + chunk tokens, each >= 1, "
+                             f"such as 8x32768+2048, got {item!r}")
+        out.append((int(m[1]), int(m[2]), int(m[3])))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=["serving", "required", "matrix"],
-                    help="serving: the engine-step rows (--serving-cases) and the mixed step, topk 64; required: "
-                         "B 1, 2k..128k, topk 64 and none, 128k also in 8k chunks; matrix: 4k..128k, Hkv 8 and 2")
+                    help="serving: the engine-step rows (--serving-cases) and the mixed steps (--mixed-cases), topk "
+                         "64; required: B 1, 2k..128k, topk 64 and none, 128k also in 8k chunks; matrix: 4k..128k, "
+                         "Hkv 8 and 2")
     ap.add_argument("--context", default="8192,32768,131072")
     ap.add_argument("--chunk-contexts", default="131072", help="prompt lengths also run in chunks")
     ap.add_argument("--chunk", type=int, default=8192)
@@ -781,7 +796,9 @@ def main(argv=None) -> int:
                     help="DASH's cache layout: token-major (SGLang) or head-major (vLLM); dense peers read K/V as "
                          "they are")
     ap.add_argument("--serving-cases", default="all", help="--preset serving: requests x tokens, e.g. 16x1024,8x2048")
-    ap.add_argument("--no-mixed", action="store_true", help="--preset serving: leave the mixed step out")
+    ap.add_argument("--mixed-cases", default=MIXED_CASES,
+                    help="--preset serving: mixed steps, decode tokens x their context + prompt chunk tokens")
+    ap.add_argument("--no-mixed", action="store_true", help="--preset serving: leave the mixed steps out")
     ap.add_argument("--layers", type=int, default=SERVING_LAYERS, help="layers of a serving or mixed step")
     ap.add_argument("--graph", action="store_true",
                     help="serving: also replay each step (DASH and the SDPA peers) from a CUDA graph: the GPU time")
@@ -804,9 +821,9 @@ def main(argv=None) -> int:
         a.tunings = tune_configs(a.tune, PrefillConfig())
         peers_of(a.peers)
         serving = parse_serving_cases(a.serving_cases)
+        mixed = [] if a.no_mixed else parse_mixed_cases(a.mixed_cases)
     except ValueError as e:
         ap.error(str(e))
-    a.mixed = MIXED
     if a.preset == "required":
         a.context, a.chunk_contexts, a.hkv, a.topk = "2048,4096,8192,32768,131072", "131072", "8", "64,none"
     elif a.preset == "matrix":
@@ -817,7 +834,8 @@ def main(argv=None) -> int:
         a.context, a.chunk_contexts, a.chunk, a.hkv = "200", "200", 96, "2"
         a.topk = "4" if a.preset == "serving" else "4,none"
         a.hq, a.head_dim, a.block_size, a.page_size, a.peers = 4, 64, 16, 32, "cudnn,sdpa,published"
-        a.published_max_context, a.layers, a.mixed, serving = 0, 2, (2, 300, 96), [(2, 96)]
+        a.published_max_context, a.layers, serving = 0, 2, [(2, 96)]
+        mixed = mixed and [(2, 300, 96)]
         if a.json == str(ROOT / "docs/perf/prefill.json"):
             a.json = str(Path(os.environ.get("TMPDIR", "/tmp")) / "dash_prefill_smoke" / "prefill.json")
         if os.environ.get("TRITON_INTERPRET") == "1":
@@ -841,11 +859,11 @@ def main(argv=None) -> int:
                         torch.cuda.empty_cache()
                     flush_records(a, records)
                     log(f"elapsed {time.time() - t0:.0f} s")
-                if not a.no_mixed:
+                for step in mixed:
                     try:
-                        run_mixed(a, hkv, topk, device, bw, records, dense)
+                        run_mixed(a, step, hkv, topk, device, bw, records, dense)
                     except torch.cuda.OutOfMemoryError as e:
-                        log(f"  out of memory, the mixed step skipped: {e}")
+                        log(f"  out of memory, the mixed step {step} skipped: {e}")
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                     flush_records(a, records)

@@ -262,7 +262,7 @@ def serving_table(records: list) -> str:
 
 
 def mixed_table(records: list) -> str:
-    """The mixed step: decode tokens and a prompt chunk in one call, per layer."""
+    """The mixed steps: decode tokens and a prompt chunk in one call, per layer."""
     rows = []
     for r in pick(records, method="dash-triton", variant="mixed"):
         peers = dense_peers(records, r, lambda x: x["variant"] == "mixed"

@@ -1,4 +1,5 @@
-"""The benchmarks' ``--tune``: configurations of the kernels built from the fields' names (prefill and decode)."""
+"""The benchmarks' command lines: ``--tune`` (configurations of the kernels built from the fields' names, prefill and
+decode) and the prefill benchmark's mixed steps."""
 
 from __future__ import annotations
 
@@ -45,3 +46,13 @@ def test_decode_tune_builds_decode_configurations():
     assert tuned.one_tile_max == default.one_tile_max
     with pytest.raises(SystemExit):
         decode.main(["--tune", "gluon_regs=1", "--no-write"])  # a prefill setting is not the decode kernels'
+
+
+def test_mixed_cases_parse_every_step_and_refuse_malformed_ones(bench):
+    assert bench.parse_mixed_cases(bench.MIXED_CASES) == [(8, 32768, 2048), (32, 16384, 2048)]
+    assert bench.parse_mixed_cases(" 4x8192+512 ,") == [(4, 8192, 512)]
+    for bad in ("8x32768", "0x32768+2048", "8x32768+0", "8+2048", "ax1+2"):
+        with pytest.raises(ValueError, match="--mixed-cases"):
+            bench.parse_mixed_cases(bad)
+    with pytest.raises(SystemExit):  # a usage error on the command line
+        bench.main(["--preset", "serving", "--mixed-cases", "8x32768", "--no-write"])
