@@ -149,8 +149,9 @@ def selected_fraction(q: torch.Tensor, store: KVStore, layer: int, block_table: 
 
 def calibrate_scaling_factor(q: torch.Tensor, store: KVStore, block_table: torch.Tensor, context: int,
                              settings: DashSettings, lo: float = 0.25, hi: float = 256.0) -> tuple:
-    """``(scaling_factor, fraction)``: a log-scale bisection over ``[lo, hi]`` for the value whose uncapped
-    selection keeps ``settings.target_fraction`` of the candidates (within a factor 1.25), on layer 0."""
+    """``(scaling_factor, fraction, met)``: a log-scale bisection over ``[lo, hi]`` for the value whose uncapped
+    selection keeps ``settings.target_fraction`` of the candidates (within a factor 1.25), on layer 0; ``met``:
+    whether it found one (a context of few candidate blocks may have no such value)."""
     target = settings.target_fraction
     sf = f = math.sqrt(lo * hi)
     for _ in range(10):
@@ -158,9 +159,9 @@ def calibrate_scaling_factor(q: torch.Tensor, store: KVStore, block_table: torch
         p = replace(settings.params(sf), topk=None)
         f = selected_fraction(q, store, 0, block_table, context, p)
         if 0.8 * target <= f <= 1.25 * target:
-            break
+            return sf, f, True
         lo, hi = (sf, hi) if f > target else (lo, sf)
-    return sf, f
+    return sf, f, False
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -231,7 +232,8 @@ def measure_point(model: LlamaModel, phase: str, batch: int, context: int, peers
     where the KV cache would not fit on the GPU. Returns one record per method (``"dash"``,
     ``"dense-<peer>"``): phase, batch, context, layers, layers_lowered, method, ms, attention_ms,
     no_attention_ms, graph, timed calls, and for DASH its settings (block_size, topk, local, scaling_factor,
-    calibrated, selected_fraction, target_fraction); a peer that failed has ``ms`` None and a ``note``.
+    calibrated: whether a calibration met ``target_fraction``, selected_fraction, target_fraction); a peer that
+    failed has ``ms`` None and a ``note``.
     seed: the inputs are drawn from ``seed + 1`` and the synthetic KV cache from ``seed + 2``, never from the
     weights' stream (``LlamaWeights`` seeded with ``seed``: inputs equal to weight rows would be outliers).
     """
@@ -274,8 +276,12 @@ def measure_point(model: LlamaModel, phase: str, batch: int, context: int, peers
         cal_rows = q0[context - rows: context]
         cal_table = step.block_table[:1].expand(rows, -1).contiguous()
         del k0, v0
+    met = False
     if settings.scaling_factor is None:
-        sf, frac = calibrate_scaling_factor(cal_rows, store, cal_table, context, settings)
+        sf, frac, met = calibrate_scaling_factor(cal_rows, store, cal_table, context, settings)
+        if not met:
+            log(f"  calibration missed: no scaling_factor in its range routes {settings.target_fraction:.0%} of "
+                f"the candidate blocks uncapped (the nearest routes {frac:.0%})")
     else:
         sf = settings.scaling_factor
         frac = selected_fraction(cal_rows, store, 0, cal_table, context, replace(settings.params(sf), topk=None))
@@ -284,7 +290,7 @@ def measure_point(model: LlamaModel, phase: str, batch: int, context: int, peers
     log(f"  scaling_factor {sf:.4g}: {frac:.2%} of the candidate blocks routed uncapped on layer 0 "
         f"({n_layers} layers, KV {store.nbytes() / 2**30:.2f} GiB)")
     dash_fields = dict(block_size=settings.block_size, topk=settings.topk, local=settings.local,
-                       scaling_factor=round(sf, 4), calibrated=settings.scaling_factor is None,
+                       scaling_factor=round(sf, 4), calibrated=met,
                        selected_fraction=round(frac, 4), target_fraction=settings.target_fraction)
 
     run, skipped = available_peers(peers, dev)

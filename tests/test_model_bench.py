@@ -88,8 +88,10 @@ def test_dense_equivalent_dash_model_equals_dense_sdpa_and_no_attention_differs(
 
 
 def test_measure_point_records_every_method_with_the_attention_share(model):
+    """Every method's record at a prefill and a decode point, one shared no-attention baseline, and DASH's
+    ``scaling_factor`` calibrated to route the target fraction (``calibrated`` only where it does)."""
     settings = DashSettings(block_size=BS, topk=2, local=BS, page_size=BS, target_fraction=0.3)
-    for phase, b, n in (("ttft", 2, 64), ("tpot", 2, 128)):
+    for phase, b, n in (("ttft", 2, 128), ("tpot", 2, 128)):  # enough candidate blocks to calibrate on
         recs = measure_point(model, phase, b, n, ["auto", "flashinfer"], settings, iters=1, log=lambda m: None)
         by = {r["method"]: r for r in recs}
         assert set(by) == {"dash", "dense-sdpa-math", "dense-flashinfer"}
@@ -102,8 +104,12 @@ def test_measure_point_records_every_method_with_the_attention_share(model):
         assert by["dash"]["no_attention_ms"] == by["dense-sdpa-math"]["no_attention_ms"]
         d = by["dash"]
         assert (d["block_size"], d["topk"], d["local"], d["calibrated"]) == (BS, 2, BS, True)
-        assert 0 < d["selected_fraction"] <= 1 and d["scaling_factor"] > 0
+        assert 0.8 * 0.3 <= d["selected_fraction"] <= 1.25 * 0.3 and d["scaling_factor"] > 0
         assert speedups(recs)["dense"]["method"] == "dense-sdpa-math"
+    # at 64 tokens (three candidate blocks at most) no scaling_factor in the search's range routes as few as 30%
+    recs = measure_point(model, "ttft", 2, 64, ["auto"], settings, iters=1, log=lambda m: None)
+    d = next(r for r in recs if r["method"] == "dash")
+    assert d["calibrated"] is False and not 0.8 * 0.3 <= d["selected_fraction"] <= 1.25 * 0.3
 
 
 @pytest.fixture(scope="module")

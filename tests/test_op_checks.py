@@ -52,14 +52,23 @@ def test_bad_slot_mapping_is_refused_before_any_write(op, bad, match):
     assert all(torch.equal(x, y) for x, y in zip((cache.k_pages, cache.v_pages, cache.summaries), before))
 
 
-def test_padding_slots_are_skipped():
-    """Negative slots mark padding: accepted by every op, and nothing is written for them."""
+@pytest.mark.parametrize("op", ["cache_dash_prefill", "paged_dash_prefill", "paged_dash_decode"])
+def test_padding_slots_are_skipped(op):
+    """Negative slots mark padding: accepted by every op, and nothing is written for them (K/V land at the other
+    tokens' slots only)."""
     cache, q, k, v, bt, slots, hc = setup()
-    slots = slots.clone()
-    slots[5] = -1
-    cache_dash_prefill(k, v, cache, slots, DashParams(block_size=BS), head_cls=hc)
-    page, row = 2, 5
-    assert not cache.k_pages[page, row].any() and cache.k_pages[page, row + 1].any()
+
+    def pad(s):
+        s = s.clone()
+        s[-1 if s.numel() == 1 else 5] = -1
+        return s
+
+    calls(cache, q, k, v, bt, slots, hc, DashParams(block_size=BS), pad)[op]()
+    sent = pad(slots if op != "paged_dash_decode" else slots[-1:])
+    written = torch.zeros(cache.k_pages.shape[:2], dtype=torch.bool).flatten()
+    written[sent[sent >= 0]] = True
+    for pages in (cache.k_pages, cache.v_pages):
+        assert torch.equal(pages.flatten(2).any(2).flatten(), written)
 
 
 def test_kernel_block_sizes_are_one_table():

@@ -144,6 +144,11 @@ def test_shared_prefix_pages_reuse_summaries():
     assert torch.allclose(out, r.oracle(1, p, 64, 90), atol=1e-5)
     sblk = torch.cat([torch.arange(2) + t * 2 for t in shared])  # summary rows of the shared blocks
     assert torch.equal(cache.summaries[sblk], snapshot[sblk]) and snapshot[sblk].abs().sum() > 0
+    # read, not recomputed: with the shared blocks' stored summaries negated, the same extend routes otherwise
+    cache.summaries[sblk] = -snapshot[sblk]
+    tampered = r.extend(cache, p, [0, 64], [0, 90])
+    assert torch.equal(cache.summaries[sblk], -snapshot[sblk])
+    assert (tampered - out).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -197,8 +202,18 @@ def test_padded_rows_and_padding_slots():
     v = torch.stack([r.v[0, 19], r.v[1, 32], r.v[1, 32]])
     slots = torch.cat([r.slots(0, 19, 20), r.slots(1, 32, 33), torch.tensor([-1])])
     bt = torch.cat([r.block_table, r.block_table[:1]])
+    every = torch.arange(cache.num_slots)
+    before = (cache.keys(every).clone(), cache.values(every).clone(), cache.summaries.clone())
     out = paged_dash_decode(q, k, v, cache, bt, torch.tensor([20, 33, 0], dtype=torch.int32), slots, r.hc, p)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
+    # the padding slot (-1) writes nothing: K/V changed at the two real slots only, and no summary (neither
+    # token completes a block of 16)
+    written = torch.zeros(cache.num_slots, dtype=torch.bool)
+    written[slots[:2]] = True
+    for now, then in zip((cache.keys(every), cache.values(every)), before[:2]):
+        changed = (now != then).flatten(1).any(1)
+        assert torch.equal(changed, written)
+    assert torch.equal(cache.summaries, before[2])
     assert torch.allclose(out[0], r.oracle(0, p, 19, 20)[0], atol=1e-5)
     assert torch.allclose(out[1], r.oracle(1, p, 32, 33)[0], atol=1e-5)
 

@@ -50,6 +50,25 @@ def test_keys_differ_by_every_field():
     assert len(plan.calls) == len(variants) == len(cache)
 
 
+def test_segment_plan_keys_follow_every_field_a_plan_depends_on():
+    """``segments.plan_key``: geometries that differ in any field a plan is built from get distinct keys; the same
+    call gets the same key."""
+    import dataclasses
+
+    from dash_core.segments import SegmentGeometry, plan_key
+
+    geo = SegmentGeometry(n=4, hsel=2, topk=8, bs=64, local=64, hq=8, hk=1, d=128)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    keys = [plan_key(geo, bf16, cpu)]
+    for name, value in (("n", 5), ("hsel", 4), ("topk", 4), ("bs", 32), ("local", 128), ("hq", 16), ("hk", 2),
+                        ("d", 64)):
+        keys.append(plan_key(dataclasses.replace(geo, **{name: value}), bf16, cpu))
+    keys += [plan_key(geo, torch.float16, cpu), plan_key(geo, bf16, torch.device("meta")),
+             plan_key(geo, bf16, cpu, layout="paged", page_size=64)]
+    assert len(set(keys)) == len(keys)
+    assert plan_key(dataclasses.replace(geo), bf16, cpu) == keys[0]
+
+
 def test_pinned_plans_survive_eager_evictions():
     cache, plan = PlanCache(capacity=1), Planner()
     pinned = cache.pin(key(8), plan(key(8)))
