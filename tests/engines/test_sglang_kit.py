@@ -58,12 +58,14 @@ def test_dense_equivalent_matches_kit_reference(dash_kit, page_size, mode, prefi
 
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("prefix_lens", [(37,), (14, 15, 16, 47)], ids=["bs1", "bs4"])
-def test_cuda_graph_capture_replay_contract(dash_kit, page_size, prefix_lens):
-    """SGLang's capture -> replay simulation; the replay must equal the dense reference and eager."""
-    from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
-        run_dense_cuda_graph_decode_case,
-    )
+def test_cuda_graph_capture_replay_contract(dash_kit, page_size, prefix_lens, monkeypatch):
+    """SGLang's capture -> replay simulation; the replay must equal the dense reference and eager, to this
+    module's tolerance (the kit's own, 3e-2, is sized for bf16 kernels)."""
+    from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as runner
 
+    monkeypatch.setattr(runner, "DENSE_ATOL", ATOL)
+    monkeypatch.setattr(runner, "DENSE_RTOL", RTOL)
+    run_dense_cuda_graph_decode_case = runner.run_dense_cuda_graph_decode_case
     kit = dash_kit(DENSE)
     case = _case(kit, f"dash_graph_p{page_size}_bs{len(prefix_lens)}", "DECODE", page_size, prefix_lens)
     run_dense_cuda_graph_decode_case(KitTestCase(), case, max_context_len=128, cuda_graph_capture_batch_size=4,
