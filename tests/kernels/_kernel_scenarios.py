@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+from hypothesis import strategies as st
 
 from dash_core import DashParams
 from dash_core.layout import PagedKVCache, alloc_summaries, slots_of
@@ -43,6 +44,14 @@ class Scenario:
         slots = self.slots(i)
         nblk = int(self.seq_lens[i]) // bs
         return self.cache.summaries.cpu()[slots[: nblk * bs: bs] // bs].permute(1, 0, 2).double()
+
+
+def batch_lens(checked: st.SearchStrategy, others: st.SearchStrategy, max_others: int = 3) -> st.SearchStrategy:
+    """A decode batch's lengths in any order: one drawn from ``checked`` (long enough that the test's check has
+    something to check: candidates to route, a block to complete) and up to ``max_others`` from ``others`` (0: a
+    padded row). Hypothesis tries the simplest batch first, which would otherwise be one padded row."""
+    return st.tuples(checked, st.lists(others, max_size=max_others)).flatmap(
+        lambda t: st.permutations([t[0], *t[1]]))
 
 
 def make_scenario(seed: int, lens: List[int], *, hq: int = 4, hkv: int = 2, d: int = 64, bs: int = 16,

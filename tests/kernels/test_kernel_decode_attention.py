@@ -14,7 +14,7 @@ from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.config import DecodeConfig
 from dash_core.reference import Routing, attend
 from tests.kernels._kernel_env import KERNEL_DEVICE
-from tests.kernels._kernel_scenarios import make_scenario, oracle_route, write_decode_token_torch
+from tests.kernels._kernel_scenarios import batch_lens, make_scenario, oracle_route, write_decode_token_torch
 
 EXAMPLES = int(os.environ.get("DASH_KERNEL_EXAMPLES", "10"))
 DEV = KERNEL_DEVICE
@@ -74,7 +74,8 @@ def check_attention(sc, splits, config=None) -> None:
 
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1),
-       lens=st.lists(st.one_of(st.integers(0, 40), st.integers(40, 200)), min_size=1, max_size=4),
+       # one request with a candidate at every block size and local window drawn
+       lens=batch_lens(st.integers(140, 260), st.one_of(st.integers(0, 40), st.integers(40, 200))),
        router=st.sampled_from(["kv_head", "shared"]), topk=st.one_of(st.none(), st.integers(1, 6)),
        est=st.booleans(), sigma=st.sampled_from([1.0, 1e6]), local_blocks=st.integers(1, 3),
        bs=st.sampled_from([16, 32]), ppb=st.integers(1, 3), layout=st.sampled_from(["sglang", "vllm"]),

@@ -12,7 +12,8 @@ from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.config import DecodeConfig
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_ops import kernel_decode
-from tests.kernels._kernel_scenarios import forget_summaries_from, make_scenario, oracle_decode_rows, truncated
+from tests.kernels._kernel_scenarios import (batch_lens, forget_summaries_from, make_scenario, oracle_decode_rows,
+                                            truncated)
 from tests.kernels.test_kernel_decode_attention import TOL
 
 EXAMPLES = int(os.environ.get("DASH_KERNEL_EXAMPLES", "10"))
@@ -48,7 +49,7 @@ def row_errors(sc, out) -> tuple:
 
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1),
-       lens=st.lists(st.one_of(st.integers(0, 30), st.integers(30, 200)), min_size=1, max_size=4),
+       lens=batch_lens(st.integers(30, 200), st.one_of(st.integers(0, 30), st.integers(30, 200))),
        local_blocks=st.integers(1, 2), bs=st.sampled_from([16, 32]), ppb=st.integers(1, 4),
        layout=st.sampled_from(["sglang", "vllm"]), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_dense_equivalent_is_causal_attention(seed, lens, local_blocks, bs, ppb, layout, dtype):

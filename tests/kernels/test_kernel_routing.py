@@ -15,7 +15,8 @@ from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.config import DecodeConfig
 from tests.kernels._kernel_env import KERNEL_DEVICE
-from tests.kernels._kernel_scenarios import kernel_selection, make_scenario, oracle_route, selection_mismatches
+from tests.kernels._kernel_scenarios import (batch_lens, kernel_selection, make_scenario, oracle_route,
+                                            selection_mismatches)
 
 EXAMPLES = int(os.environ.get("DASH_KERNEL_EXAMPLES", "10"))
 DEV = KERNEL_DEVICE
@@ -55,9 +56,10 @@ def check_routing(sc, bufs) -> None:
 
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1),
-       lens=st.lists(st.one_of(st.integers(0, 40), st.integers(40, 260)), min_size=1, max_size=4),
+       # one request with at least two candidates at every local window drawn
+       lens=batch_lens(st.integers(80, 260), st.one_of(st.integers(0, 40), st.integers(40, 260))),
        router=st.sampled_from(["kv_head", "shared"]), topk=st.one_of(st.none(), st.integers(1, 8)),
-       est=st.booleans(), sigma=st.sampled_from([1.0, 1e6]), sf=st.sampled_from([0.0, 0.7, 2.0, 4.0]),
+       est=st.booleans(), sigma=st.sampled_from([1.0, 1e6]), sf=st.sampled_from([0.7, 2.0, 4.0, 0.0]),
        local_blocks=st.integers(1, 2), ppb=st.integers(1, 3), layout=st.sampled_from(["sglang", "vllm"]),
        group=st.sampled_from([1, 2, 4]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
        splits=st.integers(1, 3))
@@ -118,9 +120,10 @@ def test_rank_select_against_torch():
 
 def _route_small_topk(seed, lens):
     """topk 1-3 with two query heads a KV head, and with one (keys made from a one-row tile: the prefill route
-    kernel's cap compiled wrong there, ``prefill.route.scores_in_registers``)."""
+    kernel's cap compiled wrong there, ``prefill.route.scores_in_registers``); odd seeds with the estimated-diagonal
+    prior (sigma 1: informative)."""
     for topk, hq in itertools.product((1, 2, 3), (4, 2)):
-        p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, sigma=1.0)
+        p = DashParams(block_size=16, topk=topk, scaling_factor=0.7, sigma=1.0, estimate_diagonal=seed % 2 == 1)
         sc = make_scenario(seed, lens, hq=hq, hkv=2, bs=16, params=p, shared_prefix_pages=1).to(DEV)
         bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(1, 1))
         decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
@@ -152,8 +155,9 @@ def test_wide_topk_and_long_rows():
     for budget, one_tile_max in ((64, 0), (64, default.one_tile_max),
                                  (default.select_tile_budget, default.one_tile_max)):
         config = DecodeConfig(select_tile_budget=budget, one_tile_max=one_tile_max)
-        for topk in (None, 5, 40):
-            p = DashParams(block_size=16, topk=topk, scaling_factor=3.0)
+        for topk in (None, 5, 40):  # capped: with the estimated-diagonal prior (sigma 1: informative)
+            p = DashParams(block_size=16, topk=topk, scaling_factor=3.0, estimate_diagonal=topk is not None,
+                           sigma=1.0)
             sc = make_scenario(11, [16 * 70 + 5, 0, 33], params=p, q_scale=1.5).to(DEV)
             bufs = DecodeBuffers.for_step(sc.q, sc.cache, sc.block_table, p, splits=(3, 1), config=config)
             decode_launch.route(sc.q, sc.cache, sc.block_table, sc.seq_lens, p, bufs)
