@@ -59,11 +59,12 @@ from prefill_peers import mixed_peer, prompt_peer
 
 from dash_core import DashParams, ops
 from dash_core.kernels import kv_write
+from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.prefill import launch as pf_launch, plan as pf_plan, route as pf_route
 from dash_core.kernels.prefill.config import PrefillConfig
 from dash_core.layout import PagedKVCache, alloc_summaries
 from dash_core.workspace import PrefillWorkspace
-from tests.kernels._kernel_ops import kernel_prefill
+from tests.kernels._kernel_ops import kernel_decode, kernel_prefill
 
 PEAK_FLOPS = 989e12  # H200 dense bf16 tensor cores
 WORKSPACE_TAG = " workspace"  # variant suffix of the rows whose calls share a PrefillWorkspace
@@ -566,12 +567,33 @@ def run_mixed(a, mixed, hkv, topk, device, bw, records, dense=True, dtype=torch.
             op(m.q[i], m.k[i], m.v[i], m.caches[i], m.block_table, m.cu, m.seq, m.slot_mapping, m.head_cls, params,
                out=out, workspace=ws)
 
-    add("dash-triton", "mixed", timed(dash_step, a, cuda) / nl, topk=topk, write=True, frac=None,
-        mem=peak_mb(dash_step, cuda), extra=dict(host_ms=layer_host_ms(dash_step, nl, cuda)),
-        note=f"one paged_dash_prefill call per layer, {nl} layers sharing a workspace")
-    if a.graph and cuda:
-        add("dash-triton", "mixed-graph", graph_ms([dash_step], a.iters, 2, min_calls=1) / nl, topk=topk, write=True,
-            frac=None, graph=True, note=f"the same step of {nl} layers replayed from one CUDA graph: no host time")
+    # the other form: the decode rows through the decode op, the chunk through the prefill op (vLLM's, where it
+    # does not join the decode rows to the prefill call)
+    decode = ops.paged_dash_decode if cuda else kernel_decode
+    d_table, d_lens, d_slots = m.block_table[:nd].contiguous(), m.seq[:nd].contiguous(), m.slot_mapping[:nd]
+    c_table, c_cu, c_lens, c_slots = (m.block_table[nd:].contiguous(), (m.cu[nd:] - nd).contiguous(),
+                                      m.seq[nd:].contiguous(), m.slot_mapping[nd:])
+    buffers = DecodeBuffers.for_step(m.q[0][:nd], m.caches[0], d_table, params)
+
+    def split_step():
+        ws = PrefillWorkspace()
+        for i in range(nl):
+            q, k, v = m.q[i], m.k[i], m.v[i]
+            decode(q[:nd], k[:nd], v[:nd], m.caches[i], d_table, d_lens, d_slots, m.head_cls, params, out=out[:nd],
+                   buffers=buffers)
+            op(q[nd:], k[nd:], v[nd:], m.caches[i], c_table, c_cu, c_lens, c_slots, m.head_cls, params,
+               out=out[nd:], workspace=ws)
+
+    for variant, step, note in (("mixed", dash_step, "one paged_dash_prefill call per layer"),
+                                ("mixed-split", split_step, "a paged_dash_decode call for the decode tokens and a "
+                                                            "paged_dash_prefill call for the chunk, per layer")):
+        add("dash-triton", variant, timed(step, a, cuda) / nl, topk=topk, write=True, frac=None,
+            mem=peak_mb(step, cuda), extra=dict(host_ms=layer_host_ms(step, nl, cuda)),
+            note=f"{note}, {nl} layers sharing a workspace")
+        if a.graph and cuda:
+            add("dash-triton", variant + "-graph", graph_ms([step], a.iters, 2, min_calls=1) / nl, topk=topk,
+                write=True, frac=None, graph=True,
+                note=f"the same step of {nl} layers replayed from one CUDA graph: no host time")
     for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
         try:
             built = [mixed_peer(peer, m, i, cuda) for i in range(nl)]

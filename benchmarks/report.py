@@ -270,12 +270,18 @@ def mixed_table(records: list) -> str:
                             and x.get("decode_tokens") == r.get("decode_tokens"))
         step = f"{r['decode_tokens']} decode tokens at {tokens(r['context'])} + a {tokens(r['prompt_tokens'])} chunk"
         same_step = lambda x: x.get("prompt_tokens") == r.get("prompt_tokens")
-        rows.append([step, r["hkv"], topk_of(r), with_host(r), peers_cell(peers), speedup(best(peers), r["ms"]),
-                     graph_cell(records, r, "mixed-graph", same_step)])
+        split = [x for x in pick(records, method="dash-triton", variant="mixed-split", topk=r["topk"])
+                 if shape(x) == shape(r) and same_step(x)]
+        split_graph = [x for x in pick(records, method="dash-triton", variant="mixed-split-graph", topk=r["topk"])
+                       if shape(x) == shape(r) and same_step(x)]
+        split_cell = "-" if not split else with_host(split[-1]) + (
+            f"; graph {num(split_graph[-1]['ms'])}" if split_graph else "")
+        rows.append([step, r["hkv"], topk_of(r), with_host(r), split_cell, peers_cell(peers),
+                     speedup(best(peers), r["ms"]), graph_cell(records, r, "mixed-graph", same_step)])
     if not rows:
         return "_No mixed-step records yet: `bash ci/gpu.sh prefill bench --preset serving`._"
-    return md_table(["step", "Hkv", "topk", "DASH per layer (ms)", "dense peers (ms)", "vs best dense",
-                     "in a graph: DASH / best dense (ms)"], rows)
+    return md_table(["step", "Hkv", "topk", "DASH per layer (ms)", "decode + prefill op (ms)", "dense peers (ms)",
+                     "vs best dense", "in a graph: DASH / best dense (ms)"], rows)
 
 
 def crossover_lines(records: list) -> str:

@@ -94,6 +94,10 @@ def test_prefill_rows_serving_and_mixed_rows_each_against_their_own_peers(report
         _pre(32768, "dash-triton", "mixed-graph", 0.25, write=True, batch=9, decode_tokens=8, prompt_tokens=2048),
         _pre(32768, "dense-cudnn", "mixed-graph", 0.3, topk=None, batch=9, decode_tokens=8, prompt_tokens=2048),
         _pre(16384, "dash-triton", "mixed", 0.9, write=True, batch=33, decode_tokens=32, prompt_tokens=2048),
+        _pre(16384, "dash-triton", "mixed-split", 0.7, write=True, batch=33, decode_tokens=32, prompt_tokens=2048,
+             host_ms=0.3),
+        _pre(16384, "dash-triton", "mixed-split-graph", 0.6, write=True, batch=33, decode_tokens=32,
+             prompt_tokens=2048),
         _pre(16384, "dense-cudnn", "mixed", 1.8, topk=None, batch=33, decode_tokens=32, prompt_tokens=2048),
     ]
     rows = {r[0]: r for r in _rows(report.prefill_table(recs))}
@@ -107,9 +111,10 @@ def test_prefill_rows_serving_and_mixed_rows_each_against_their_own_peers(report
     serving = _rows(report.serving_table(recs))
     assert serving == [["8 x 2k", "8", "64", "0.4 (host 0.31)", "100", "**cudnn 0.5**", "1.25x", "0.2 / 0.3 (1.50x)"]]
     mixed = _rows(report.mixed_table(recs))
-    assert sorted(mixed) == [["32 decode tokens at 16k + a 2k chunk", "8", "64", "0.9", "**cudnn 1.8**", "2.00x", "-"],
-                             ["8 decode tokens at 32k + a 2k chunk", "8", "64", "0.5", "**cudnn 0.4**, flashinfer 0.6",
-                              "0.80x", "0.25 / 0.3 (1.20x)"]]
+    assert sorted(mixed) == [["32 decode tokens at 16k + a 2k chunk", "8", "64", "0.9", "0.7 (host 0.3); graph 0.6",
+                              "**cudnn 1.8**", "2.00x", "-"],
+                             ["8 decode tokens at 32k + a 2k chunk", "8", "64", "0.5", "-",
+                              "**cudnn 0.4**, flashinfer 0.6", "0.80x", "0.25 / 0.3 (1.20x)"]]
     lines = report.crossover_lines(recs).splitlines()
     assert "- Hkv 8, topk 64, one shot: faster than the fastest dense peer from 128k tokens on; slower at 8k" in lines
 

@@ -42,12 +42,12 @@ def test_decode_smoke_writes_every_row(tmp_path):
 
 
 def test_prefill_serving_smoke_writes_the_step_rows(tmp_path):
-    """``--preset serving``: the step of several layers sharing a workspace and the mixed step, DASH with its write
-    and the dense peers on the same step."""
+    """``--preset serving``: the step of several layers sharing a workspace and the mixed step (DASH also as a decode
+    call and a prefill call), DASH with its write and the dense peers on the same step."""
     recs = _smoke("prefill.py", tmp_path, "--preset", "serving")
     by = {(r["method"], r["variant"]): r for r in recs}
     assert set(by) == {(m, v) for m in ("dash-triton", "dense-cudnn", "dense-sdpa")
-                       for v in ("serving", "mixed")}
+                       for v in ("serving", "mixed")} | {("dash-triton", "mixed-split")}
     serving, mixed = by[("dash-triton", "serving")], by[("dash-triton", "mixed")]
     assert (serving["batch"], serving["context"], serving["layers"], serving["includes_write"]) == (2, 96, 2, True)
     assert (mixed["batch"], mixed["context"], mixed["decode_tokens"], mixed["prompt_tokens"]) == (3, 300, 2, 96)
