@@ -115,6 +115,16 @@ def reference_logprobs(path: str, token_ids, dense: bool = False,
     return torch.log_softmax(logits, dim=-1)
 
 
+def greedy_shortfall(path: str, prompt_ids, new_ids) -> float:
+    """How far ``new_ids``, generated after ``prompt_ids``, fall short of being the checkpoint's greedy tokens: the
+    largest gap, over the new tokens, between the best log-probability and the chosen token's, each given the tokens
+    before it (one forward over the prompt and the new tokens; 0 when every token is the argmax)."""
+    ids = list(prompt_ids) + list(new_ids)
+    lp = reference_logprobs(path, ids[:-1], prompt_len=len(prompt_ids))[len(prompt_ids) - 1:]
+    chosen = lp.gather(1, torch.as_tensor(list(new_ids), dtype=torch.long)[:, None])[:, 0]
+    return float((lp.max(1).values - chosen).max())
+
+
 def reference_generate(path: str, prompt_ids, max_new_tokens: int, dense: bool = False,
                        params: Optional[DashParams] = None) -> tuple[list, list]:
     """Greedy generation: (new token ids, log-probability of each chosen token).

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tests.tiny_dash_llama import greedy_shortfall
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(REPO, "README.md")
 MARKER = "<!-- ci: cpu-serving -->"
@@ -274,14 +276,18 @@ def load_prompts(n: int = 32, seed: int = 0) -> list:
     return out
 
 
-def check_concurrent_equals_serial(tokens) -> None:
+def check_concurrent_equals_serial(tokens, checkpoint: str, tol: float) -> None:
     """``load_prompts``' requests served together give the tokens they get one at a time (``tokens(ids, n)``: a
-    request's greedy tokens)."""
+    request's greedy tokens), and those are the reference model's greedy tokens: each within ``tol`` of the best
+    log-probability given the tokens before it (a near tie may go either way; a wrong history, such as a prefix
+    cache hit on the wrong pages, moves the choice by far more)."""
     prompts = load_prompts()
     one_by_one = [tokens(ids, n) for ids, n in prompts]
     together = run_concurrently(tokens, prompts)
     assert [len(t) for t in one_by_one] == [n for _, n in prompts]
     assert together == one_by_one
+    shortfall = [greedy_shortfall(checkpoint, ids, new) for (ids, _), new in zip(prompts, one_by_one)]
+    assert max(shortfall) < tol, shortfall
 
 
 def check_malformed_get_400(port: int, tokens, ids: list, malformed: list) -> None:

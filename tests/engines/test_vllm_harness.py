@@ -239,11 +239,11 @@ def test_padded_decode_batch_uses_persistent_buffers(vllm_config):
     layer, spec, builder = dash_layer(vllm_config, params, head_cls)
     _, kv = allocate_kv_cache(spec, NUM_BLOCKS)
     data, table = _requests(3), _block_tables(4)
-    _run_step(layer, builder, kv, table, data, [(0, 0, 36), (1, 0, 47), (2, 0, 68)])
+    _run_step(layer, builder, kv, table, data, [(0, 0, 35), (1, 0, 46), (2, 0, 67)])
 
     ptrs = None
-    for step in range(2):
-        lens = [37 + step * 0, 48, 69]
+    for step in range(2):  # two steps of new lengths: the buffers are refilled in place, not only kept
+        lens = [36 + step, 47 + step, 68 + step]
         q = torch.cat([data[i][0][n - 1: n] for i, n in enumerate(lens)] + [torch.zeros(1, HQ, D)])
         k = torch.cat([data[i][1][n - 1: n] for i, n in enumerate(lens)] + [torch.zeros(1, HKV, D)])
         v = torch.cat([data[i][2][n - 1: n] for i, n in enumerate(lens)] + [torch.zeros(1, HKV, D)])

@@ -72,8 +72,9 @@ def _tokens(server):
     return lambda ids, n: _complete(server.port, ids, n)["token_ids"]
 
 
-def test_32_concurrent_requests_equal_one_at_a_time(server):
-    http.check_concurrent_equals_serial(_tokens(server))
+def test_32_concurrent_requests_equal_one_at_a_time(server, checkpoint):
+    # a flip needs a near tie: two log-probabilities each within LOGPROB_TOL of the reference's
+    http.check_concurrent_equals_serial(_tokens(server), checkpoint, 2 * LOGPROB_TOL)
 
 
 def test_malformed_requests_get_400_and_the_server_keeps_serving(server):
