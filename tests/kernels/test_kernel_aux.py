@@ -6,27 +6,28 @@ CPU (the ops on the kernels' path: ``tests.kernels._kernel_ops``), through the p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from dash_core import DashParams, limits, ops, paged
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.layout import PagedKVCache, alloc_aux_sglang, alloc_summaries, decode_aux
-from dash_core.reference import block_summaries, dash_rows
+from dash_core.reference import block_summaries, dash_rows, route, routing_scores
 from dash_core.rope import PageRopeSettings, RotarySettings, page_coordinates, page_rope
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_ops import kernel_decode, kernel_prefill
-from tests.kernels._kernel_scenarios import assert_few_differ, summary_tolerance
+from tests.kernels._kernel_scenarios import near_decisions, summary_tolerance
 from tests.kernels.test_kernel_decode_attention import TOL
 
 DEV = KERNEL_DEVICE
 D, HQ, HKV, HI, PS, BS = 64, 4, 2, 3, 32, 16
 PR = PageRopeSettings(main=RotarySettings(theta=10000.0), indexer=RotarySettings(theta=1000.0), tok_pairs=8)
-# Routing is discontinuous: fp32 scores against the oracle's float64 ones (fed the very same stored
-# summaries) may move a block sitting at the entmax threshold or at the topk boundary; at most this
-# fraction of (token, query head) rows may then miss the attention tolerance (as the other
-# end-to-end kernel tests).
-MAX_DIFFERING_ROWS = 0.05
+# The oracle is fed the kernels' own inputs (the stored summaries, sf * q rounded as the kernels round it), so routing
+# can differ only where fp32 and float64 scores decide apart: every row must match but those of a unit with a
+# decision docs/semantics.md section 7 excuses (``excused_rows``), which may be at most this fraction of a phase.
+MAX_EXCUSED_ROWS = 0.1
 # page prompt: text, page 1, text, page 2, question (70 tokens); the other request has no page
 ROLES = [0] * 5 + [1] + [2] * 22 + [0] * 3 + [1] + [2] * 20 + [0] * 18
 PLAIN = [0] * 41
@@ -104,7 +105,8 @@ def test_aux_prefill_then_decode(page_mode, indexer, hi):
         outs.append((lo, hi, cu.cpu(), o.cpu()))
     # the oracle on the stored (kernel-made) summaries and the inputs rotated by page_rope; prefill and decode rows
     # counted apart, so that neither phase hides in the other's budget
-    bad = {"prefill": [], "decode": []}  # [rows, heads] bool masks: outside the attention tolerance
+    bad = {"prefill": [], "decode": []}  # [rows, heads] bool masks: outside the attention tolerance, not excused
+    ex = {"prefill": [], "decode": []}  # [rows, heads] bool masks: excused
     tol = TOL[dtype]
     for i in range(2):
         n = lens[i] + gen
@@ -128,8 +130,39 @@ def test_aux_prefill_then_decode(page_mode, indexer, hi):
                                stored.double(), pos, p, iq=iq[pos].permute(1, 0, 2) if indexer else None)
             got = o[cu[i]:cu[i + 1]].double()
             err = (got - ref.permute(1, 0, 2)).abs() - tol["rtol"] * ref.permute(1, 0, 2).abs()
-            bad[phase].append((err.amax(-1) > tol["atol"]).flatten())
-    assert_few_differ({phase: torch.cat(masks) for phase, masks in bad.items()}, MAX_DIFFERING_ROWS)
+            excused = excused_rows(iq if indexer else q, stored.double(), pos, p, indexer)  # [R, Hq]
+            bad[phase].append(((err.amax(-1) > tol["atol"]) & ~excused).flatten())
+            ex[phase].append(excused.flatten())
+    for phase in bad:
+        bad_rows, excused = torch.cat(bad[phase]), torch.cat(ex[phase])
+        assert int(excused.sum()) <= MAX_EXCUSED_ROWS * excused.numel(), f"{phase}: {int(excused.sum())} excused"
+        assert not bad_rows.any(), f"{phase}: {int(bad_rows.sum())} of {bad_rows.numel()} rows differ from the oracle"
+
+
+def excused_rows(qr: torch.Tensor, summaries: torch.Tensor, pos: torch.Tensor, params: DashParams,
+                 indexer: bool) -> torch.Tensor:
+    """``[R, Hq]`` bool: the rows at ``pos`` whose selection unit has a decision docs/semantics.md section 7 lets
+    two implementations take apart (``near_decisions``: a score near a head's threshold, or a second mp at the
+    topk-th), routed as ``dash_rows`` routes them: ``qr [T, Hr, D]`` (the queries, or the indexer's) scaled and
+    rounded as the kernels do, over ``summaries [Hs, nblk, D]``; with the ``indexer``, one selection shared by every
+    head."""
+    if indexer:
+        params = replace(params, router="shared")
+    qs = (qr[pos] * params.scaling_factor).to(qr.dtype).permute(1, 0, 2)  # [Hr, R, D]
+    ncand = (pos // params.block_size - params.local_blocks + 1).clamp(min=0)
+    nblk = int(ncand.max())
+    out = torch.zeros(len(pos), HQ, dtype=torch.bool)
+    if nblk == 0:
+        return out
+    rt, x = route(qs, summaries[:, :nblk], ncand, params), routing_scores(qs, summaries[:, :nblk])
+    shared = params.router == "shared"
+    g = qs.shape[0] // (1 if shared else HKV)
+    for r, c in enumerate(ncand.tolist()):
+        for u in range(rt.mp.shape[0] if c else 0):
+            near_tau, near_k = near_decisions(x[u * g:(u + 1) * g, r, :c], rt.mp[u, r, :c], params.topk)
+            if bool(near_tau.any()) or int(near_k.sum()) > 1:  # (the topk-th itself is always near_k)
+                out[r, slice(None) if shared else slice(u * g, (u + 1) * g)] = True
+    return out
 
 
 def test_indexer_launch_checks():
