@@ -115,9 +115,28 @@ def test_aux_head_and_indexer_summaries_are_counted_in_the_kv_cell_size():
 
 
 def test_pool_sizing_hook_is_applied_when_the_models_load():
-    """Importing the model package (SGLang does it before sizing the KV pool) hooks _compute_cell_size."""
+    """Importing the model package (SGLang does it before sizing the KV pool) hooks _compute_cell_size: SGLang's own
+    computation of a plain GQA model's cell (stand-ins for what it reads of the configurator), plus the summary
+    store's bytes with the dash backend, and nothing more with another."""
     import adapters.sglang.models
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
 
     fn = DefaultPoolConfigurator._compute_cell_size
     assert hasattr(fn, "__wrapped__"), "the DASH pool-sizing hook is not applied"
+    configurator = types.SimpleNamespace(kv_cache_dtype_str="auto",
+                                         _compute_qsa_cell_size=DefaultPoolConfigurator._compute_qsa_cell_size)
+
+    def kvc(backend):
+        c = _kvc(backend, architectures=["DashLlamaForCausalLM"])
+        c.model_config.v_head_dim = 128
+        c.model_config.get_num_kv_heads = lambda tp, dcp=1: 8 // tp
+        c.server_args.enable_hisparse = False
+        c.use_mla_backend = c.is_draft_worker = False
+        return c
+
+    layers = 32
+    with fake_tp(1, 0, attn_dcp_size=1, enable_dsa_cache_layer_split=False):
+        kv_cell = fn.__wrapped__(configurator, kvc("dash"), layers)
+        assert kv_cell == 8 * (128 + 128) * layers * 2  # SGLang's K+V bytes per token, bf16
+        assert fn(configurator, kvc("dash"), layers) - kv_cell == 128 * layers  # [8, 128] bf16 a block of 16
+        assert fn(configurator, kvc("torch_native"), layers) == kv_cell
