@@ -16,7 +16,7 @@ import torch
 from dash_core import DashParams
 from dash_core.kernels.prefill import launch as pf_launch, route as pf_route, tiles as pf_tiles
 from dash_core.kernels.prefill.config import PrefillConfig
-from dash_core.reference import Routing, block_summaries, dash_rows, route, routing_scores
+from dash_core.reference import Routing, route, routing_scores
 from tests.kernels._kernel_scenarios import Scenario, make_scenario, near_decisions
 
 
@@ -161,15 +161,6 @@ def exempt(case: PrefillCase, rt: Routing, x: torch.Tensor, unit: int, row: int,
     out = torch.zeros(rt.mp.shape[-1], dtype=torch.bool)
     out[:ncand] = near_tau | near_k
     return out
-
-
-def oracle_rows(case: PrefillCase, i: int) -> torch.Tensor:
-    """Float64 DASH (summaries recomputed from the keys) of request i's new rows: ``[R, Hq, D]``."""
-    k, v = case.sc.k_full[i], case.sc.v_full[i]
-    summ = block_summaries(k, case.head_cls.cpu(), case.params.block_size)
-    q = case.q[case.rows(i)].cpu().permute(1, 0, 2)
-    out, _ = dash_rows(q, k, v, summ, case.positions(i), case.params)
-    return out.permute(1, 0, 2)
 
 
 # --- the kernels' stages, one wave covering every tile ----------------------------------------------
