@@ -8,8 +8,9 @@ every token's prior put at its blocks' union positions; on short tables with no 
 not select a block get ``-inf`` logits there, the others their log prior. Queries of a tile routed to the same block
 share the load and the MMA (how much depends on how similar neighbouring tokens' selections are). On Hopper and
 later, a union tile of one block is loaded by TMA where the cache's layout allows (``_kv_descriptors``), else by
-pointer loads. On the H200, for the configurations ``gluon.ws_supported`` names, this launch builds the unions only
-and the Gluon launch (``gluon.prefill_attn_ws``, several warpgroups a program) runs the attention.
+pointer loads. On Hopper, for the waves ``PrefillConfig.gluon_attends`` and the configurations
+``gluon.ws_supported`` names, this launch builds the unions only and the Gluon launch (``gluon.prefill_attn_ws``,
+several warpgroups a program) runs the attention.
 """
 
 from __future__ import annotations

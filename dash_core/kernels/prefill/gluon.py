@@ -5,12 +5,12 @@ multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (``Glu
 (``gl.warp_specialize``), each with its own K and V rings, taking (tile, KV head) items from a counter, so that one
 warpgroup's softmax runs while another's MMAs do.
 
-A wave is then two launches. The Triton kernel builds each tile's union tables as before and stops there
-(``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
-``prefill_attn_ws`` runs the union blocks by TMA, then the local window (causal, pointer loads: the request's last
-block may hold rows never written) and writes the output. The same arithmetic as the Triton loop (log2 domain, each
-row's log prior for a block added to its raw products times the scale); the local window comes after the union
-blocks, so the sums round in another order, and the output is the sums times ``1 / l`` (the Triton kernel divides).
+A wave's attention is then two launches, after its route launch. The Triton kernel builds each tile's union tables as
+before and stops there (``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
+``prefill_attn_ws`` runs the union blocks by TMA, then the local window (causal, pointer loads: the request's last block
+may hold rows never written) and writes the output. The same arithmetic as the Triton loop (log2 domain, each row's log
+prior for a block added to its raw products times the scale); the local window comes after the union blocks, so the sums
+round in another order, and the output is the sums times ``1 / l`` (the Triton kernel divides).
 
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
 bf16 or fp16, pages whose rows one 2-D TMA descriptor describes (``kv_rows``: SGLang's layout and vLLM's), block tables

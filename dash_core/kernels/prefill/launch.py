@@ -1,6 +1,7 @@
 """The prefill call: plan, scratch and the bound launches of each wave (made once per batch through a
-``PrefillWorkspace``), then each wave's route and attention launches (the attention launch also zeroes the rows of
-no request). Launches only: nothing reads a device value on the host.
+``PrefillWorkspace``), then each wave's launches: a route launch (none where the Triton attention routes its own
+tiles, ``route.route_fused``), the Triton attention launch (which also zeroes the rows of no request), and the Gluon
+attention launch after it where that attends the wave. Launches only: nothing reads a device value on the host.
 Arguments are validated by the op (``dash_core.ops``) before anything here runs.
 """
 
