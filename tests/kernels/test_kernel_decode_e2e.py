@@ -28,8 +28,8 @@ MAX_DIFFERING_ROWS = 0.05
 
 
 def decode(sc, **kw):
-    return kernel_decode(sc.q, sc.k_new, sc.v_new, sc.cache, sc.block_table, sc.seq_lens,
-                                             sc.slot_mapping, sc.head_cls, sc.params, **kw)
+    return kernel_decode(sc.q, sc.k_new, sc.v_new, sc.cache, sc.block_table, sc.seq_lens, sc.slot_mapping,
+                         sc.head_cls, sc.params, **kw)
 
 
 def row_errors(sc, out, strict: bool = False) -> tuple:
@@ -47,11 +47,11 @@ def row_errors(sc, out, strict: bool = False) -> tuple:
             continue
         counted = torch.ones(sc.q.shape[1], dtype=torch.bool)
         if strict:
-            rt, x, ncand = oracle_route(sc, i)
+            rt, x, _ = oracle_route(sc, i)
             if rt is None:  # no candidate: the local window alone
                 z = torch.zeros(1 if sc.params.router == "shared" else sc.cache.num_kv_heads, 1, 0, dtype=torch.float64)
                 rt = Routing(mp=z, kept=z.bool(), prior=z)
-            for u in range(rt.mp.shape[0] if ncand else 0):
+            for u in range(rt.mp.shape[0]):
                 if unit_excused(x[unit_rows(sc, u)], rt.mp[u, 0], sc.params.topk):
                     counted[unit_rows(sc, u)] = False
             ref = attend(sc.q[i].cpu()[:, None, :], sc.k_full[i], sc.v_full[i], torch.tensor([L - 1]), rt,
