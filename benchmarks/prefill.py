@@ -205,7 +205,7 @@ def selection_stats(pr: Prompt, params, config: PrefillConfig = None) -> dict:
     unit) a tile loads, and the useful / executed attention work."""
     q, cache, bt = pr.q, pr.cache, pr.block_table
     bs, lb = params.block_size, params.local_blocks
-    config = PrefillConfig.for_device(q.device) if config is None else config
+    config = PrefillConfig() if config is None else config
     plan, scratch = pf_launch.plan_and_scratch(q, cache, bt, pr.cu, pr.seq, params, config)
     pf_route.gather_summaries(cache, bt, pr.seq, params, scratch)
     hsel = scratch.sel_count.shape[1]

@@ -29,7 +29,7 @@ Who takes which path (``route_tile``'s flags):
     decode, scores wider than that             ONE_TILE up to DecodeConfig.one_tile_max candidates (the cap's
                                                keys loaded: the radix select, the pivot search below
                                                RADIX_MIN_KEYS keys), beyond it neither (the multi-pivot search)
-    prefill, short tables (one score tile)     ONE_TILE, X_IN_REGS, X_GIVEN: the scores never leave registers
+    prefill, short tables (one score tile)     ONE_TILE, X_IN_REGS: the scores never leave registers
     prefill, longer tables, stored scores      LIST: the scores re-read each pass, the cap over the mp lists
     prefill, long tables, router kv_head       no route_tile: prefill/route.py's _route_recompute, with the
                                                same arithmetic, computes the scores again each pass
@@ -432,8 +432,8 @@ def route_tile(
     count_ptr, count_unit, topk, inv_sigma,
     QT: tl.constexpr, NH_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, ONE_TILE: tl.constexpr,
-    X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0, X_GIVEN: tl.constexpr = False,
-    x_regs=0, RK: tl.constexpr = 0, RCH: tl.constexpr = 32, RADIX_MIN: tl.constexpr = RADIX_MIN_KEYS,
+    X_IN_REGS: tl.constexpr = False, LIST: tl.constexpr = False, TL: tl.constexpr = 0, x_regs=0,
+    RK: tl.constexpr = 0, RCH: tl.constexpr = 32, RADIX_MIN: tl.constexpr = RADIX_MIN_KEYS,
 ):
     """Route a tile of ``QT`` units (docs/semantics.md sections 4-5) from their scores in a scratch buffer.
 
@@ -448,8 +448,8 @@ def route_tile(
     for the cap's ties and compaction; ONE_TILE (``TS`` covers every candidate) keeps the mp bits in
     registers across the cap's passes (with one unit and ``TS >= RADIX_MIN``, at least ``RADIX_MIN_KEYS`` and one
     key a thread: a 4-pass radix select on 256-bin histograms instead of the pivot search);
-    X_IN_REGS (``TC`` covers every candidate) reads the scores once for the entmax passes; with X_GIVEN they come
-    in registers instead, ``x_regs [QT, NH_PAD, TC]`` (masked here as the load would be; ``x_ptr`` unused).
+    X_IN_REGS (``TC`` covers every candidate): the caller gives the scores in registers, ``x_regs [QT, NH_PAD, TC]``
+    (masked here as a load would be; ``x_ptr`` unused), for every entmax pass.
     The entmax and ``mp`` are computed here; the cap and compaction are ``select_kept``. LIST: the mp
     scratch receives each unit's positive mp only, as a list with their candidates in ``ck_ptr`` (int32,
     shaped like mp, rows of at least ``ncand`` rounded up to 4), and the cap and compaction read those
@@ -462,12 +462,9 @@ def route_tile(
     x_rows, row_ok, ncand4 = score_rows(x_ptr, x_unit, x_row_stride, nrows, ncand, NH_PAD)
 
     # 1.5-entmax threshold: exactly three safeguarded Halley steps from [max - 1, max].
-    if X_IN_REGS:  # every candidate in one [TC] tile: the scores are read once for all passes
-        if X_GIVEN:  # the caller's x_regs [QT, NH_PAD, TC], never stored
-            x_ok = row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None])
-            x_all = tl.where(x_ok, x_regs, float("-inf"))
-        else:
-            x_all = load_scores(x_rows, offs_c, row_ok, ncand, ncand4)
+    if X_IN_REGS:  # every candidate in one [TC] tile: the caller's x_regs [QT, NH_PAD, TC] serve every pass
+        x_ok = row_ok[None, :, None] & (offs_c[None, None, :] < ncand[:, None, None])
+        x_all = tl.where(x_ok, x_regs, float("-inf"))
     lo = m - 1.0
     hi = m
     tau = (lo + hi) * 0.5

@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-# LN2 is a tl.constexpr: kernels may read it
+from .common import LN2, LOG2E_F, interpreting, max_or_zero, pow2, raise_max
 from .launcher import cached_launch
-from .common import LN2, LOG2E_F as LOG2E, interpreting, max_or_zero, pow2, raise_max
 
 
 @cached_launch
@@ -108,7 +107,7 @@ def segment_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     _segment_attn_kernel[(geo.requests, geo.hk)](
         q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         used, used.stride(0), used.stride(1), used.stride(2), o, lse,
-        LOG2E / math.sqrt(geo.d), geo.hsel, hu, g, geo.unit_tokens, geo.topk,
+        LOG2E_F / math.sqrt(geo.d), geo.hsel, hu, g, geo.unit_tokens, geo.topk,
         BS=geo.bs, LOCAL=geo.local, MAXCAP=max(geo.bs, geo.local), G_PAD=max(16, pow2(g)),
         D=geo.d, D_PAD=d_pad, BLOCK_N=32 if d_pad <= 128 else 16, IEEE=ieee,
         num_warps=4,

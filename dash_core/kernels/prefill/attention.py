@@ -266,7 +266,7 @@ def _prefill_attn_kernel(
         # 2b. the union blocks (complete, before the local window): PER consecutive union blocks per tile
         # (or NSUB2 tiles per block), in chunks of UCH blocks whose ids are loaded once per chunk and
         # gathered from registers: K/V addresses then depend on no load of the loop, so the pipeliner
-        # issues them attn_stages - 1 tiles ahead (an id loaded in the loop held them to one tile ahead)
+        # issues them attn_stages - 1 tiles ahead (an id loaded in the loop would hold them to one tile ahead)
         PER: tl.constexpr = max(BLOCK_U // BS, 1)
         NSUB2: tl.constexpr = max(BS // BLOCK_U, 1)
         offs_k = tl.arange(0, BLOCK_U)

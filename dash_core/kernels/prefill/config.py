@@ -1,5 +1,6 @@
 """The prefill launches' tuning, as values: one frozen ``PrefillConfig`` passed to a call (through its
-``PrefillWorkspace``, or to ``launch.paged_dash_prefill_triton``), defaults per GPU architecture.
+``PrefillWorkspace``, or to ``launch.paged_dash_prefill_triton``). The defaults are Hopper's; the Hopper-only paths
+(TMA, the Gluon launch) check the hardware themselves and fall back elsewhere.
 
 Every field changes speed only, never a result: the tests run the kernels under several configurations against
 the oracle. The alternatives measured and not kept are in docs/tuning.md.
@@ -8,8 +9,6 @@ the oracle. The alternatives measured and not kept are in docs/tuning.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from ...limits import nvidia_capability
 
 
 @dataclass(frozen=True)
@@ -59,9 +58,9 @@ class PrefillConfig:
             quarter of it above D 128) route from the scores in registers, storing none
             (``route.scores_in_registers``); else through the score scratch. fuse_route: where the scores fit
             registers and the Triton kernel attends the wave, each attention program routes its own tile first, no
-            route launch (``route.route_fused``). route_warps, route_stages: warps and
-            pipeline stages of the route kernel with stored scores; route_regs_warps: its warps with the scores in
-            registers (one tile a program: fewer warps, more programs a multiprocessor). route_score_tile:
+            route launch (``route.route_fused``). route_warps: warps of the route kernel with stored scores;
+            route_regs_warps: its warps with the scores in registers (one tile a program: fewer warps, more programs
+            a multiprocessor); route_stages: its pipeline stages on either path. route_score_tile:
             candidates of one stored-scores tile (half that above D 128). route_pivots, route_pivot_budget,
             route_list_budget: the top-k cap's pivot search (pivots per pass; elements of its ``[QT, pivots,
             entries]`` tile; of the ``[QT, entries]`` tiles of its ties and compaction passes).
@@ -136,13 +135,3 @@ class PrefillConfig:
         Triton kernel attends it."""
         return self.union_in_one_block(d, bs) and self.gluon.wanted(max_cand, tiles)
 
-    @staticmethod
-    def for_device(device) -> "PrefillConfig":
-        """The defaults for ``device``'s architecture (``ARCH_DEFAULTS``; ``PrefillConfig()`` elsewhere)."""
-        return ARCH_DEFAULTS.get(nvidia_capability(device), _DEFAULT)
-
-
-_DEFAULT = PrefillConfig()
-# Defaults by compute capability. The values were tuned on the H200 (sm_90); the Hopper-only paths (TMA, the Gluon
-# launch) check the hardware themselves and fall back, so other architectures start from the same values.
-ARCH_DEFAULTS = {(9, 0): _DEFAULT}

@@ -5,12 +5,13 @@ multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (``Glu
 (``gl.warp_specialize``), each with its own K and V rings, taking (tile, KV head) items from a counter, so that one
 warpgroup's softmax runs while another's MMAs do.
 
-A wave's attention is then two launches, after its route launch. The Triton kernel builds each tile's union tables as
-before and stops there (``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size (``union_count``);
-``prefill_attn_ws`` runs the union blocks by TMA, then the local window (causal, pointer loads: the request's last block
-may hold rows never written) and writes the output. The same arithmetic as the Triton loop (log2 domain, each row's log
-prior for a block added to its raw products times the scale); the local window comes after the union blocks, so the sums
-round in another order, and the output is the sums times ``1 / l`` (the Triton kernel divides).
+A wave's attention is then two launches, after its route launch. The Triton kernel builds each tile's union tables as it
+does alone and stops there (``UNION_ONLY``), writing each tile's bounds (``tile_info``) and union size
+(``union_count``); ``prefill_attn_ws`` runs the union blocks by TMA, then the local window (causal, pointer loads: the
+request's last block may hold rows never written) and writes the output. The same arithmetic as the Triton loop (log2
+domain, each row's log prior for a block added to its raw products times the scale); the local window comes after the
+union blocks, so the sums round in another order, and the output is the sums times ``1 / l`` (the Triton kernel
+divides).
 
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
 bf16 or fp16, pages whose rows one 2-D TMA descriptor describes (``kv_rows``: SGLang's layout and vLLM's), block tables
@@ -112,11 +113,6 @@ if HAVE_GLUON:
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s * scale + (bias - m_use)[:, None])
         return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
-
-    @gluon.jit
-    def softmax_step(qk, m_i, l_i):
-        """``softmax_scaled`` of exponents already scaled and biased."""
-        return softmax_scaled(qk, 1.0, 0.0, m_i, l_i)
 
     @gluon.jit
     def issue_row(desc, buf, bar, row, pred, col):

@@ -60,15 +60,14 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
         route and attention launches with the step's arguments bound are made by the first call and reused by the
         others (which pass only their own queries, cache, block table and output); its ``config`` tunes the
         launches.
-    config : the launches' tuning (default: the workspace's, else ``PrefillConfig.for_device``).
+    config : the launches' tuning (default: the workspace's, else ``PrefillConfig()``).
 
     Returns
     -------
     ``out [T, Hq, D]`` in ``q.dtype``; rows of no request, of padded requests and of inconsistent requests are zero.
     """
     if config is None:
-        config = workspace.config if workspace is not None and workspace.config is not None else \
-            PrefillConfig.for_device(q.device)
+        config = workspace.config if workspace is not None and workspace.config is not None else PrefillConfig()
     params = params.routed_by(iq is not None)
     if out is None:
         out = torch.empty_like(q)

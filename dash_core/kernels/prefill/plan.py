@@ -53,8 +53,7 @@ class PrefillScratch:
     ``union_pos`` only), which keeps them out of the byte budget. Where routing stores no score
     (``recompute``), that storage is ``[slots, min(Hq, 2 Hkv), row]``: the priors' table after a region of its size
     (which holds the positions' table, one int32 a candidate, and before the union launch the route launch's Hkv rows
-    of group sums a slot, ``min(Hq, 2 Hkv) >= Hkv``). Since the positions' table shrank to that size, about
-    ``Hkv + 1`` rows a slot would do; the layout is unchanged.
+    of group sums a slot, ``min(Hq, 2 Hkv) >= Hkv``).
     """
 
     qt: int

@@ -381,7 +381,7 @@ def route_in_registers(q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, m
                        EST_DIAG: tl.constexpr, TL: tl.constexpr):
     """Route the ``QT`` tokens of a tile for KV head h (router ``kv_head``) with every candidate in one
     ``[QT * G_PAD, BLOCK_N]`` score tile (``scores_in_registers``): the scores stay in registers for the entmax and
-    the cap (``route_tile``'s ONE_TILE with X_GIVEN), mp is stored by candidate (``mp_ptr``), the kept blocks and
+    the cap (``route_tile``'s ONE_TILE with X_IN_REGS), mp is stored by candidate (``mp_ptr``), the kept blocks and
     counts as ``_prefill_route_kernel`` writes them (slot ``slot0 + u``; the count at ``u scnt_n + h scnt_h``).
     Rows (``tiles.tile_rows``): token ``tok_m``, head ``g_m`` of the group, real where ``row_ok``."""
     offs_d = tl.arange(0, D)
@@ -395,12 +395,12 @@ def route_in_registers(q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, m
     nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
     m = tl.where(unit_ok[:, None] & (tl.arange(0, G_PAD) < nrows)[None, :] & (ncand > 0), m, 0.0)
     route_tile(
-        mp_ptr, slot_u * smp_n, 0, nrows, tl.where(unit_ok, ncand, 0), m,  # (x_ptr, x_unit: unused with X_GIVEN)
+        mp_ptr, slot_u * smp_n, 0, nrows, tl.where(unit_ok, ncand, 0), m,  # (x_ptr, x_unit: unused with X_IN_REGS)
         mp_ptr, slot_u * smp_n + h * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
         sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + h * ssel_h, sel_cap,
         count_ptr, slot_u * scnt_n + h * scnt_h, topk, inv_sigma,
         QT=QT, NH_PAD=G_PAD, TC=BLOCK_N, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-        ONE_TILE=True, X_IN_REGS=True, LIST=False, TL=TL, X_GIVEN=True, x_regs=tl.reshape(x, [QT, G_PAD, BLOCK_N]),
+        ONE_TILE=True, X_IN_REGS=True, LIST=False, TL=TL, x_regs=tl.reshape(x, [QT, G_PAD, BLOCK_N]),
     )
 
 
