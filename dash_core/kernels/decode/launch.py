@@ -46,7 +46,7 @@ def route(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_l
     b = buffers
     route_decode(q, cache.summaries, block_table, seq_lens, params, cache.page_size, b.scores, b.pmax, b.mp,
                  b.mp_cand, b.sel_idx, b.sel_blk, b.sel_bias, b.sel_count, num_splits=nsr, config=b.config, write=write,
-                 write_summarize=cache.summaries is not None, only=only, **launch)
+                 only=only, **launch)
 
 
 def attend(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, seq_lens: torch.Tensor,

@@ -79,8 +79,7 @@ def _decode_select_kernel(
     NH_PAD: tl.constexpr, NS_PAD: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
     HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, PS: tl.constexpr,
     LOCAL_BLOCKS: tl.constexpr, ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TL: tl.constexpr,
-    RK: tl.constexpr, RCH: tl.constexpr, RADIX_MIN: tl.constexpr, FUSE_WRITE: tl.constexpr,
-    WRITE_SUMMARIZE: tl.constexpr, PDL: tl.constexpr,
+    RK: tl.constexpr, RCH: tl.constexpr, RADIX_MIN: tl.constexpr, FUSE_WRITE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(n, HSEL [+ Hkv])``: program (i, u) routes unit u of request i (rows ``u*NROWS ..``).
 
@@ -100,7 +99,7 @@ def _decode_select_kernel(
         write_token(i, u - HSEL, w_k_ptr, w_v_ptr, w_sk_t, w_sk_h, w_sv_t, w_sv_h,
                     w_kc_ptr, w_vc_ptr, w_skc_p, w_skc_r, w_skc_h, w_svc_p, w_svc_r, w_svc_h,
                     w_summ_ptr, w_ss_b, w_ss_h, w_hc_ptr, w_shc_h, w_slot_ptr, w_num_slots, w_scale,
-                    D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=WRITE_SUMMARIZE, OWN_ROW=WRITE_SUMMARIZE)
+                    D=D, BS=BS, PS=PS, WRITE=True, SUMMARIZE=True, OWN_ROW=True)
     else:
         _select_unit(x_ptr, sx_n, sx_h, pmax_ptr, spm_n, spm_h, NSPLIT, bt_ptr, sbt_n, seq_lens_ptr, max_tokens,
                      mp_ptr, ck_ptr, smp_n, smp_h, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap,
@@ -161,8 +160,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
                  params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
                  mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
                  sel_count: torch.Tensor,
-                 *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None,
-                 write_summarize: bool = False, only: Optional[str] = None,
+                 *, num_splits: int, config: DecodeConfig, write: Optional[tuple] = None, only: Optional[str] = None,
                  scored: Optional[torch.cuda.Event] = None, score_pdl: bool = True) -> None:
     """Route one decode token per request (two launches, no host synchronisation).
 
@@ -175,8 +173,8 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     int32: per unit, the kept candidate blocks (logical index, physical block, log prior) in increasing order.
     ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
     bounded by the number of candidates).
-    write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and
-    the summaries they complete when ``write_summarize``) in the select launch.
+    write: ``kv_write.write_args(k, v, cache, slot_mapping, head_cls)`` to write the new K/V (and the summaries of
+    the blocks they complete) in the select launch.
     only: ``"scores"`` or ``"select"`` launches just that kernel (stage timings in the benchmark; ``"scores"``
     writes the score scratch and ``pmax`` only: no selection, no K/V).
     scored: an event recorded between the two launches (another stream may start once the scores are written).
@@ -199,8 +197,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     if only == "scores":
         return
     _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
-                   sel_bias, sel_count, hq // hsel, hsel, max_cand, n, config, pdl, q, hkv, q.shape[2], write,
-                   write_summarize)
+                   sel_bias, sel_count, hq // hsel, hsel, max_cand, n, config, pdl, q, hkv, q.shape[2], write)
 
 
 def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores, pmax, num_splits, max_cand,
@@ -224,8 +221,8 @@ def _score_launch(q, summaries, block_table, seq_lens, params, page_size, scores
 
 
 def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page_size, mp, mp_cand, sel_idx, sel_blk,
-                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, hkv, d, write,
-                   write_summarize) -> None:
+                   sel_bias, sel_count, nrows, hsel, max_cand, n, config: DecodeConfig, pdl: bool, q, hkv, d,
+                   write) -> None:
     bs = params.block_size
     max_pages = block_table.shape[1]
     nh_pad = pow2(nrows)
@@ -252,6 +249,6 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
         TL=min(ts, config.list_tile) if x_in_regs else ts, RK=config.cap_rank_max, RCH=config.cap_rank_chunk,
         RADIX_MIN=radix_min_keys(config.select_warps),
-        FUSE_WRITE=write is not None, WRITE_SUMMARIZE=write_summarize, PDL=pdl,
+        FUSE_WRITE=write is not None, PDL=pdl,
         num_warps=config.select_warps, **pdl_launch(pdl),
     )
