@@ -20,7 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...layout import PagedKVCache
 from ...params import DashParams
-from ..common import sm_count
+from ..common import cdiv, sm_count
 from .config import PrefillConfig
 from .route import may_recompute, recompute_routing, summary_copy_descriptor
 from .tiles import INFO_COLS, max_tiles, tile_tables, tile_tokens
@@ -28,7 +28,7 @@ from .tiles import INFO_COLS, max_tiles, tile_tables, tile_tokens
 
 def _row(max_cand: int) -> int:
     """Entries of a score or mp row of the routing scratch: ``max_cand`` rounded up to 16."""
-    return -(-max_cand // 16) * 16
+    return cdiv(max_cand, 16) * 16
 
 
 @dataclass
@@ -224,6 +224,6 @@ def wave_tiles(num_tiles: int, per_tile: int, hkv: int, device, config: PrefillC
 
     def cost(w):
         full, rest = divmod(num_tiles, w)
-        return full * -(-w * hkv // slots) + -(-rest * hkv // slots), full + (rest > 0)
+        return full * cdiv(w * hkv, slots) + cdiv(rest * hkv, slots), full + (rest > 0)
 
     return min([w for w in (wmax, wmax // unit * unit) if w > 0], key=cost)
