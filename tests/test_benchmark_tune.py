@@ -22,7 +22,7 @@ def test_tune_builds_configurations_of_either_level(bench):
     assert configs[0][1] == default
     tuned = configs[1][1]
     assert (tuned.union_tile, tuned.gluon.regs) == (2048, 160)
-    assert tuned.route_tile_budget == default.route_tile_budget and tuned.gluon.warpgroups == default.gluon.warpgroups
+    assert tuned.route_tile_budget == default.route_tile_budget and tuned.gluon.k_slots == default.gluon.k_slots
     off = configs[2][1]
     assert off.gluon.enabled is False and off.attn_tma is False  # the switches stay booleans
 

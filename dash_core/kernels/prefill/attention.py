@@ -433,10 +433,10 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
     if gluon_wanted and gluon.HAVE_GLUON:
         gc = cfg.gluon
         ws_kernel = bind_launch(
-            gluon.prefill_attn_ws, (min(sm_count(q.device), cdiv(tiles * hkv, gc.warpgroups)),), gluon.WS_LEAD,
+            gluon.prefill_attn_ws, (min(sm_count(q.device), cdiv(tiles * hkv, gluon.WARPGROUPS)),), gluon.WS_LEAD,
             (s.tile_info, s.tile_info.stride(0), s.union_count, s.union_blk, sub[0], sub[1], s.union_prior, spr[0],
              spr[1], qk_scale, g, tiles, t, hkv, s.ws_counter),
-            QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gc.warpgroups, KST=gc.k_slots,
+            QT=plan.qt, G_PAD=g_pad, D=d, BS=bs, PPB=cache.page_size // bs, NC=gluon.WARPGROUPS, KST=gc.k_slots,
             VST=gc.v_slots, REGS=gc.regs, LAST_FIRST=cfg.last_tiles_first, num_warps=4, maxnreg=gc.regs)
 
     def attend(q: torch.Tensor, cache: PagedKVCache, bt: torch.Tensor, out: torch.Tensor) -> None:

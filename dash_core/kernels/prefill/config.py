@@ -14,18 +14,17 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class GluonConfig:
     """The Hopper attention launch (``gluon.prefill_attn_ws``): one persistent program a multiprocessor, each of
-    its ``warpgroups`` running a tile of its own.
+    its ``gluon.WARPGROUPS`` (3) warpgroups running a tile of its own.
 
     enabled: use it where ``gluon.ws_supported`` says it runs (else the Triton attention everywhere).
-    warpgroups: tiles (warpgroups) of one program. k_slots, v_slots: K and V ring slots of a warpgroup.
-    regs: registers a thread of each warpgroup (warpgroups x 128 threads x regs must fit the register file).
+    k_slots, v_slots: K and V ring slots of a warpgroup.
+    regs: registers a thread of each warpgroup (3 warpgroups x 128 threads x regs must fit the register file).
     min_candidates, min_tiles: the Gluon launch runs on block tables of at least ``min_candidates`` candidates, and
     on shorter ones in waves of at least ``min_tiles`` tiles (many short prompts in one call). Smaller waves keep the
     Triton attention: they are short, and the Gluon launch costs the host more a wave than it saves there.
     """
 
     enabled: bool = True
-    warpgroups: int = 3
     k_slots: int = 1
     v_slots: int = 2
     regs: int = 168

@@ -1,7 +1,7 @@
 """Hopper prefill attention in Gluon: several warpgroups of one program, each running a tile of its own.
 
 The Triton attention launch of a wave (``attention._prefill_attn_kernel``) fits two programs of one warpgroup on a
-multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (``GluonConfig.warpgroups``) warpgroups
+multiprocessor. Here one persistent program a multiprocessor holds ``NC`` (``WARPGROUPS``) warpgroups
 (``gl.warp_specialize``), each with its own K and V rings, taking (tile, KV head) items from a counter, so that one
 warpgroup's softmax runs while another's MMAs do.
 
@@ -42,6 +42,7 @@ except ImportError:  # a Triton without Gluon: the Triton kernel serves
     HAVE_GLUON = False
 
 ROWS = 64  # query rows of a tile
+WARPGROUPS = 3  # warpgroups (tiles) of one program: prefill_attn_ws starts one worker each
 WS_LEAD = 19  # prefill_attn_ws's leading arguments, a layer's own: queries, K/V, table, descriptors, output, columns
 
 
