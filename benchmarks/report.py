@@ -270,10 +270,8 @@ def mixed_table(records: list) -> str:
                             and x.get("decode_tokens") == r.get("decode_tokens"))
         step = f"{r['decode_tokens']} decode tokens at {tokens(r['context'])} + a {tokens(r['prompt_tokens'])} chunk"
         same_step = lambda x: x.get("prompt_tokens") == r.get("prompt_tokens")
-        split = [x for x in pick(records, method="dash-triton", variant="mixed-split", topk=r["topk"])
-                 if shape(x) == shape(r) and same_step(x)]
-        split_graph = [x for x in pick(records, method="dash-triton", variant="mixed-split-graph", topk=r["topk"])
-                       if shape(x) == shape(r) and same_step(x)]
+        split, split_graph = ([x for x in pick(records, method="dash-triton", variant=v, topk=r["topk"])
+                               if shape(x) == shape(r) and same_step(x)] for v in ("mixed-split", "mixed-split-graph"))
         split_cell = "-" if not split else with_host(split[-1]) + (
             f"; graph {num(split_graph[-1]['ms'])}" if split_graph else "")
         rows.append([step, r["hkv"], topk_of(r), with_host(r), split_cell, peers_cell(peers),

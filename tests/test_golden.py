@@ -13,6 +13,7 @@ import torch
 
 from dash_core import dash_reference
 from tests._golden import CASES, SKIP_REASON, case_id, params_of
+from tests.test_reference import dense_causal
 
 pytestmark = pytest.mark.skipif(not CASES, reason=SKIP_REASON)
 
@@ -34,13 +35,6 @@ def _bounds(g: dict) -> tuple:
     return BOUNDS[seed]
 
 
-def _dense(q, k, v) -> torch.Tensor:
-    """Causal softmax attention ``[B, Hq, N, D]`` in float64 (GQA: query head h reads KV head h // G)."""
-    g = q.shape[1] // k.shape[1]
-    k, v = (x.double().repeat_interleave(g, dim=1) for x in (k, v))
-    return torch.nn.functional.scaled_dot_product_attention(q.double(), k, v, is_causal=True)
-
-
 def test_prefill_matches_published(golden):
     g = golden
     max_differ, tol, _ = _bounds(g)
@@ -52,7 +46,7 @@ def test_prefill_matches_published(golden):
     rows = agree.repeat_interleave(group, dim=1)
     err = (out.float() - g["out"]).abs().amax(-1)
     assert err[rows].max().item() <= tol
-    dense = (_dense(g["q"], g["k"], g["v"]).float() - g["out"]).abs().max().item()
+    dense = (dense_causal(g["q"], g["k"], g["v"]).float() - g["out"]).abs().max().item()
     assert (dense <= tol) == (int(g["params"]["seed"]) in DENSE_LIKE), dense
 
 
@@ -64,5 +58,5 @@ def test_decode_is_last_row_of_one_more_token(golden):
     out, active = dash_reference(q, k, v, g["head_cls"], params_of(g), rows=[n])
     assert torch.equal(active, g["active_dec"])
     assert (out.float() - g["out_dec"]).abs().max().item() <= tol
-    dense = (_dense(q, k, v)[:, :, n:].float() - g["out_dec"]).abs().max().item()
+    dense = (dense_causal(q, k, v)[:, :, n:].float() - g["out_dec"]).abs().max().item()
     assert (dense <= tol) == (int(g["params"]["seed"]) in DENSE_LIKE), dense

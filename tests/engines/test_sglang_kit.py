@@ -65,11 +65,10 @@ def test_cuda_graph_capture_replay_contract(dash_kit, page_size, prefix_lens, mo
 
     monkeypatch.setattr(runner, "DENSE_ATOL", ATOL)
     monkeypatch.setattr(runner, "DENSE_RTOL", RTOL)
-    run_dense_cuda_graph_decode_case = runner.run_dense_cuda_graph_decode_case
     kit = dash_kit(DENSE)
     case = _case(kit, f"dash_graph_p{page_size}_bs{len(prefix_lens)}", "DECODE", page_size, prefix_lens)
-    run_dense_cuda_graph_decode_case(KitTestCase(), case, max_context_len=128, cuda_graph_capture_batch_size=4,
-                                     **F32)
+    runner.run_dense_cuda_graph_decode_case(KitTestCase(), case, max_context_len=128,
+                                            cuda_graph_capture_batch_size=4, **F32)
 
 
 def test_graph_buffers_are_static_and_refilled_in_place(dash_kit):

@@ -198,7 +198,7 @@ def assert_few_differ(groups: dict, fraction: float) -> None:
 def assert_rows_match(bad: dict, excused: dict, max_excused: float = 0.1) -> None:
     """End to end against the oracle fed the kernels' own inputs: no row may miss the attention tolerance
     (``bad``: ``{name: bool mask}``, excused rows already cleared), and at most ``max_excused`` of all rows may be
-    excused (``excused``: the same groups' masks of rows of a unit with a near-threshold decision, ``unit_excused``),
+    excused (``excused``: the same groups' masks of rows of a unit with a near-threshold decision, ``excused_heads``),
     so that the check is not vacuous."""
     for name, rows in bad.items():
         assert not rows.any(), f"{name}: {int(rows.sum())} of {rows.numel()} rows differ from the oracle"
@@ -213,20 +213,28 @@ def summary_tolerance(dtype) -> dict:
     return {"rtol": (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10) * 1.01, "atol": 1e-5}
 
 
-def unit_excused(x: torch.Tensor, mp: torch.Tensor, topk: Optional[int]) -> bool:
-    """Whether one selection unit (``x [heads, c]``, ``mp [c]``, as ``near_decisions``) has a decision that
-    docs/semantics.md section 7 lets two implementations take apart: a score near a head's threshold, or a second
-    mp at the ``topk``-th (which is itself always near it). End-to-end tests count no row of such a unit."""
-    if x.shape[-1] == 0:
-        return False
-    near_tau, near_k = near_decisions(x, mp, topk)
-    return bool(near_tau.any()) or int(near_k.sum()) > 1
+def excused_heads(mp: torch.Tensor, x: torch.Tensor, ncand: torch.Tensor, topk: Optional[int],
+                  hq: int) -> torch.Tensor:
+    """``[R, hq]`` bool: the query heads of each row whose selection unit has a decision docs/semantics.md section 7
+    lets two implementations take apart: a score near a head's threshold, or a second mp at the ``topk``-th (which is
+    itself always near it). ``mp [Hsel, R, nblk]`` (the oracle's routing), ``x [Hx, R, nblk]`` the scores (unit u's
+    heads are the u-th ``Hx / Hsel`` of them; every head with one unit), ``ncand [R]``. End-to-end tests count no row
+    of such a unit."""
+    hsel = mp.shape[0]
+    gx, go = x.shape[0] // hsel, hq // hsel
+    out = torch.zeros(len(ncand), hq, dtype=torch.bool)
+    for r, c in enumerate(ncand.tolist()):
+        for u in range(hsel if c else 0):
+            near_tau, near_k = near_decisions(x[u * gx:(u + 1) * gx, r, :c], mp[u, r, :c], topk)
+            out[r, u * go:(u + 1) * go] = bool(near_tau.any()) or int(near_k.sum()) > 1
+    return out
 
 
 def oracle_route(sc: Scenario, i: int, summaries: Optional[torch.Tensor] = None):
     """The oracle's routing of request i's decode row, fed ``summaries`` (default: the stored ones)
-    and the kernels' ``sf * q``. Returns ``(routing, x [Hq, ncand], ncand)``."""
-    from dash_core.reference import route
+    and the kernels' ``sf * q``. Returns ``(routing, x [Hq, ncand], ncand)``; with no candidate (or a padded row), an
+    empty selection for every unit."""
+    from dash_core.reference import Routing, route
 
     p = sc.params
     L = int(sc.seq_lens[i])
@@ -235,8 +243,9 @@ def oracle_route(sc: Scenario, i: int, summaries: Optional[torch.Tensor] = None)
     qs = oracle_scaled_query(sc, i)
     hq, d = qs.shape[0], qs.shape[2]
     g = hq // summ.shape[0]
-    if ncand == 0:
-        return None, torch.zeros(hq, 0, dtype=torch.float64), 0
+    if ncand == 0:  # nothing to route: an empty selection for every unit
+        z = torch.zeros(p.selection_units(sc.cache.num_kv_heads), 1, 0, dtype=torch.float64)
+        return Routing(mp=z, kept=z.bool(), prior=z), torch.zeros(hq, 0, dtype=torch.float64), 0
     rt = route(qs, summ, torch.tensor([ncand]), p)
     x = 0.5 * torch.einsum("hd,hjd->hj", qs[:, 0].double(), summ.repeat_interleave(g, 0)) / math.sqrt(d)
     return rt, x, ncand
@@ -253,7 +262,7 @@ def unit_rows(sc: Scenario, u: int) -> slice:
 def selection_mismatches(sc: Scenario, i: int, u: int, kernel_kept: set, rt, x) -> list:
     """Blocks on which the kernel's kept set and the oracle's differ, less the entries docs/semantics.md
     section 7 exempts (``near_decisions``)."""
-    oracle_kept = set(torch.nonzero(rt.kept[u, 0]).flatten().tolist()) if rt is not None else set()
+    oracle_kept = set(torch.nonzero(rt.kept[u, 0]).flatten().tolist())
     diff = sorted(kernel_kept ^ oracle_kept)
     if not diff:
         return []

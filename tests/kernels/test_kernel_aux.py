@@ -18,7 +18,7 @@ from dash_core.reference import block_summaries, dash_rows, route, routing_score
 from dash_core.rope import PageRopeSettings, RotarySettings, page_coordinates, page_rope
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_ops import kernel_decode, kernel_prefill
-from tests.kernels._kernel_scenarios import assert_rows_match, summary_tolerance, unit_excused
+from tests.kernels._kernel_scenarios import assert_rows_match, excused_heads, summary_tolerance
 from tests.kernels.test_kernel_decode_attention import TOL
 
 DEV = KERNEL_DEVICE
@@ -138,7 +138,7 @@ def test_aux_prefill_then_decode(page_mode, indexer, hi):
 def excused_rows(qr: torch.Tensor, summaries: torch.Tensor, pos: torch.Tensor, params: DashParams,
                  indexer: bool) -> torch.Tensor:
     """``[R, Hq]`` bool: the rows at ``pos`` whose selection unit has a decision docs/semantics.md section 7 lets
-    two implementations take apart (``unit_excused``), routed as ``dash_rows`` routes them: ``qr [T, Hr, D]`` (the
+    two implementations take apart (``excused_heads``), routed as ``dash_rows`` routes them: ``qr [T, Hr, D]`` (the
     queries, or the indexer's) scaled and rounded as the kernels do, over ``summaries [Hs, nblk, D]``; with the
     ``indexer``, one selection shared by every head."""
     if indexer:
@@ -146,17 +146,10 @@ def excused_rows(qr: torch.Tensor, summaries: torch.Tensor, pos: torch.Tensor, p
     qs = (qr[pos] * params.scaling_factor).to(qr.dtype).permute(1, 0, 2)  # [Hr, R, D]
     ncand = (pos // params.block_size - params.local_blocks + 1).clamp(min=0)
     nblk = int(ncand.max())
-    out = torch.zeros(len(pos), HQ, dtype=torch.bool)
     if nblk == 0:
-        return out
+        return torch.zeros(len(pos), HQ, dtype=torch.bool)
     rt, x = route(qs, summaries[:, :nblk], ncand, params), routing_scores(qs, summaries[:, :nblk])
-    shared = params.router == "shared"
-    g = qs.shape[0] // (1 if shared else HKV)
-    for r, c in enumerate(ncand.tolist()):
-        for u in range(rt.mp.shape[0]):
-            if unit_excused(x[u * g:(u + 1) * g, r, :c], rt.mp[u, r, :c], params.topk):
-                out[r, slice(None) if shared else slice(u * g, (u + 1) * g)] = True
-    return out
+    return excused_heads(rt.mp, x, ncand, params.topk, HQ)
 
 
 def test_indexer_launch_checks():

@@ -12,7 +12,7 @@ from dash_core import DashParams
 from dash_core.kernels.decode import launch as decode_launch
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.config import DecodeConfig
-from dash_core.reference import Routing, attend
+from dash_core.reference import attend
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_scenarios import batch_lens, make_scenario, oracle_route, write_decode_token_torch
 
@@ -33,10 +33,7 @@ def fill_selection(sc, bufs) -> list:
     bufs.sel_count.zero_()
     for i in range(sc.n):
         L = int(sc.seq_lens[i])
-        rt = oracle_route(sc, i)[0] if L else None
-        if rt is None:
-            z = torch.zeros(hsel, 1, 0, dtype=torch.float64)
-            rt = Routing(mp=z, kept=z.bool(), prior=z)
+        rt = oracle_route(sc, i)[0]
         routings.append(rt)
         if L == 0:
             continue

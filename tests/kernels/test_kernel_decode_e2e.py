@@ -10,11 +10,11 @@ from hypothesis import given, settings, strategies as st
 from dash_core import DashParams
 from dash_core.kernels.decode.buffers import DecodeBuffers
 from dash_core.kernels.decode.config import DecodeConfig
+from dash_core.reference import attend
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_ops import kernel_decode
-from dash_core.reference import Routing, attend
-from tests.kernels._kernel_scenarios import (batch_lens, forget_summaries_from, make_scenario, oracle_decode_rows,
-                                            oracle_route, truncated, unit_excused, unit_rows)
+from tests.kernels._kernel_scenarios import (batch_lens, excused_heads, forget_summaries_from, make_scenario,
+                                            oracle_decode_rows, oracle_route, truncated)
 from tests.kernels.test_kernel_decode_attention import TOL
 
 EXAMPLES = int(os.environ.get("DASH_KERNEL_EXAMPLES", "10"))
@@ -36,7 +36,7 @@ def row_errors(sc, out, strict: bool = False) -> tuple:
     """(rows checked, rows outside the attention tolerance); padded rows must be exactly zero. Against the pure
     oracle (``oracle_decode_rows``); ``strict``: against the oracle's routing of the stored summaries with the
     kernels' ``sf * q`` (``oracle_route``) and its attention, rows of a unit with a near-threshold decision
-    (``unit_excused``) not counted."""
+    (``excused_heads``) not counted."""
     out = out.cpu()
     tol = TOL[sc.q.dtype]
     checked = bad = 0
@@ -47,13 +47,8 @@ def row_errors(sc, out, strict: bool = False) -> tuple:
             continue
         counted = torch.ones(sc.q.shape[1], dtype=torch.bool)
         if strict:
-            rt, x, _ = oracle_route(sc, i)
-            if rt is None:  # no candidate: the local window alone
-                z = torch.zeros(1 if sc.params.router == "shared" else sc.cache.num_kv_heads, 1, 0, dtype=torch.float64)
-                rt = Routing(mp=z, kept=z.bool(), prior=z)
-            for u in range(rt.mp.shape[0]):
-                if unit_excused(x[unit_rows(sc, u)], rt.mp[u, 0], sc.params.topk):
-                    counted[unit_rows(sc, u)] = False
+            rt, x, ncand = oracle_route(sc, i)
+            counted = ~excused_heads(rt.mp, x[:, None], torch.tensor([ncand]), sc.params.topk, sc.q.shape[1])[0]
             ref = attend(sc.q[i].cpu()[:, None, :], sc.k_full[i], sc.v_full[i], torch.tensor([L - 1]), rt,
                          sc.params)[:, 0]
         else:

@@ -29,7 +29,7 @@ from dash_core.reference import attend, block_summaries
 from dash_core.workspace import PrefillWorkspace
 from tests.kernels._kernel_env import KERNEL_DEVICE
 from tests.kernels._kernel_ops import kernel_decode, kernel_prefill
-from tests.kernels._kernel_scenarios import assert_rows_match, summary_tolerance, unit_excused
+from tests.kernels._kernel_scenarios import assert_rows_match, excused_heads, summary_tolerance
 from tests.kernels._prefill_scenarios import (exempt, make_prefill_case, oracle_routing, plan_and_scratch,
                                               stored_summaries, token_slots, wipe_new_tokens)
 from tests.kernels.test_kernel_decode_attention import TOL
@@ -53,11 +53,10 @@ def differing_rows(case, out, requests=None) -> tuple:
     """``({request: [R, Hq] bool}, {request: [R, Hq] bool})``: for each request with new tokens (of ``requests``,
     default all), its rows outside the attention tolerance against the oracle fed the kernels' own inputs (the stored
     summaries and the kernels' ``sf * q``: ``oracle_routing``, then its attention), and its rows of a selection unit
-    with a near-threshold decision (``unit_excused``), which are not counted in the first."""
+    with a near-threshold decision (``excused_heads``), which are not counted in the first."""
     out = out.cpu()
     assert torch.isfinite(out).all()
     tol = TOL[case.q.dtype]
-    hq, hkv = case.q.shape[1], case.cache.num_kv_heads
     bad, excused = {}, {}
     for i, (_, new) in enumerate(case.reqs):
         if new and (requests is None or i in requests):
@@ -65,13 +64,8 @@ def differing_rows(case, out, requests=None) -> tuple:
             pos = case.positions(i)
             q = case.q[case.rows(i)].cpu().permute(1, 0, 2)
             ref = attend(q, case.sc.k_full[i], case.sc.v_full[i], pos, rt, case.params).permute(1, 0, 2)  # [R, Hq, D]
-            ex = torch.zeros(len(pos), hq, dtype=torch.bool)
-            g = hq if rt.mp.shape[0] == 1 else hq // hkv
             ncand = (pos // case.params.block_size - case.params.local_blocks + 1).clamp(min=0)
-            for r, c in enumerate(ncand.tolist()):
-                for u in range(rt.mp.shape[0]):
-                    ex[r, u * g:(u + 1) * g] = unit_excused(x[u * g:(u + 1) * g, r, :c], rt.mp[u, r, :c],
-                                                            case.params.topk)
+            ex = excused_heads(rt.mp, x, ncand, case.params.topk, case.q.shape[1])
             err = (out[case.rows(i)].double() - ref).abs() - tol["rtol"] * ref.abs()
             bad[i], excused[i] = (err.amax(-1) > tol["atol"]) & ~ex, ex
     return bad, excused

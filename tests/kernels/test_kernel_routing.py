@@ -35,7 +35,7 @@ def check_routing(sc, bufs) -> None:
                 assert len(idx) <= p.topk
             bad = selection_mismatches(sc, i, u, set(idx), rt, x)
             assert not bad, (f"row {i} unit {u}: blocks {bad} differ (kernel {idx}, oracle "
-                             f"{torch.nonzero(rt.kept[u, 0]).flatten().tolist() if rt is not None else []})")
+                             f"{torch.nonzero(rt.kept[u, 0]).flatten().tolist()})")
             if not idx:
                 continue
             # physical block = the summary index of the logical block (slot // bs)
