@@ -186,6 +186,13 @@ def write_args(k: Optional[torch.Tensor], v: Optional[torch.Tensor], cache: Page
             1.0 / math.sqrt(cache.head_dim))
 
 
+def no_write_args(placeholder: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """``write_args``' layout for a launch that writes nothing: ``placeholder`` for every tensor but the slot
+    mapping, ``slots`` (an integer tensor) for that; never dereferenced."""
+    t = placeholder
+    return (t, t, 0, 0, 0, 0, t, t, 0, 0, 0, 0, 0, 0, t, 0, 0, t, 0, slots, 0, 1.0)
+
+
 def _cache_args(cache: PagedKVCache) -> tuple:
     """``write_args``' part that depends on the cache alone: the pages and their strides, the summary store (the K
     pages as a placeholder without one) and its strides."""

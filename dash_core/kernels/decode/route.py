@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..common import decode_bounds, load_group_query, pdl_launch, pdl_supported, pow2, scaled_query, summary_scores
-from ..kv_write import write_token
+from ..kv_write import no_write_args, write_token
 from ..launcher import cached_launch
 from ..routing import load_scores, radix_min_keys, route_tile, score_rows
 from .config import DecodeConfig
@@ -151,11 +151,6 @@ def _select_unit(
     )
 
 
-def _NO_WRITE(q: torch.Tensor, dummy: torch.Tensor) -> tuple:
-    """Placeholders for the select kernel's write arguments (never dereferenced)."""
-    return (q, q, 0, 0, 0, 0, q, q, 0, 0, 0, 0, 0, 0, q, 0, 0, q, 0, dummy, 0, 1.0)
-
-
 def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  params, page_size: int, scores: torch.Tensor, pmax: torch.Tensor, mp: torch.Tensor,
                  mp_cand: torch.Tensor, sel_idx: torch.Tensor, sel_blk: torch.Tensor, sel_bias: torch.Tensor,
@@ -243,7 +238,7 @@ def _select_launch(scores, pmax, num_splits, block_table, seq_lens, params, page
         block_table, block_table.stride(0), seq_lens, max_pages * page_size,
         mp, mp_cand, mp.stride(0), mp.stride(1), sel_idx, sel_blk, sel_bias, sel_idx.stride(0), sel_idx.stride(1),
         sel_idx.shape[2], sel_count, sel_count.stride(0), nrows, topk, 1.0 / params.sigma, hsel,
-        *(write if write is not None else _NO_WRITE(q, seq_lens)),
+        *(write if write is not None else no_write_args(q, seq_lens)),
         NH_PAD=nh_pad, NS_PAD=pow2(num_splits), TC=tc, TS=ts, NPIV=npiv,
         HAS_TOPK=params.cap_binds(max_cand), EST_DIAG=params.estimate_diagonal, D=d, BS=bs, PS=page_size,
         LOCAL_BLOCKS=params.local_blocks, ONE_TILE=one_tile, X_IN_REGS=x_in_regs,
