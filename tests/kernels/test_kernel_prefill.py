@@ -532,7 +532,7 @@ def test_extends_match_oracle():
         excused.update({f"case {n} request {i}": rows for i, rows in ex.items()})
         plan, scratch = plan_and_scratch(case, PrefillConfig())
         (_, tiles), = plan.waves()
-        if pf_route.route_fused(case.q, case.cache.num_kv_heads, p, plan, scratch, tiles):
+        if pf_route.route_fused(case.q, case.cache, p, plan, scratch, tiles):
             fused += 1
             assert torch.equal(prefill(case, PrefillConfig(fuse_route=False), write=False), out), n
         if n == 0:  # two tiles per wave
@@ -658,20 +658,26 @@ def test_gluon_launch_on_long_tables_or_long_waves(monkeypatch, min_cand, min_ti
     assert dataclasses.replace(config.gluon, enabled=False).wanted(plan.max_cand, tiles) is False
 
 
-@pytest.mark.parametrize("bs, gluon_attends", [(64, True), (16, False)])
-def test_one_predicate_says_which_launch_attends_a_wave(bs, gluon_attends):
-    """``PrefillConfig.gluon_attends`` answers for the attention launch and for ``route.route_fused`` alike: with the
-    Gluon launch wanted (``GluonConfig.wanted``), a wave whose union tiles span one block (64 keys at block size 64)
-    goes to it and keeps its route launch; at block size 16 a union tile spans several blocks, so the Triton kernel
-    attends the wave and routes it in the same launch."""
+@pytest.mark.parametrize("bs, hopper, attends", [(64, True, True), (64, False, False), (16, True, False)])
+def test_one_predicate_says_which_launch_attends_a_wave(monkeypatch, bs, hopper, attends):
+    """``gluon.attends`` answers for the attention launch and for ``route.route_fused`` alike: with the Gluon launch
+    wanted (``GluonConfig.wanted``), a wave whose union tiles span one block (64 keys at block size 64) goes to it
+    where it runs (``ws_supported``, here made to answer as a Hopper GPU would) and keeps its route launch; where it
+    does not run, or at block size 16 (a union tile spans several blocks), the Triton kernel attends the wave and
+    routes it in the same launch."""
+    if hopper:
+        monkeypatch.setattr(gluon, "ws_supported", lambda q, cache, *a: gluon.kv_rows(cache))
+    else:
+        monkeypatch.setattr(gluon, "ws_supported", lambda *a: None)
     p = DashParams(block_size=bs, topk=4, scaling_factor=2.0)
     case = make_prefill_case(7, [(160, 96)], hq=8, hkv=2, d=128, bs=bs, params=p).to(DEV)
     config = PrefillConfig(scratch_bytes=1 << 40, gluon=GluonConfig(min_candidates=0))
     plan, scratch = plan_and_scratch(case, config)
     (tile0, tiles), = plan.waves()
     assert config.gluon.wanted(plan.max_cand, tiles)
-    assert config.gluon_attends(128, bs, plan.max_cand, tiles) is gluon_attends
-    assert pf_route.route_fused(case.q, 2, p, plan, scratch, tiles) is not gluon_attends
+    assert config.gluon_wanted(128, bs, plan.max_cand, tiles) is (bs == 64)
+    assert gluon.attends(case.q, case.cache, p, plan, tiles) is attends
+    assert pf_route.route_fused(case.q, case.cache, p, plan, scratch, tiles) is not attends
 
 
 def test_waves_take_every_tile_once_from_the_last():

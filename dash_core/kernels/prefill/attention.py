@@ -8,9 +8,8 @@ every token's prior put at its blocks' union positions; on short tables with no 
 not select a block get ``-inf`` logits there, the others their log prior. Queries of a tile routed to the same block
 share the load and the MMA (how much depends on how similar neighbouring tokens' selections are). On Hopper and
 later, a union tile of one block is loaded by TMA where the cache's layout allows (``_kv_descriptors``), else by
-pointer loads. On Hopper, for the waves ``PrefillConfig.gluon_attends`` and the configurations
-``gluon.ws_supported`` names, this launch builds the unions only and the Gluon launch (``gluon.prefill_attn_ws``,
-several warpgroups a program) runs the attention.
+pointer loads. On Hopper, for the waves ``gluon.attends``, this launch builds the unions only and the Gluon launch
+(``gluon.prefill_attn_ws``, several warpgroups a program) runs the attention.
 """
 
 from __future__ import annotations
@@ -407,7 +406,7 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
     g_pad = pow2(g)
     block_u = cfg.union_keys(d, bs)
     one_block = cfg.union_in_one_block(d, bs)
-    gluon_wanted = cfg.gluon_attends(d, bs, plan.max_cand, tiles)
+    ws_attends = gluon.attends(q, cache, params, plan, tiles)
     ssel, scnt = s.sel_idx.stride(), s.sel_count.stride()
     spr, sub, spos = s.union_prior.stride(), s.union_blk.stride(), s.union_pos.stride()
     qk_scale = LOG2E_F / math.sqrt(d)
@@ -430,7 +429,7 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
         num_warps=cfg.attn_warps if d <= 128 else 2 * cfg.attn_warps,
         num_stages=cfg.attn_stages)
     ws_kernel = None
-    if gluon_wanted and gluon.HAVE_GLUON:
+    if ws_attends:
         gc = cfg.gluon
         ws_kernel = bind_launch(
             gluon.prefill_attn_ws, (min(sm_count(q.device), cdiv(tiles * hkv, gluon.WARPGROUPS)),), gluon.WS_LEAD,
@@ -441,7 +440,7 @@ def bind_attention(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Tens
 
     def attend(q: torch.Tensor, cache: PagedKVCache, bt: torch.Tensor, out: torch.Tensor) -> None:
         kp, vp, summ = cache.k_pages, cache.v_pages, cache.summaries
-        geo = gluon.ws_supported(q, cache, params, g_pad, plan.qt) if gluon_wanted else None  # where its TMA works
+        geo = gluon.ws_supported(q, cache, params, g_pad, plan.qt) if ws_attends else None  # this layer's rows
         ws = geo is not None
         # with the Gluon launch, the Triton launch builds the unions only: it loads no K/V
         kv_desc = _kv_descriptors(cache, block_u, cfg) if one_block and block_u == bs and not ws else None

@@ -128,9 +128,8 @@ class PrefillConfig:
         """Whether a union tile (``union_keys``) lies within one block: one base address, no gather."""
         return self.union_keys(d, bs) < 2 * bs
 
-    def gluon_attends(self, d: int, bs: int, max_cand: int, tiles: int) -> bool:
-        """Whether the Gluon launch attends a wave of ``tiles`` tiles over tables of ``max_cand`` candidates
-        (``GluonConfig.wanted``, union tiles within one block), where ``gluon.ws_supported`` says it runs; else the
-        Triton kernel attends it."""
+    def gluon_wanted(self, d: int, bs: int, max_cand: int, tiles: int) -> bool:
+        """Whether the Gluon launch is wanted for a wave of ``tiles`` tiles over tables of ``max_cand`` candidates
+        (``GluonConfig.wanted``, union tiles within one block); ``gluon.attends`` adds where it can run."""
         return self.union_in_one_block(d, bs) and self.gluon.wanted(max_cand, tiles)
 

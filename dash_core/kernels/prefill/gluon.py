@@ -16,7 +16,7 @@ divides).
 Where it runs (``ws_supported``): NVIDIA Hopper (sm_90), D 128, block size 64 within a page, 64 query rows a tile,
 bf16 or fp16, pages whose rows one 2-D TMA descriptor describes (``kv_rows``: SGLang's layout and vLLM's), block tables
 of at least ``GluonConfig.min_candidates`` candidates or waves of at least ``GluonConfig.min_tiles`` tiles
-(``attention.bind_attention``); else the Triton kernel.
+(``attends``); else the Triton kernel.
 The interpreter cannot run Gluon: the GPU tests check this kernel against the Triton one and the oracle.
 """
 
@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ..common import sm90
+from ..common import pow2, sm90
 from ..launcher import cached_launch
 from .tiles import (INFO_A0, INFO_FIRST_LOCAL, INFO_LAST_LOCAL, INFO_OK, INFO_P_HI, INFO_P_LO, INFO_REQ,
                     INFO_TOK_BASE)
@@ -93,6 +93,14 @@ def ws_supported(q: torch.Tensor, cache, params, g_pad: int, qt: int) -> Optiona
           and g_pad * qt == ROWS and q.dtype in (torch.bfloat16, torch.float16) and kp.dtype == q.dtype
           and vp.dtype == q.dtype)
     return kv_rows(cache) if ok else None
+
+
+def attends(q: torch.Tensor, cache, params, plan, tiles: int) -> bool:
+    """Whether ``prefill_attn_ws`` attends a wave of ``tiles`` tiles of ``plan`` (a ``PrefillPlan``) on this cache:
+    the config wants it (``PrefillConfig.gluon_wanted``) and it runs here (``ws_supported``); else the Triton kernel
+    attends the wave. The attention launch and ``route.route_fused`` both ask this."""
+    return (plan.config.gluon_wanted(q.shape[2], params.block_size, plan.max_cand, tiles)
+            and ws_supported(q, cache, params, pow2(q.shape[1] // cache.num_kv_heads), plan.qt) is not None)
 
 
 if HAVE_GLUON:

@@ -89,7 +89,7 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
         step = (block_table, cu_seqlens_q, seq_lens, params, plan, scratch)
         waves = []
         for tile0, tiles in plan.waves():
-            fused = iq is None and route_fused(q, cache.num_kv_heads, params, plan, scratch, tiles)
+            fused = iq is None and route_fused(q, cache, params, plan, scratch, tiles)
             waves.append((None if fused else bind_route(rq, rcache, *step, tile0, tiles),
                           bind_attention(q, cache, *step, tile0, tiles, route=fused)))
         return scratch, waves

@@ -29,6 +29,7 @@ from ...params import DashParams
 from ..common import block_page, cdiv, pow2, scaled_query, summary_index, summary_scores, tma_supported
 from ..launcher import bind_launch, cached_launch
 from ..routing import INF_BITS, append_positive, halley_step, mp_key_range, positive_part, route_tile, select_kept
+from . import gluon
 from .config import PrefillConfig
 from .tiles import tile_bounds, tile_rows, wave_tile
 
@@ -489,15 +490,14 @@ def routes_in_registers(q: torch.Tensor, hkv: int, params: DashParams, plan, scr
                                                                 params, plan.config)
 
 
-def route_fused(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch, tiles: int) -> bool:
+def route_fused(q: torch.Tensor, cache: PagedKVCache, params: DashParams, plan, scratch, tiles: int) -> bool:
     """Whether the attention launch of a wave of ``tiles`` tiles of ``plan`` routes them itself
     (``PrefillConfig.fuse_route``; the attention kernel's ``ROUTE``, ``route_in_registers``): where the route
     kernel would keep the scores in registers (``scores_in_registers``: short tables, router ``kv_head``), with no
-    summary copy, and the Triton kernel attends the wave (not ``PrefillConfig.gluon_attends``: routing in the union
-    launch before the Gluon attention takes longer than a route launch before it)."""
-    cfg = plan.config
-    return (cfg.fuse_route and not cfg.gluon_attends(q.shape[2], params.block_size, plan.max_cand, tiles)
-            and routes_in_registers(q, hkv, params, plan, scratch))
+    summary copy, and the Triton kernel attends the wave (not ``gluon.attends``: routing in the union launch before
+    the Gluon attention takes longer than a route launch before it)."""
+    return (plan.config.fuse_route and not gluon.attends(q, cache, params, plan, tiles)
+            and routes_in_registers(q, cache.num_kv_heads, params, plan, scratch))
 
 
 def union_from_mp(q: torch.Tensor, hkv: int, params: DashParams, plan, scratch) -> bool:
