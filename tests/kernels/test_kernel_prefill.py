@@ -680,6 +680,19 @@ def test_one_predicate_says_which_launch_attends_a_wave(monkeypatch, bs, hopper,
     assert pf_route.route_fused(case.q, case.cache, p, plan, scratch, tiles) is not attends
 
 
+def test_config_refuses_tile_sizes_the_kernels_cannot_shape():
+    """``PrefillConfig``'s tile sizes are powers of two of at least 16 (``tl.arange`` spans them): any other is a
+    ``ValueError`` when the config is built, not a compile error in a launch; a tile's tokens ``QT`` then keep
+    ``QT * G_PAD`` within ``attn_rows``, down to one token where the padded group alone exceeds it."""
+    for name in ("attn_rows", "attn_keys"):
+        for bad in (8, 48):
+            with pytest.raises(ValueError, match=name):
+                PrefillConfig(**{name: bad})
+    assert pf_tiles.tile_tokens(32, 8, 64, 64) == 16
+    assert pf_tiles.tile_tokens(32, 8, 16, 128) == 16  # at most a block
+    assert pf_tiles.tile_tokens(24, 1, 64, 16) == 1  # G_PAD 32 > 16 rows
+
+
 def test_waves_take_every_tile_once_from_the_last():
     """``PrefillPlan.waves``: consecutive tiles, each in one wave, the partial last wave issued first (or, without
     ``waves_last_first``, in tile order)."""

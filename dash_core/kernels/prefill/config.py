@@ -115,6 +115,8 @@ class PrefillConfig:
     gluon: GluonConfig = field(default_factory=GluonConfig)
 
     def __post_init__(self) -> None:
+        if self.attn_rows & (self.attn_rows - 1) or self.attn_rows < 16:
+            raise ValueError(f"PrefillConfig.attn_rows = {self.attn_rows}: expected a power of two >= 16")
         if self.attn_keys & (self.attn_keys - 1) or self.attn_keys < 16:
             raise ValueError(f"PrefillConfig.attn_keys = {self.attn_keys}: expected a power of two >= 16")
         if self.scratch_bytes <= 0:

@@ -23,7 +23,7 @@ from ...params import DashParams
 from ..common import cdiv, sm_count
 from .config import PrefillConfig
 from .route import may_recompute, recompute_routing, summary_copy_descriptor
-from .tiles import INFO_COLS, max_tiles, tile_tables, tile_tokens
+from .tiles import INFO_COLS, INFO_COUNTER, max_tiles, tile_tables, tile_tokens
 
 
 def _row(max_cand: int) -> int:
@@ -35,15 +35,16 @@ def _row(max_cand: int) -> int:
 class PrefillScratch:
     """Routing scratch of one wave of ``W`` tiles (``slots = W * QT`` token slots).
 
-    scores ``[slots, Hq, row]`` fp32; mp ``[slots, Hsel, row]`` fp32 and mp_cand like it in int32: each
-    unit's positive mp as a list, and their candidates (``row``: ``max_cand`` rounded up to 16, so that every
-    row starts 64-byte aligned and the route kernel reads whole groups of 4; routing from the summary copy first
-    stages each unit's scaled queries in its mp row where they fit, ``stages_queries``); sel_idx / sel_blk
-    ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32, sel_count ``[slots, Hsel]`` int32,
-    union_blk ``[W, Hkv, max_cand]`` int32, union_pos ``[W, Hkv, max_cand]`` int32 (by candidate) and
-    union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position); for the Gluon attention launch
-    (``gluon.py``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, 9]`` int32 (the tiles' bounds, and in the
-    last column of row 0 that launch's work counter, ``ws_counter``).
+    scores ``[slots, Hq, row]`` fp32; mp ``[slots, Hsel, row]`` fp32 and mp_cand like it in int32: each unit's
+    positive mp as a list, and their candidates (by candidate instead where the tiles route from scores in
+    registers, ``route.routes_in_registers``: the union launch reads them so, ``route.union_from_mp``) (``row``:
+    ``max_cand`` rounded up to 16, so that every row starts 64-byte aligned and the route kernel reads whole groups
+    of 4; routing from the summary copy first stages each unit's scaled queries in its mp row where they fit,
+    ``stages_queries``); sel_idx / sel_blk ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32,
+    sel_count ``[slots, Hsel]`` int32, union_blk ``[W, Hkv, max_cand]`` int32, union_pos ``[W, Hkv, max_cand]``
+    int32 (by candidate) and union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position); for the Gluon
+    attention launch (``gluon.py``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, INFO_COLS]`` int32 (the
+    tiles' bounds, and in column ``INFO_COUNTER`` of row 0 that launch's work counter, ``ws_counter``).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
     (``add_summary_copy``: at most ``PrefillConfig.summary_copy_bytes``, outside the wave budget), and no score is
     written: the route launch keeps only each unit's group sums of probabilities there (row h of its slot, h < Hkv).
@@ -77,7 +78,7 @@ class PrefillScratch:
 
     def __post_init__(self) -> None:
         # the Gluon attention launch's work counter: the last column of tile_info's row 0 ([1]; a view made once)
-        self.ws_counter = self.tile_info[0, INFO_COLS - 1:]
+        self.ws_counter = self.tile_info[0, INFO_COUNTER:]
 
     @staticmethod
     def _score_rows(hq: int, hkv: int, recompute: bool) -> int:

@@ -17,15 +17,17 @@ from ..common import pow2
 from ..launcher import cached_launch
 
 # tile_info: a row of int32 a tile of a wave, written by the union launch (``attention.py``) and read by the Gluon
-# attention (``gluon.py``); the columns by name (last_local is first_local - 1 where not ok). The last column of
+# attention (``gluon.py``); the columns by name (last_local is first_local - 1 where not ok). Column INFO_COUNTER of
 # row 0 is the Gluon launch's work counter.
 (INFO_OK, INFO_TOK_BASE, INFO_A0, INFO_P_LO, INFO_P_HI, INFO_FIRST_LOCAL, INFO_LAST_LOCAL,
  INFO_REQ) = (tl.constexpr(i) for i in range(8))
-INFO_COLS = 9
+INFO_COUNTER = 8
+INFO_COLS = INFO_COUNTER + 1
 
 
 def tile_tokens(num_q_heads: int, num_kv_heads: int, block_size: int, attn_rows: int) -> int:
-    """Tokens per tile ``QT``: a power of two dividing ``block_size`` with ``QT * G_PAD <= attn_rows``."""
+    """Tokens per tile ``QT``: a power of two dividing ``block_size`` with ``QT * G_PAD <= attn_rows`` (a power of
+    two), or 1 where the padded GQA group ``G_PAD`` alone exceeds ``attn_rows``."""
     g_pad = pow2(num_q_heads // num_kv_heads)
     return min(block_size, max(1, attn_rows // g_pad))
 
