@@ -561,12 +561,6 @@ def run_mixed(a, mixed, hkv, topk, device, bw, records, dense=True, dtype=torch.
     out = torch.empty_like(m.q[0])
     op = prefill_op(cuda)
 
-    def dash_step():
-        ws = PrefillWorkspace()
-        for i in range(nl):
-            op(m.q[i], m.k[i], m.v[i], m.caches[i], m.block_table, m.cu, m.seq, m.slot_mapping, m.head_cls, params,
-               out=out, workspace=ws)
-
     # the other form: the decode rows through the decode op, the chunk through the prefill op (vLLM's, where it
     # does not join the decode rows to the prefill call)
     decode = ops.paged_dash_decode if cuda else kernel_decode
@@ -575,25 +569,32 @@ def run_mixed(a, mixed, hkv, topk, device, bw, records, dense=True, dtype=torch.
                                       m.seq[nd:].contiguous(), m.slot_mapping[nd:])
     buffers = DecodeBuffers.for_step(m.q[0][:nd], m.caches[0], d_table, params)
 
-    def split_step():
-        ws = PrefillWorkspace()
-        for i in range(nl):
-            q, k, v = m.q[i], m.k[i], m.v[i]
-            decode(q[:nd], k[:nd], v[:nd], m.caches[i], d_table, d_lens, d_slots, m.head_cls, params, out=out[:nd],
-                   buffers=buffers)
-            op(q[nd:], k[nd:], v[nd:], m.caches[i], c_table, c_cu, c_lens, c_slots, m.head_cls, params,
-               out=out[nd:], workspace=ws)
+    for tag, config in a.tunings:  # the defaults, then each --tune setting (of the prefill op)
+        def dash_step(config=config):
+            ws = PrefillWorkspace(config)
+            for i in range(nl):
+                op(m.q[i], m.k[i], m.v[i], m.caches[i], m.block_table, m.cu, m.seq, m.slot_mapping, m.head_cls,
+                   params, out=out, workspace=ws)
 
-    for variant, step, note in (("mixed", dash_step, "one paged_dash_prefill call per layer"),
-                                ("mixed-split", split_step, "a paged_dash_decode call for the decode tokens and a "
-                                                            "paged_dash_prefill call for the chunk, per layer")):
-        add("dash-triton", variant, timed(step, a, cuda) / nl, topk=topk, write=True, frac=None,
-            mem=peak_mb(step, cuda), extra=dict(host_ms=layer_host_ms(step, nl, cuda)),
-            note=f"{note}, {nl} layers sharing a workspace")
-        if a.graph and cuda:
-            add("dash-triton", variant + "-graph", graph_ms([step], a.iters, 2, min_calls=1) / nl, topk=topk,
-                write=True, frac=None, graph=True,
-                note=f"the same step of {nl} layers replayed from one CUDA graph: no host time")
+        def split_step(config=config):
+            ws = PrefillWorkspace(config)
+            for i in range(nl):
+                q, k, v = m.q[i], m.k[i], m.v[i]
+                decode(q[:nd], k[:nd], v[:nd], m.caches[i], d_table, d_lens, d_slots, m.head_cls, params,
+                       out=out[:nd], buffers=buffers)
+                op(q[nd:], k[nd:], v[nd:], m.caches[i], c_table, c_cu, c_lens, c_slots, m.head_cls, params,
+                   out=out[nd:], workspace=ws)
+
+        for variant, step, note in (("mixed", dash_step, "one paged_dash_prefill call per layer"),
+                                    ("mixed-split", split_step, "a paged_dash_decode call for the decode tokens and "
+                                                                "a paged_dash_prefill call for the chunk, per layer")):
+            add("dash-triton", variant + tag, timed(step, a, cuda) / nl, topk=topk, write=True, frac=None,
+                mem=peak_mb(step, cuda), extra=dict(host_ms=layer_host_ms(step, nl, cuda)),
+                note=f"{note}, {nl} layers sharing a workspace")
+            if a.graph and cuda:
+                add("dash-triton", variant + "-graph" + tag, graph_ms([step], a.iters, 2, min_calls=1) / nl,
+                    topk=topk, write=True, frac=None, graph=True,
+                    note=f"the same step of {nl} layers replayed from one CUDA graph: no host time")
     for peer in [p for p in DENSE if p in peers_of(a.peers) and dense]:
         try:
             built = [mixed_peer(peer, m, i, cuda) for i in range(nl)]
