@@ -788,8 +788,8 @@ def test_scratch_bound_of_an_indexer():
     shared = dataclasses.replace(p, router="shared")
     plan = pf_plan.PrefillPlan.build(case.q, case.cache, case.block_table, case.cu, case.seq_lens, shared,
                                      PrefillConfig(), route_heads=hi)
-    got = _allocated(pf_plan.PrefillScratch.allocate(plan.wave, plan.qt, max(8, hi), 2, plan.max_cand, shared,
-                                                case.q.device))
+    got = _allocated(pf_plan.PrefillScratch.allocate(plan.wave, plan.qt, pf_plan.score_heads(8, hi), 2,
+                                                     plan.max_cand, shared, case.q.device))
     assert prefill_scratch_bytes(t, 2, width, 8, 2, p, indexer_heads=hi) == got
 
 

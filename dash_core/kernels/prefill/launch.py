@@ -17,7 +17,7 @@ from ...workspace import PrefillWorkspace
 from ..kv_write import write_prefill
 from .attention import bind_attention
 from .config import PrefillConfig
-from .plan import PrefillPlan, PrefillScratch
+from .plan import PrefillPlan, PrefillScratch, score_heads
 from .route import bind_route, gather_summaries, route_fused
 
 
@@ -30,8 +30,8 @@ def plan_and_scratch(q: torch.Tensor, cache: PagedKVCache, block_table: torch.Te
     hq, d, hkv = q.shape[1], q.shape[2], cache.num_kv_heads
     plan = PrefillPlan.build(q, cache, block_table, cu_seqlens_q, seq_lens, params, config,
                              route_heads=route_heads, recompute=recompute)
-    hs = hq if route_heads is None else max(hq, route_heads)
-    scratch = PrefillScratch.allocate(plan.wave, plan.qt, hs, hkv, plan.max_cand, params, q.device, plan.recompute)
+    scratch = PrefillScratch.allocate(plan.wave, plan.qt, score_heads(hq, route_heads), hkv, plan.max_cand, params,
+                                      q.device, plan.recompute)
     if plan.recompute:
         scratch.add_summary_copy(seq_lens.shape[0], hkv, d, cache.summaries.dtype, config)
     return plan, scratch
@@ -82,7 +82,7 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     route_heads = None if iq is None else iq.shape[1]
     rq, rcache, hs = q, cache, hq  # what routes: the queries over the summaries, or the indexer's
     if iq is not None:
-        rq, rcache, hs = iq, cache.indexer_view(), max(hq, route_heads)
+        rq, rcache, hs = iq, cache.indexer_view(), score_heads(hq, route_heads)
 
     def make() -> tuple:
         plan, scratch = plan_and_scratch(q, cache, block_table, cu_seqlens_q, seq_lens, params, config, route_heads)

@@ -81,16 +81,16 @@ class PrefillScratch:
         self.ws_counter = self.tile_info[0, INFO_COUNTER:]
 
     @staticmethod
-    def _score_rows(hq: int, hkv: int, recompute: bool) -> int:
-        """Rows per slot of the scores' storage: ``Hq`` score rows, or (``recompute``) no more than the union tables
-        take (at least the Hkv rows of group sums the route launch writes)."""
-        return min(hq, 2 * hkv) if recompute else hq
+    def _storage_rows(score_rows: int, hkv: int, recompute: bool) -> int:
+        """Rows per slot of the scores' storage: ``score_rows`` (``score_heads``), or (``recompute``) no more than
+        the union tables take (at least the Hkv rows of group sums the route launch writes)."""
+        return min(score_rows, 2 * hkv) if recompute else score_rows
 
     @staticmethod
-    def bytes_per_tile(qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
+    def bytes_per_tile(qt: int, score_rows: int, hkv: int, max_cand: int, params: DashParams,
                        recompute: bool = False) -> int:
         hsel, cap = params.selection_units(hkv), params.cap(max_cand)
-        rows = PrefillScratch._score_rows(hq, hkv, recompute)
+        rows = PrefillScratch._storage_rows(score_rows, hkv, recompute)
         per_slot = 4 * ((rows + 2 * hsel) * _row(max_cand) + 3 * hsel * cap + hsel)
         own_prior = rows < 2 * hkv  # union_prior lies a table's size into the scores, or in storage of its own
         return qt * per_slot + 4 * hkv * max_cand * (1 + own_prior * qt) + 4 * (hkv + INFO_COLS)
@@ -101,14 +101,14 @@ class PrefillScratch:
         self.summary_desc = summary_copy_descriptor(self.summary_copy, config)
 
     @classmethod
-    def allocate(cls, tiles: int, qt: int, hq: int, hkv: int, max_cand: int, params: DashParams,
+    def allocate(cls, tiles: int, qt: int, score_rows: int, hkv: int, max_cand: int, params: DashParams,
                  device, recompute: bool = False) -> "PrefillScratch":
         """recompute: routing stores no score (``_route_recompute``): the scores' storage holds the union tables and,
         while a wave routes, its group sums (the summary copy is added by ``add_summary_copy``)."""
         hsel, cap = params.selection_units(hkv), params.cap(max_cand)
         slots = tiles * qt
         f32, i32 = torch.float32, torch.int32
-        rows = cls._score_rows(hq, hkv, recompute)
+        rows = cls._storage_rows(score_rows, hkv, recompute)
         scores = torch.empty(slots, rows, _row(max_cand), dtype=f32, device=device)
         table = tiles * hkv * qt * max_cand  # elements of one union table
         flat = scores.view(-1)
@@ -182,8 +182,14 @@ def _tile_geometry(hq: int, hkv: int, table_tokens: int, params: DashParams, con
     qt = tile_tokens(hq, hkv, params.block_size, config.attn_rows)
     if route_heads is not None:
         qt = min(qt, tile_tokens(route_heads, 1, params.block_size, config.attn_rows))
-    score_rows = hq if route_heads is None else max(hq, route_heads)
-    return qt, max_cand, PrefillScratch.bytes_per_tile(qt, score_rows, hkv, max_cand, params, recompute)
+    return qt, max_cand, PrefillScratch.bytes_per_tile(qt, score_heads(hq, route_heads), hkv, max_cand, params,
+                                                       recompute)
+
+
+def score_heads(hq: int, route_heads: Optional[int]) -> int:
+    """Score rows a token of the routing scratch: ``Hq``, or ``max(Hq, Hi)`` where an indexer's ``Hi`` heads route
+    (``route_heads``)."""
+    return hq if route_heads is None else max(hq, route_heads)
 
 
 def scratch_bound(num_tokens: int, max_requests: int, max_context: int, num_q_heads: int, num_kv_heads: int,
