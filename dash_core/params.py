@@ -103,6 +103,11 @@ class DashParams:
         """Blocks in the local window (``local // block_size``)."""
         return self.local // self.block_size
 
+    def max_candidates(self, table_tokens: int) -> int:
+        """Candidate blocks a token has at most where block tables span ``table_tokens`` tokens (page-table width
+        times page size): the complete blocks there, at least 1 (the scratch's width)."""
+        return max(1, table_tokens // self.block_size)
+
     def cap(self, num_candidates: int) -> int:
         """Blocks one unit may keep out of ``num_candidates``: ``min(topk, num_candidates)``, or all of them
         without ``topk``."""

@@ -769,7 +769,7 @@ def test_scratch_bound_where_the_copy_fits_fewer_requests():
     width = cases[0].block_table.shape[1] * cases[0].cache.page_size
     assert all(c.block_table.shape[1] * c.cache.page_size == width for c in cases)
     summ = cases[0].cache.summaries
-    one_copy = pf_plan._max_cand(width, p) * 2 * summ.shape[-1] * summ.element_size()  # [1, max_cand, Hkv, D]
+    one_copy = p.max_candidates(width) * 2 * summ.shape[-1] * summ.element_size()  # [1, max_cand, Hkv, D]
     config = PrefillConfig(recompute_min_candidates=1, summary_copy_bytes=one_copy)
     made = [pf_launch.plan_and_scratch(c.q, c.cache, c.block_table, c.cu, c.seq_lens, p, config)[1] for c in cases]
     assert made[0].summary_copy is not None and made[1].summary_copy is None

@@ -18,7 +18,7 @@ from .config import DecodeConfig
 class DecodeBuffers:
     """Scratch of the decode kernels, sized once by static bounds so that a CUDA graph can own it.
 
-    Sizes: ``max_cand = max_pages * page_size // bs`` candidate blocks; the selection capacity
+    Sizes: ``max_cand = params.max_candidates(max_pages * page_size)`` candidate blocks; the selection capacity
     ``cap`` is ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (an uncapped selection is
     bounded by the number of candidates). Units: ``Hsel = Hkv`` (router ``kv_head``) or 1.
 
@@ -131,7 +131,7 @@ class DecodeBuffers:
         params = params.routed_by(indexer_heads is not None)
         if num_sms is None:
             num_sms = sm_count(device)
-        max_cand = max(1, max_pages * page_size // params.block_size)
+        max_cand = params.max_candidates(max_pages * page_size)
         cap = max(1, params.cap(max_cand))
         hsel = params.selection_units(num_kv_heads)
         nsr_max, parts = 1, 1
@@ -175,7 +175,7 @@ class DecodeBuffers:
         n, hq, d = q.shape
         hi = None if iq is None else iq.shape[1]
         params = params.routed_by(hi is not None)
-        max_cand = block_table.shape[1] * cache.page_size // params.block_size
+        max_cand = params.max_candidates(block_table.shape[1] * cache.page_size)
         cap = params.cap(max_cand)
         hsel = params.selection_units(cache.num_kv_heads)
         p = self.params

@@ -163,7 +163,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     ``[n, max_pages]`` int32; seq_lens: ``[n]`` (including the new token, 0 = padded row).
     Scratch (rows ``>= n`` untouched): scores ``[>= n, Hq, max_cand]`` fp32, pmax
     ``[>= n, Hq, >= num_splits]`` fp32, mp ``[>= n, Hsel, max_cand4]`` fp32 and mp_cand (same shape and strides,
-    int32) with ``max_cand = max_pages * page_size // bs`` and ``max_cand4`` that rounded up to 4.
+    int32) with ``max_cand = params.max_candidates(max_pages * page_size)`` and ``max_cand4`` that rounded up to 4.
     Outputs: ``sel_idx, sel_blk`` int32 and ``sel_bias`` fp32 ``[>= n, Hsel, cap]``, ``sel_count [>= n, Hsel]``
     int32: per unit, the kept candidate blocks (logical index, physical block, log prior) in increasing order.
     ``cap`` = ``min(topk, max_cand)``, or ``max_cand`` without ``topk`` (the selection is then
@@ -178,7 +178,7 @@ def route_decode(q: torch.Tensor, summaries: torch.Tensor, block_table: torch.Te
     """
     n, hq, _ = q.shape
     hkv = summaries.shape[1]
-    max_cand = block_table.shape[1] * page_size // params.block_size
+    max_cand = params.max_candidates(block_table.shape[1] * page_size)
     hsel = params.selection_units(hkv)
     if n == 0:
         return

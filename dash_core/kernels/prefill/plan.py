@@ -155,7 +155,7 @@ class PrefillPlan:
         hkv = cache.num_kv_heads
         table_tokens = block_table.shape[1] * cache.page_size
         if recompute is None:
-            recompute = recompute_routing(params, seq_lens.shape[0], _max_cand(table_tokens, params), hq, hkv, d,
+            recompute = recompute_routing(params, seq_lens.shape[0], params.max_candidates(table_tokens), hq, hkv, d,
                                           cache.summaries.element_size(), config, route_heads)
         qt, max_cand, per_tile = _tile_geometry(hq, hkv, table_tokens, params, config, route_heads, recompute)
         tile_req, tile_off, nt = tile_tables(cu_seqlens_q, seq_lens, t, qt)
@@ -169,16 +169,11 @@ class PrefillPlan:
         return waves[::-1] if self.config.waves_last_first else waves
 
 
-def _max_cand(table_tokens: int, params: DashParams) -> int:
-    """Candidates per token at most, for block tables of ``table_tokens`` tokens."""
-    return max(1, table_tokens // params.block_size)
-
-
 def _tile_geometry(hq: int, hkv: int, table_tokens: int, params: DashParams, config: PrefillConfig,
                    route_heads: Optional[int] = None, recompute: bool = False) -> tuple:
     """``(QT, candidates per token at most, bytes of one tile's routing scratch)`` for block tables of
     ``table_tokens`` tokens (``PrefillPlan.build``)."""
-    max_cand = _max_cand(table_tokens, params)
+    max_cand = params.max_candidates(table_tokens)
     qt = tile_tokens(hq, hkv, params.block_size, config.attn_rows)
     if route_heads is not None:
         qt = min(qt, tile_tokens(route_heads, 1, params.block_size, config.attn_rows))
