@@ -525,4 +525,5 @@ def route_tile(
                     sel_unit, sel_cap, count_ptr, count_unit, topk, inv_sigma, npos, key_min, key_max,
                     ck_ptr,
                     QT=QT, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS, ONE_TILE=ONE_TILE,
-                    X_IN_REGS=False, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS)
+                    X_IN_REGS=False, TC=TC, LIST=LIST, TL=TL if TL > 0 else TS, RK=RK, RCH=RCH,
+                    RADIX_MIN=RADIX_MIN)
