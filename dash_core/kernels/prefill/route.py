@@ -297,8 +297,6 @@ def _prefill_route_kernel(
     if p_lo < p_hi:  # tiles past the last one do nothing
         M: tl.constexpr = QT * G_PAD
         PAIRED: tl.constexpr = RECOMPUTE and M == 64 and G_PAD >= 2  # the summary copy's mp pass sums heads
-        offs_d = tl.arange(0, D)
-        offs_n = tl.arange(0, BLOCK_N)
         u_m, g_m, pos_m, tok_m, in_m, unit_ok = tile_rows(a0, p_lo, p_hi, tok_base, num_tokens, ok, G, QT, G_PAD,
                                                            PAIRED)
         row_ok = in_m & ok
@@ -317,60 +315,80 @@ def _prefill_route_kernel(
                                sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n, 1,
                                sf, x_scale, G, topk, inv_sigma, req, hp, slot0, tok_m, g_m, row_ok, unit_ok, ncand,
                                QT, G_PAD, D, BS, PS, BLOCK_N, TS, NPIV, HAS_TOPK, EST_DIAG, TL)
-        else:  # the stored scores
-            bt_row = bt_ptr + req.to(tl.int64) * sbt_n
-            x_tok = x_ptr + (slot0 + u_m) * sx_n
-            mx = tl.full([M], float("-inf"), tl.float32)
-            if SHARED:
-                h_lo = 0
-                h_hi = HKV
-            else:
-                h_lo = hp
-                h_hi = hp + 1
-            for h in range(h_lo, h_hi):
-                heads = h * G + g_m
-                qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d)
-                x_rows = x_tok + heads.to(tl.int64) * sx_h
-                mx = tl.full([M], float("-inf"), tl.float32)
-                for c0 in range(0, ncand, BLOCK_N):
-                    c = c0 + offs_n
-                    cm = c < ncand
-                    x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
-                    tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
-                    mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
-            tl.debug_barrier()  # the scores are read back by other threads of this program
+        else:
+            _route_stored(q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, mp_ptr, smp_n,
+                          smp_h, ck_ptr, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr,
+                          scnt_n, sf, x_scale, G, HKV, topk, inv_sigma, req, hp, slot0, u_m, g_m, tok_m, row_ok,
+                          unit_ok, ncand, QT, G_PAD, NH_PAD, D, BS, PS, BLOCK_N, TC, TS, NPIV, HAS_TOPK, EST_DIAG,
+                          SHARED, TL)
 
-            ncand_u = tl.where(unit_ok, ncand, 0)
-            slot_u = slot0 + tl.arange(0, QT)
-            nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
-            if SHARED:
-                nrows = nrows * HKV
-                # row maxima over all Hq heads: one pass over the stored scores
-                offs_r = tl.arange(0, NH_PAD)
-                offs_c = tl.arange(0, TC)
-                rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
-                m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
-                for c0 in range(0, ncand, TC):
-                    c = c0 + offs_c
-                    okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
-                    m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
-                x_unit = slot_u * sx_n
-                hs = 0
-            else:
-                m = tl.reshape(mx, [QT, G_PAD])
-                x_unit = slot_u * sx_n + hp * G * sx_h
-                hs = hp
-            r_ok = tl.arange(0, NH_PAD) < nrows
-            m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
-            route_tile(
-                x_ptr, x_unit, sx_h, nrows, ncand_u, m,
-                mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
-                sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
-                count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
-                QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
-                ONE_TILE=False,  # QT units' mp of every candidate would not fit in registers
-                LIST=True, TL=TL,
-            )
+
+@triton.jit
+def _route_stored(q_ptr, sq_t, sq_h, summ_ptr, ss_b, ss_h, bt_ptr, sbt_n, x_ptr, sx_n, sx_h, mp_ptr, smp_n, smp_h,
+                  ck_ptr, sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, ssel_n, ssel_h, sel_cap, count_ptr, scnt_n,
+                  sf, x_scale, G, HKV, topk, inv_sigma, req, hp, slot0, u_m, g_m, tok_m, row_ok, unit_ok, ncand,
+                  QT: tl.constexpr, G_PAD: tl.constexpr, NH_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                  PS: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr,
+                  HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr, SHARED: tl.constexpr, TL: tl.constexpr):
+    """Route the ``QT`` tokens of a tile from stored scores (``_prefill_route_kernel`` without RECOMPUTE or X_REGS):
+    score KV head ``hp`` (every KV head where SHARED) into ``x``, then ``route_tile`` reads them back in tiles of
+    ``TC`` candidates for each entmax pass; the units' positive ``mp`` go to lists."""
+    M: tl.constexpr = QT * G_PAD
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + req.to(tl.int64) * sbt_n
+    x_tok = x_ptr + (slot0 + u_m) * sx_n
+    mx = tl.full([M], float("-inf"), tl.float32)
+    if SHARED:
+        h_lo = 0
+        h_hi = HKV
+    else:
+        h_lo = hp
+        h_hi = hp + 1
+    for h in range(h_lo, h_hi):
+        heads = h * G + g_m
+        qs = _scaled_queries(q_ptr, sq_t, sq_h, tok_m, heads, row_ok, sf, offs_d)
+        x_rows = x_tok + heads.to(tl.int64) * sx_h
+        mx = tl.full([M], float("-inf"), tl.float32)
+        for c0 in range(0, ncand, BLOCK_N):
+            c = c0 + offs_n
+            cm = c < ncand
+            x = summary_scores(qs, bt_row, summ_ptr, ss_b, h, ss_h, c, cm, x_scale, offs_d, PS, BS)
+            tl.store(x_rows[:, None] + c[None, :], x, mask=row_ok[:, None] & cm[None, :])
+            mx = tl.maximum(mx, tl.max(tl.where(cm[None, :], x, float("-inf")), axis=1))
+    tl.debug_barrier()  # the scores are read back by other threads of this program
+
+    ncand_u = tl.where(unit_ok, ncand, 0)
+    slot_u = slot0 + tl.arange(0, QT)
+    nrows = G + 0 * ncand  # a tensor even when G == 1 is passed as a constant
+    if SHARED:
+        nrows = nrows * HKV
+        # row maxima over all Hq heads: one pass over the stored scores
+        offs_r = tl.arange(0, NH_PAD)
+        offs_c = tl.arange(0, TC)
+        rows = x_ptr + slot_u[:, None, None] * sx_n + offs_r[None, :, None].to(tl.int64) * sx_h
+        m = tl.full([QT, NH_PAD], float("-inf"), tl.float32)
+        for c0 in range(0, ncand, TC):
+            c = c0 + offs_c
+            okc = unit_ok[:, None, None] & (offs_r[None, :, None] < nrows) & (c[None, None, :] < ncand)
+            m = tl.maximum(m, tl.max(tl.load(rows + c[None, None, :], mask=okc, other=float("-inf")), axis=2))
+        x_unit = slot_u * sx_n
+        hs = 0
+    else:
+        m = tl.reshape(mx, [QT, G_PAD])
+        x_unit = slot_u * sx_n + hp * G * sx_h
+        hs = hp
+    r_ok = tl.arange(0, NH_PAD) < nrows
+    m = tl.where(unit_ok[:, None] & r_ok[None, :] & (ncand > 0), m, 0.0)
+    route_tile(
+        x_ptr, x_unit, sx_h, nrows, ncand_u, m,
+        mp_ptr, slot_u * smp_n + hs * smp_h, ck_ptr, bt_ptr, req.to(tl.int64) * sbt_n + 0 * slot_u,
+        sel_idx_ptr, sel_blk_ptr, sel_bias_ptr, slot_u * ssel_n + hs * ssel_h, sel_cap,
+        count_ptr, slot_u * scnt_n + hs, topk, inv_sigma,
+        QT=QT, NH_PAD=NH_PAD, TC=TC, TS=TS, NPIV=NPIV, HAS_TOPK=HAS_TOPK, EST_DIAG=EST_DIAG, PS=PS, BS=BS,
+        ONE_TILE=False,  # QT units' mp of every candidate would not fit in registers
+        LIST=True, TL=TL,
+    )
 
 
 @triton.jit
