@@ -152,6 +152,10 @@ def _prefill_attn_kernel(
     """Grid ``(W, Hkv)``: program (w, h) attends the ``[QT * G_PAD, D]`` query rows of tile
     ``tile0 + w`` for KV head h.
 
+    0. ROUTE: the tile is routed first, by this program (``route.route_in_registers``: the short tables whose
+       candidates fit one score tile, router ``kv_head``), into the same scratch (``mp_ptr`` .. ``inv_sigma`` and
+       the summaries ``summ_ptr``: ``_prefill_route_kernel``'s; unused otherwise): no route launch precedes this
+       one, and a program's routing overlaps other programs' attention.
     1. Union (``_tile_union``; with FROM_MP ``_tile_union_from_mp``, from ``mp`` by candidate in ``[QT, TCU]``):
        the candidates some token of the tile kept (``sel_* [slot, Hsel, cap]``,
        ``count``; ``ssel_h == scnt_h == 0`` for router ``shared``), marked in ``upos [w, h, c]`` and compacted, in
@@ -168,11 +172,6 @@ def _prefill_attn_kernel(
     Writes ``out [token, h * G + g, :]`` in the output dtype; rows of a tile whose request is
     inconsistent get zeros, and the tiles past the last one (of the ``nt`` the tile tables number, at least one)
     zero the rows of no request (``_zero_tail_rows``).
-
-    0. ROUTE: the tile is routed first, by this program (``route.route_in_registers``: the short tables whose
-       candidates fit one score tile, router ``kv_head``), into the same scratch (``mp_ptr`` .. ``inv_sigma`` and
-       the summaries ``summ_ptr``: ``_prefill_route_kernel``'s; unused otherwise): no route launch precedes this
-       one, and a program's routing overlaps other programs' attention.
 
     UNION_ONLY: step 1 only, for ``gluon.prefill_attn_ws``: the union's size to
     ``nu_ptr [w Hkv + h]``, the tile's bounds to row w of ``info_ptr`` (rows ``sinfo`` apart, columns
