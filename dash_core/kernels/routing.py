@@ -240,8 +240,6 @@ def select_kept(
     """
     tl.static_assert(not (LIST and ONE_TILE) or (X_IN_REGS and QT == 1 and (TS <= RK or TS >= RADIX_MIN)),
                      "LIST with ONE_TILE: one unit, its mp in registers, lists up to RK ranked, longer by radix")
-    offs_s = tl.arange(0, TS)
-    offs_l = tl.arange(0, TL)
     if LIST:  # the passes below read npos list entries instead of ncand candidates, in groups of 4
         n_u = npos
         n_load = (npos + 3) // 4 * 4
@@ -250,12 +248,33 @@ def select_kept(
         n_u = ncand
         n_load = ncand
         n_hi = nmax
-    # topk cap: the topk-th largest mp (as bits) by a multi-pivot search; T = 0 keeps every mp > 0.
+    thr, need, capped, ranked, rank_gt, rank_eq = _cap_threshold(
+        mp_ptr, mp_unit, ncand, npos, n_u, n_load, n_hi, topk, mp_regs, key_min, key_max, QT, TS, NPIV, HAS_TOPK,
+        ONE_TILE, X_IN_REGS, TC, LIST, RK, RCH, RADIX_MIN)
+    ties, neq, log_g = _count_ties(mp_ptr, ck_ptr, mp_unit, n_u, n_load, n_hi, thr, need, capped, ranked, rank_gt,
+                                   rank_eq, topk, QT, TL, HAS_TOPK, EST_DIAG, LIST)
+    _compact(mp_ptr, ck_ptr, mp_unit, n_u, n_load, n_hi, thr, need, ties, neq, log_g, bt_ptr, bt_unit, sel_idx_ptr,
+             sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap, count_ptr, count_unit, inv_sigma, QT, TL, EST_DIAG, PS, BS,
+             LIST)
+
+
+@triton.jit
+def _cap_threshold(mp_ptr, mp_unit, ncand, npos, n_u, n_load, n_hi, topk, mp_regs, key_min, key_max,
+                   QT: tl.constexpr, TS: tl.constexpr, NPIV: tl.constexpr, HAS_TOPK: tl.constexpr,
+                   ONE_TILE: tl.constexpr, X_IN_REGS: tl.constexpr, TC: tl.constexpr, LIST: tl.constexpr,
+                   RK: tl.constexpr, RCH: tl.constexpr, RADIX_MIN: tl.constexpr):
+    """``select_kept``'s topk cap: each unit's threshold ``thr [QT]``, the bits of its topk-th largest mp (0, which
+    keeps every mp > 0, where the cap does not bind), by a multi-pivot search (or, for one unit in one tile, a rank
+    of its short list or a radix select). Returns ``(thr, need, capped, ranked, rank_gt, rank_eq)``: which units the
+    cap binds, whether it binds any, whether the rank found the threshold (then ``rank_gt``, ``rank_eq`` count the
+    keys above it and at it)."""
+    offs_s = tl.arange(0, TS)
     thr = tl.zeros([QT], tl.int32)
     need = npos < 0
     ranked = tl.sum(npos, axis=0) < 0  # the rank search also counted the keys above and at the threshold:
     rank_gt = tl.zeros([QT], tl.int32)  # these counts, and no ties pass (unless EST_DIAG needs its sums)
     rank_eq = tl.zeros([QT], tl.int32)
+    capped = ranked  # (False: no cap)
     if HAS_TOPK:
         need = npos > topk
         capped = tl.sum(need.to(tl.int32), axis=0) > 0  # some unit keeps more than topk: the cap binds
@@ -323,7 +342,16 @@ def select_kept(
             hi_k = tl.where(stop, exact, hi_k)
         thr = tl.where(need, lo_k, 0)
 
-    # How many ties at the threshold are kept (of neq); geometric mean of the kept mp (estimate_diagonal).
+    return thr, need, capped, ranked, rank_gt, rank_eq
+
+
+@triton.jit
+def _count_ties(mp_ptr, ck_ptr, mp_unit, n_u, n_load, n_hi, thr, need, capped, ranked, rank_gt, rank_eq, topk,
+                QT: tl.constexpr, TL: tl.constexpr, HAS_TOPK: tl.constexpr, EST_DIAG: tl.constexpr,
+                LIST: tl.constexpr):
+    """``select_kept``'s ties: ``(ties, neq, log_g) [QT]``, how many of the ``neq`` keys at each unit's threshold
+    it keeps, and (EST_DIAG) the log of the geometric mean of its kept mp."""
+    offs_l = tl.arange(0, TL)
     ties = tl.zeros([QT], tl.int32)
     neq = tl.zeros([QT], tl.int32)
     log_g = tl.zeros([QT], tl.float32)
@@ -357,7 +385,16 @@ def select_kept(
             nlog += tl.where(tie_pos, ties.to(tl.float32), 0.0)
             log_g = slog / tl.maximum(nlog, 1.0)
 
-    # Compaction: kept blocks in increasing order with their log prior.
+    return ties, neq, log_g
+
+
+@triton.jit
+def _compact(mp_ptr, ck_ptr, mp_unit, n_u, n_load, n_hi, thr, need, ties, neq, log_g, bt_ptr, bt_unit, sel_idx_ptr,
+             sel_blk_ptr, sel_bias_ptr, sel_unit, sel_cap, count_ptr, count_unit, inv_sigma, QT: tl.constexpr,
+             TL: tl.constexpr, EST_DIAG: tl.constexpr, PS: tl.constexpr, BS: tl.constexpr, LIST: tl.constexpr):
+    """``select_kept``'s compaction: each unit's kept blocks, in increasing order, with their log prior (logical
+    index, physical block, bias at ``sel_unit[u] + j``, at most ``sel_cap``), and their count."""
+    offs_l = tl.arange(0, TL)
     ppb: tl.constexpr = PS // BS
     nkept = tl.zeros([QT], tl.int32)
     nties = tl.zeros([QT], tl.int32)
