@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from tests._benchmarks import import_benchmark
 from tests.kernels._kernel_env import KERNEL_DEVICE
+from dash_core.kernels import kv_write
 from dash_core.kernels.kv_write import write_kv_and_summaries
 from dash_core.layout import PagedKVCache, alloc_summaries
 from dash_core.reference import block_summaries
@@ -133,3 +134,20 @@ def test_row_programs_write_as_one_program_per_token(consecutive):
                                            consecutive=True)
                 assert torch.equal(chunked.k_pages, per_token.k_pages)
                 assert torch.equal(chunked.summaries, per_token.summaries)
+
+
+@pytest.mark.parametrize("layout", ["sglang", "vllm"])
+def test_no_write_placeholders_follow_the_write_arguments(layout):
+    """``no_write_args`` (a select launch that writes nothing) matches ``write_args`` entry by entry in kind: a
+    tensor where the write passes a tensor, an int where it passes an int, a float for the scale, so the launch
+    binds the same signature either way (a changed ``write_args`` fails here before it miscompiles there)."""
+    sc = make_scenario(1, [40, 70], bs=16, pages_per_block=1, layout=layout, dtype=torch.bfloat16)
+    real = kv_write.write_args(sc.k_new, sc.v_new, sc.cache, sc.slot_mapping, sc.head_cls)
+    none = kv_write.no_write_args(sc.k_new, sc.slot_mapping)
+
+    def kind(x):
+        return torch.Tensor if isinstance(x, torch.Tensor) else type(x)
+
+    assert [kind(x) for x in none] == [kind(x) for x in real]
+    at = [i for i, x in enumerate(real) if x is sc.slot_mapping]
+    assert len(at) == 1 and none[at[0]] is sc.slot_mapping
