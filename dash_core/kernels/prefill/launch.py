@@ -80,9 +80,8 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     if n == 0:
         return out.zero_()
     route_heads = None if iq is None else iq.shape[1]
-    rq, rcache, hs = q, cache, hq  # what routes: the queries over the summaries, or the indexer's
-    if iq is not None:
-        rq, rcache, hs = iq, cache.indexer_view(), score_heads(hq, route_heads)
+    # what routes: the queries over the summaries, or the indexer's
+    rq, rcache = (q, cache) if iq is None else (iq, cache.indexer_view())
 
     def make() -> tuple:
         plan, scratch = plan_and_scratch(q, cache, block_table, cu_seqlens_q, seq_lens, params, config, route_heads)
@@ -97,7 +96,7 @@ def paged_dash_prefill_triton(q: torch.Tensor, k: Optional[torch.Tensor], v: Opt
     if workspace is None:
         scratch, waves = make()
     else:  # everything the plan, scratch and launches are made from, besides the length tensors' values
-        key = (q.device, t, hq, d, hs, cache.num_kv_heads, cache.page_size, tuple(block_table.shape), params,
+        key = (q.device, t, hq, d, cache.num_kv_heads, cache.page_size, tuple(block_table.shape), params,
                config, route_heads, cache.summaries.dtype)
         scratch, waves = workspace.take(key, (cu_seqlens_q, seq_lens), make)
     gather_summaries(cache, block_table, seq_lens, params, scratch)  # this call's summaries (each layer has its own)

@@ -35,16 +35,16 @@ def _row(max_cand: int) -> int:
 class PrefillScratch:
     """Routing scratch of one wave of ``W`` tiles (``slots = W * QT`` token slots).
 
-    scores ``[slots, Hq, row]`` fp32; mp ``[slots, Hsel, row]`` fp32 and mp_cand like it in int32: each unit's
-    positive mp as a list, and their candidates (by candidate instead where the tiles route from scores in
-    registers, ``route.routes_in_registers``: the union launch reads them so, ``route.union_from_mp``) (``row``:
-    ``max_cand`` rounded up to 16, so that every row starts 64-byte aligned and the route kernel reads whole groups
-    of 4; routing from the summary copy first stages each unit's scaled queries in its mp row where they fit,
-    ``stages_queries``); sel_idx / sel_blk ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]`` fp32,
-    sel_count ``[slots, Hsel]`` int32, union_blk ``[W, Hkv, max_cand]`` int32, union_pos ``[W, Hkv, max_cand]``
-    int32 (by candidate) and union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position); for the Gluon
-    attention launch (``gluon.py``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, INFO_COLS]`` int32 (the
-    tiles' bounds, and in column ``INFO_COUNTER`` of row 0 that launch's work counter, ``ws_counter``).
+    scores ``[slots, rows, row]`` fp32 (``_storage_rows``); mp ``[slots, Hsel, row]`` fp32 and mp_cand like it in
+    int32: each unit's positive mp as a list, and their candidates (by candidate instead where the tiles route from
+    scores in registers, ``route.routes_in_registers``: the union launch reads them so, ``route.union_from_mp``)
+    (``row``: ``max_cand`` rounded up to 16, so that every row starts 64-byte aligned and the route kernel reads
+    whole groups of 4; routing from the summary copy first stages each unit's scaled queries in its mp row where
+    they fit, ``stages_queries``); sel_idx / sel_blk ``[slots, Hsel, cap]`` int32, sel_bias ``[slots, Hsel, cap]``
+    fp32, sel_count ``[slots, Hsel]`` int32, union_blk ``[W, Hkv, max_cand]`` int32, union_pos ``[W, Hkv,
+    max_cand]`` int32 (by candidate) and union_prior ``[W, Hkv, max_cand, QT]`` fp32 (by union position); for the
+    Gluon attention launch (``gluon.py``), union_count ``[W, Hkv]`` int32 and tile_info ``[W, INFO_COLS]`` int32
+    (the tiles' bounds, and in column ``INFO_COUNTER`` of row 0 that launch's work counter, ``ws_counter``).
     ``cap = min(topk, max_cand)`` or ``max_cand`` uncapped. Where ``recompute_routing``, also the summary copy
     (``add_summary_copy``: at most ``PrefillConfig.summary_copy_bytes``, outside the wave budget), and no score is
     written: the route launch keeps only each unit's group sums of probabilities there (row h of its slot, h < Hkv).
